@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Creates (or refreshes) the project's virtual environment in .venv and activates it.
+# Sourced by scripts/demo.sh and scripts/test.sh. Idempotent: when .venv exists and the
+# package metadata has not changed since the last install, it only activates the venv.
+#
+# The CPU wheel of torch is pinned here: an unpinned torch would pull a multi-GB CUDA build.
+# On GPU or NPU machines, install torch (and torch_npu) yourself before `pip install -e .`.
+
+TFT_TORCH_VERSION="${TFT_TORCH_VERSION:-2.13.0}"
+_tft_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+_tft_venv="${TFT_VENV:-${_tft_root}/.venv}"
+_tft_stamp="${_tft_venv}/.tft-installed"
+_tft_want="torch==${TFT_TORCH_VERSION} $(cat "${_tft_root}/setup.cfg" "${_tft_root}/pyproject.toml" | sha256sum | cut -c1-16)"
+
+if [ ! -x "${_tft_venv}/bin/python" ]; then
+    echo "[setup] creating ${_tft_venv}"
+    python3 -m venv "${_tft_venv}" || return 1 2>/dev/null || exit 1
+fi
+# shellcheck disable=SC1091
+source "${_tft_venv}/bin/activate"
+
+if [ ! -f "${_tft_stamp}" ] || [ "$(cat "${_tft_stamp}")" != "${_tft_want}" ]; then
+    echo "[setup] installing torch==${TFT_TORCH_VERSION} (CPU) and mindspeed-tft with its dependencies"
+    python -m pip install -q --disable-pip-version-check "torch==${TFT_TORCH_VERSION}" \
+        || { echo "[setup] pip install torch failed" >&2; return 1 2>/dev/null || exit 1; }
+    python -m pip install -q --disable-pip-version-check -e "${_tft_root}[test]" \
+        || { echo "[setup] pip install -e . failed" >&2; return 1 2>/dev/null || exit 1; }
+    echo "${_tft_want}" > "${_tft_stamp}"
+fi
+unset _tft_root _tft_venv _tft_stamp _tft_want
