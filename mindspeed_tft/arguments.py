@@ -1,0 +1,408 @@
+"""Command-line switches of mindspeed-tft and their validation (SPEC 1, 2 and 10).
+
+A user turns the plugin on with four flags in the pretrain script (SPEC 1)::
+
+    --enable-high-availability          master switch; TTP (dying-gasp checkpoint)
+    --enable-hbmfault-repair            UCE: repair on-chip memory faults online
+    --enable-worker-reboot              ARF: restart only the failed worker(s)
+    --distributed-optimizer-no-replica  N = 1: repair from the last periodic checkpoint
+
+plus ``--optimizer-replica-num`` (N, default 2) and ``--tft-events-file``.
+
+`add_tft_args` is a Megatron-LM ``extra_args_provider``: it adds the argument group
+"mindspeed-tft high availability" and returns the parser. `validate_tft_args` runs after
+Megatron's own validation (it needs ``data_parallel_size`` and friends) and:
+
+1. refuses ``--optimizer-replica-num`` below 1;
+2. applies the environment variable ``HIGH_AVAILABILITY`` (see `parse_high_availability_env`),
+   which wins over the command line: when it is set, it alone decides the three switches
+   ``--enable-high-availability``, ``--enable-hbmfault-repair`` and ``--enable-worker-reboot``
+   (a command-line switch it leaves off is turned off, with a warning);
+3. refuses the sub-feature flags (``--enable-hbmfault-repair``, ``--enable-worker-reboot``,
+   ``--distributed-optimizer-no-replica``, a non-default ``--optimizer-replica-num``) without
+   high availability: they would have no effect;
+4. with high availability on, enforces SPEC 10 (optimizer kind, data-parallel sizes, the
+   replica number, no ``--swap-optimizer``, gloo process groups kept);
+5. records the result on ``args``:
+
+   - ``args.optimizer_replica_num_effective``: how many copies of each optimizer-state shard
+     exist across the data-parallel (x context-parallel) group. With high availability on:
+     1 with ``--distributed-optimizer-no-replica``, ``--optimizer-replica-num`` with the
+     distributed optimizer, d (every rank holds a full copy) with the non-distributed
+     fp16/bf16 optimizer. With it off no replica groups are built: 1 with the distributed
+     optimizer, d without it.
+   - ``args.tft_features``: a frozen `TFTFeatures`, the one summary the rest of the plugin
+     reads; ``describe()`` gives the startup log line.
+
+Every refusal is a `TFTArgumentError` (a ValueError) whose message names the flag or value and
+says what is allowed.
+
+Here d is the size of the group the optimizer is sharded over: ``data_parallel_size`` times
+``context_parallel_size`` (Megatron-LM's ``data_parallel_size`` excludes context parallelism).
+For MoE models the expert-data-parallel size ``world_size / (pipeline x expert x
+expert-tensor)`` is checked the same way (encoder pipelines are not taken into account).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+ARGUMENT_GROUP_TITLE = "mindspeed-tft high availability"
+DEFAULT_OPTIMIZER_REPLICA_NUM = 2
+HIGH_AVAILABILITY_ENV = "HIGH_AVAILABILITY"
+EVENTS_FILE_ENV = "TFT_EVENTS_FILE"
+
+#: HIGH_AVAILABILITY modes -> (hbmfault repair, worker reboot); every mode turns HA on.
+HIGH_AVAILABILITY_MODES: dict[str, tuple[bool, bool]] = {
+    "dump": (False, False),
+    "retry": (True, False),
+    "recover": (False, True),
+}
+
+
+class TFTArgumentError(ValueError):
+    """A mindspeed-tft command-line or environment setting that cannot be used."""
+
+
+@dataclass(frozen=True)
+class TFTFeatures:
+    """What the plugin does in this job, decided once at startup by `validate_tft_args`.
+
+    ``replica_num`` is the effective number of copies of each optimizer-state shard (see the
+    module docstring); ``source`` says what switched the features on: ``"command line"`` or
+    ``"HIGH_AVAILABILITY=<value>"``.
+    """
+
+    high_availability: bool = False
+    hbm_repair: bool = False
+    worker_reboot: bool = False
+    no_replica: bool = False
+    replica_num: int = 1
+    source: str = "command line"
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> TFTFeatures:
+        """Read the features from ``args`` (missing attributes count as off).
+
+        ``replica_num`` is ``args.optimizer_replica_num_effective`` as set by
+        `validate_tft_args`; on unvalidated args it falls back to 1 without high availability
+        or with no-replica, else to ``--optimizer-replica-num``.
+        """
+        high_availability = bool(getattr(args, "enable_high_availability", False))
+        no_replica = bool(getattr(args, "distributed_optimizer_no_replica", False))
+        replica_num = getattr(args, "optimizer_replica_num_effective", None)
+        if replica_num is None:
+            replica_num = getattr(args, "optimizer_replica_num", DEFAULT_OPTIMIZER_REPLICA_NUM)
+            if no_replica or not high_availability:
+                replica_num = 1
+        return cls(
+            high_availability=high_availability,
+            hbm_repair=bool(getattr(args, "enable_hbmfault_repair", False)),
+            worker_reboot=bool(getattr(args, "enable_worker_reboot", False)),
+            no_replica=no_replica,
+            replica_num=int(replica_num),
+            source=getattr(args, "tft_features_source", "command line"),
+        )
+
+    def describe(self) -> str:
+        """One line for the startup log."""
+        if not self.high_availability:
+            return "mindspeed-tft: high availability off"
+
+        def on_off(flag: bool) -> str:
+            return "on" if flag else "off"
+
+        return (
+            "mindspeed-tft: high availability on (dying-gasp checkpoint), "
+            f"hbmfault repair {on_off(self.hbm_repair)}, "
+            f"worker reboot {on_off(self.worker_reboot)}, "
+            f"optimizer replicas {self.replica_num}"
+            f"{' (no-replica: repair from the last checkpoint)' if self.no_replica else ''}; "
+            f"set by {self.source}"
+        )
+
+
+def add_tft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the mindspeed-tft argument group to ``parser`` and return it.
+
+    Usable as Megatron-LM's ``extra_args_provider``. The default of ``--tft-events-file`` is
+    the ``TFT_EVENTS_FILE`` environment variable at the time of this call.
+    """
+    group = parser.add_argument_group(title=ARGUMENT_GROUP_TITLE)
+    group.add_argument(
+        "--enable-high-availability",
+        action="store_true",
+        help="Master switch of mindspeed-tft: enables TTP, the dying-gasp checkpoint written "
+        "at the last consistent step when a fault hits. Also switched on by the environment "
+        "variable HIGH_AVAILABILITY=dump|retry|recover, which wins over the command line.",
+    )
+    group.add_argument(
+        "--enable-hbmfault-repair",
+        action="store_true",
+        help="UCE: repair on-chip memory faults online and recompute the step. Takes effect "
+        "only with --enable-high-availability (refused without it).",
+    )
+    group.add_argument(
+        "--enable-worker-reboot",
+        action="store_true",
+        help="ARF: restart only the failed worker(s) and continue training. Takes effect only "
+        "with --enable-high-availability (refused without it).",
+    )
+    group.add_argument(
+        "--distributed-optimizer-no-replica",
+        action="store_true",
+        help="No optimizer replicas (N = 1): no extra memory; repairs load the last periodic "
+        "checkpoint instead of copying from a peer. Takes effect only with "
+        "--enable-high-availability (refused without it) and the distributed optimizer.",
+    )
+    group.add_argument(
+        "--optimizer-replica-num",
+        type=int,
+        default=DEFAULT_OPTIMIZER_REPLICA_NUM,
+        metavar="N",
+        help="Number of copies N of every distributed-optimizer shard (default "
+        f"{DEFAULT_OPTIMIZER_REPLICA_NUM}); N must divide the data-parallel size d and N < d. "
+        "Takes effect only with --enable-high-availability and the distributed optimizer.",
+    )
+    group.add_argument(
+        "--tft-events-file",
+        default=os.environ.get(EVENTS_FILE_ENV) or None,
+        metavar="PATH",
+        help="Append the JSON Lines event stream (faults, states, strategies, dumps, "
+        f"iterations) to PATH. Default: the {EVENTS_FILE_ENV} environment variable.",
+    )
+    return parser
+
+
+def parse_high_availability_env(value: str) -> tuple[str, ...]:
+    """The modes of a ``HIGH_AVAILABILITY`` value, in order, without repeats.
+
+    A comma-separated list of dump, retry, recover; case-insensitive; whitespace around items
+    is ignored. An empty or blank value means "not set" (returns ``()``). Any other item,
+    an empty one included, raises `TFTArgumentError`.
+    """
+    if not value.strip():
+        return ()
+    modes: list[str] = []
+    for raw in value.split(","):
+        mode = raw.strip().lower()
+        if mode not in HIGH_AVAILABILITY_MODES:
+            raise TFTArgumentError(
+                f"{HIGH_AVAILABILITY_ENV}={value!r}: unknown mode {raw.strip()!r}; "
+                "allowed: dump, retry, recover (comma-separated, case-insensitive)"
+            )
+        if mode not in modes:
+            modes.append(mode)
+    return tuple(modes)
+
+
+def validate_tft_args(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> argparse.Namespace:
+    """Check the mindspeed-tft settings in ``args`` and record the outcome on it.
+
+    Call after Megatron's own argument validation. ``environ`` defaults to ``os.environ``.
+    Raises `TFTArgumentError`; returns ``args`` with ``optimizer_replica_num_effective`` and
+    ``tft_features`` set.
+    """
+    environ = os.environ if environ is None else environ
+    _ensure_defaults(args)
+
+    if args.optimizer_replica_num < 1:
+        raise TFTArgumentError(
+            f"--optimizer-replica-num {args.optimizer_replica_num} is invalid; "
+            "allowed: an integer >= 1"
+        )
+
+    _apply_high_availability_env(args, environ.get(HIGH_AVAILABILITY_ENV, ""))
+
+    if not args.enable_high_availability:
+        ignored = []
+        if args.enable_hbmfault_repair:
+            ignored.append("--enable-hbmfault-repair")
+        if args.enable_worker_reboot:
+            ignored.append("--enable-worker-reboot")
+        if args.distributed_optimizer_no_replica:
+            ignored.append("--distributed-optimizer-no-replica")
+        if args.optimizer_replica_num != DEFAULT_OPTIMIZER_REPLICA_NUM:
+            ignored.append(f"--optimizer-replica-num {args.optimizer_replica_num}")
+        if ignored:
+            verb, pronoun = ("takes", "it") if len(ignored) == 1 else ("take", "them")
+            raise TFTArgumentError(
+                f"{', '.join(ignored)} {verb} effect only with --enable-high-availability; "
+                f"allowed: add --enable-high-availability (or set {HIGH_AVAILABILITY_ENV}="
+                f"dump|retry|recover) or remove {pronoun}"
+            )
+        dp = _dp_size(args)
+        args.optimizer_replica_num_effective = 1 if args.use_distributed_optimizer else dp
+    else:
+        args.optimizer_replica_num_effective = _validate_high_availability(args)
+
+    args.tft_features = TFTFeatures.from_args(args)
+    return args
+
+
+# --- internals -------------------------------------------------------------------------------
+
+
+def _ensure_defaults(args: argparse.Namespace) -> None:
+    """Fill in the attributes `add_tft_args` would have added, for a parser without them."""
+    for name, default in (
+        ("enable_high_availability", False),
+        ("enable_hbmfault_repair", False),
+        ("enable_worker_reboot", False),
+        ("distributed_optimizer_no_replica", False),
+        ("optimizer_replica_num", DEFAULT_OPTIMIZER_REPLICA_NUM),
+        ("tft_events_file", None),
+    ):
+        if not hasattr(args, name):
+            setattr(args, name, default)
+    if not hasattr(args, "tft_features_source"):
+        args.tft_features_source = "command line"
+
+
+def _apply_high_availability_env(args: argparse.Namespace, value: str) -> None:
+    modes = parse_high_availability_env(value)
+    if not modes:
+        return
+    hbm_repair = any(HIGH_AVAILABILITY_MODES[m][0] for m in modes)
+    worker_reboot = any(HIGH_AVAILABILITY_MODES[m][1] for m in modes)
+    for flag, attr, wanted in (
+        ("--enable-hbmfault-repair", "enable_hbmfault_repair", hbm_repair),
+        ("--enable-worker-reboot", "enable_worker_reboot", worker_reboot),
+    ):
+        if getattr(args, attr) and not wanted:
+            logger.warning(
+                "%s=%r wins over the command line: %s is switched off",
+                HIGH_AVAILABILITY_ENV, value, flag,
+            )
+    args.enable_high_availability = True
+    args.enable_hbmfault_repair = hbm_repair
+    args.enable_worker_reboot = worker_reboot
+    args.tft_features_source = f"{HIGH_AVAILABILITY_ENV}={value.strip()}"
+
+
+def _dp_size(args: argparse.Namespace) -> int:
+    """d: the size of the data-parallel x context-parallel group."""
+    return int(args.data_parallel_size) * int(getattr(args, "context_parallel_size", 1) or 1)
+
+
+def _dp_label(args: argparse.Namespace) -> str:
+    if int(getattr(args, "context_parallel_size", 1) or 1) > 1:
+        return "data-parallel x context-parallel size"
+    return "data-parallel size"
+
+
+def _divisors_below(n: int) -> str:
+    return ", ".join(str(k) for k in range(1, n) if n % k == 0)
+
+
+def _check_replica_num(replica_num: int, group_size: int, label: str) -> None:
+    allowed = (
+        f"allowed: a divisor N of {group_size} with 1 <= N < {group_size} "
+        f"({_divisors_below(group_size)})"
+    )
+    if group_size % replica_num:
+        raise TFTArgumentError(
+            f"--optimizer-replica-num {replica_num} does not divide the {label} {group_size}; "
+            + allowed
+        )
+    if replica_num >= group_size:
+        raise TFTArgumentError(
+            f"--optimizer-replica-num {replica_num} is not less than the {label} {group_size}; "
+            + allowed
+        )
+
+
+def _expert_dp_size(args: argparse.Namespace) -> tuple[int, str] | None:
+    """(expert-data-parallel size, how it was computed) for MoE models, else None."""
+    ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
+    if ep <= 1 and not getattr(args, "num_experts", None):
+        return None
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    etp = int(getattr(args, "expert_tensor_parallel_size", None) or tp)
+    world = getattr(args, "world_size", None)
+    if world is None:
+        world = _dp_size(args) * tp * pp
+    world = int(world)
+    how = f"world size {world} / (pipeline {pp} x expert {ep} x expert-tensor {etp})"
+    return world // (pp * ep * etp), how
+
+
+def _validate_high_availability(args: argparse.Namespace) -> int:
+    """SPEC 10 with HA on; returns the effective replica number."""
+    distributed = bool(getattr(args, "use_distributed_optimizer", False))
+    half = bool(getattr(args, "fp16", False) or getattr(args, "bf16", False))
+    if not distributed and not half:
+        raise TFTArgumentError(
+            "--enable-high-availability needs the distributed optimizer or the fp16/bf16 "
+            "optimizer, got the fp32 non-distributed optimizer; allowed: add "
+            "--use-distributed-optimizer, --bf16 or --fp16"
+        )
+    if args.distributed_optimizer_no_replica and not distributed:
+        raise TFTArgumentError(
+            "--distributed-optimizer-no-replica needs --use-distributed-optimizer (the "
+            "fp16/bf16 optimizer keeps a full copy on every data-parallel rank); allowed: add "
+            "--use-distributed-optimizer or remove --distributed-optimizer-no-replica"
+        )
+    if args.distributed_optimizer_no_replica and args.optimizer_replica_num not in (
+        1,
+        DEFAULT_OPTIMIZER_REPLICA_NUM,
+    ):
+        raise TFTArgumentError(
+            f"--optimizer-replica-num {args.optimizer_replica_num} contradicts "
+            "--distributed-optimizer-no-replica (1 replica); allowed: one of the two"
+        )
+    if getattr(args, "swap_optimizer", False):
+        raise TFTArgumentError(
+            "--enable-high-availability cannot be combined with --swap-optimizer (it moves "
+            "optimizer state off the device); allowed: remove one of the two"
+        )
+    if getattr(args, "enable_gloo_process_groups", True) is False:
+        raise TFTArgumentError(
+            "--enable-high-availability cannot be combined with --disable-gloo-process-groups "
+            "(recovery needs the gloo process groups); allowed: remove one of the two"
+        )
+    if getattr(args, "disable_gloo_group", False):
+        raise TFTArgumentError(
+            "--enable-high-availability cannot be combined with --disable-gloo-group "
+            "(recovery needs the gloo process groups); allowed: remove one of the two"
+        )
+
+    dp = _dp_size(args)
+    label = _dp_label(args)
+    if dp < 2:
+        tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+        pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+        cp = int(getattr(args, "context_parallel_size", 1) or 1)
+        world = getattr(args, "world_size", None)
+        world = dp * tp * pp if world is None else int(world)
+        raise TFTArgumentError(
+            f"--enable-high-availability needs a {label} >= 2, got {dp} (world size {world} = "
+            f"tensor {tp} x pipeline {pp} x context {cp} x data {args.data_parallel_size}); "
+            f"allowed: a parallel layout with {label} >= 2"
+        )
+    expert = _expert_dp_size(args)
+    if expert is not None and expert[0] < 2:
+        raise TFTArgumentError(
+            "--enable-high-availability needs an expert-data-parallel size >= 2 for MoE, got "
+            f"{expert[0]} ({expert[1]}); allowed: a parallel layout with expert-data-parallel "
+            "size >= 2"
+        )
+
+    if not distributed:
+        return dp
+    if args.distributed_optimizer_no_replica:
+        return 1
+    replica_num = int(args.optimizer_replica_num)
+    _check_replica_num(replica_num, dp, label)
+    if expert is not None:
+        _check_replica_num(replica_num, expert[0], "expert-data-parallel size")
+    return replica_num

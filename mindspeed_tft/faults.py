@@ -1,0 +1,359 @@
+"""Fault injection for tests and benchmarks: the ``TFT_INJECT`` contract of SPEC 11.
+
+``TFT_INJECT`` holds a ``;``-separated list of items ``KIND:key=value,...``::
+
+    TFT_INJECT="kill:rank=3,step=5;uce:rank=0,step=7,phase=optimizer,target=param"
+
+Kinds (what happens when an item fires):
+
+- ``kill``: SIGKILL the own process (the event is written first, with one unbuffered write).
+- ``raise``: ``RuntimeError("TFT_INJECT raise: injected error at rank R step S phase P")``,
+  an error SPEC 6 classifies as unknown.
+- ``uce``: call ``corrupt(target)`` if the trainer passed one, then raise
+  ``RuntimeError("UCE ERROR: TFT_INJECT uce: injected on-chip memory fault in TARGET at rank
+  R step S phase P")``.
+- ``comm``: ``RuntimeError("HCCL OP RETRY FAILED: TFT_INJECT comm: injected communication
+  error at rank R step S phase P")``, a communication error for SPEC 6.
+- ``hang``: stop making progress: the calling thread sleeps in 0.05 s slices (other threads,
+  heartbeats included, keep running; an asynchronous exception such as a FORCE STOP lands
+  within a slice) for up to ``TFT_INJECT_HANG_SECONDS`` (default 3600) seconds; if nobody
+  stopped the process by then it raises ``RuntimeError("TFT_INJECT hang: rank R step S phase
+  P was not stopped within T s")``.
+
+Keys: ``rank`` (global rank, required, integer >= 0), ``step`` (required, integer >= 0),
+``phase`` = forward | backward | optimizer | save | after (default forward), ``target`` =
+optimizer | param | grad | activation (uce only; default optimizer). Kinds, keys and values are
+lowercase; whitespace around items, keys and values is ignored. An unset or blank variable
+means no faults. Anything else that does not follow these rules raises `FaultSpecError` at
+startup, naming the item (1-based) and the bad part::
+
+    TFT_INJECT item 2 'kill:rank=x,step=3': rank must be a non-negative integer, got 'x'
+
+Step numbering: ``step`` is the 0-based training step, the value of Megatron's ``iteration``
+(completed updates) when the step starts; step s produces iteration s+1. The trainer calls
+``injector.fire(step, phase)`` at each phase point: ``forward``, ``backward``, ``optimizer``
+during step s; ``save`` during a periodic checkpoint save made at the end of step s (the save of
+iteration s+1), after its files are written and before they are published; ``after`` once step
+s is complete (iteration is s+1). An item whose phase point never comes (e.g. ``save`` at a step
+without a save) never fires.
+
+Once per job: before an item acts, it is recorded as fired (a kill leaves no chance afterwards)
+in every ledger available, and it acts only if none of them had it already:
+
+- the torch.distributed store, when the default process group is initialized at fire time
+  (``_get_default_store()`` with its PrefixStore wrappers removed, so a restarted worker whose
+  store carries another attempt prefix sees the same key), key ``tft_inject/fired/<marker>``,
+  claimed with the atomic ``store.add``. The store lives in the launcher agent (or rank 0) and
+  survives a worker restart;
+- a marker file ``<marker>`` created with O_EXCL in ``TFT_INJECT_STATE_DIR`` when that is set
+  (use a directory per job);
+- this process's memory (always).
+
+``<marker>`` is ``fired-<index>-<kind>-rank<R>-step<S>-<phase>`` (plus ``-<target>`` for uce),
+so a marker left by a different spec never matches. With neither a store nor a state directory,
+a restarted worker fires the item again. Before acting, the event ``fault_injected`` (with
+``kind``, ``step``, ``phase``, ``target`` (None except for uce) and ``item``) is emitted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from mindspeed_tft import events
+
+logger = logging.getLogger(__name__)
+
+INJECT_ENV = "TFT_INJECT"
+STATE_DIR_ENV = "TFT_INJECT_STATE_DIR"
+HANG_SECONDS_ENV = "TFT_INJECT_HANG_SECONDS"
+DEFAULT_HANG_SECONDS = 3600.0
+HANG_SLICE_SECONDS = 0.05
+STORE_KEY_PREFIX = "tft_inject/fired/"
+
+KINDS = ("kill", "raise", "uce", "comm", "hang")
+KEYS = ("rank", "step", "phase", "target")
+PHASES = ("forward", "backward", "optimizer", "save", "after")
+TARGETS = ("optimizer", "param", "grad", "activation")
+DEFAULT_PHASE = "forward"
+DEFAULT_TARGET = "optimizer"
+
+_NON_NEGATIVE_INT = re.compile(r"[0-9]+")
+
+
+class FaultSpecError(ValueError):
+    """A malformed ``TFT_INJECT`` (or ``TFT_INJECT_HANG_SECONDS``) value."""
+
+
+@dataclass(frozen=True)
+class FaultItem:
+    """One ``TFT_INJECT`` item. ``index`` is its 1-based position in the list (all ranks)."""
+
+    kind: str
+    rank: int
+    step: int
+    phase: str = DEFAULT_PHASE
+    target: str | None = None
+    index: int = 1
+
+    @property
+    def marker(self) -> str:
+        """The name under which this item is recorded as fired (store key suffix, file name)."""
+        name = f"fired-{self.index}-{self.kind}-rank{self.rank}-step{self.step}-{self.phase}"
+        return f"{name}-{self.target}" if self.target else name
+
+    def describe(self) -> str:
+        """The item in ``TFT_INJECT`` syntax, defaults spelled out."""
+        text = f"{self.kind}:rank={self.rank},step={self.step},phase={self.phase}"
+        return f"{text},target={self.target}" if self.target else text
+
+
+def parse_fault_spec(text: str | None) -> list[FaultItem]:
+    """Parse a ``TFT_INJECT`` value into items of all ranks; raises `FaultSpecError`."""
+    if text is None or not text.strip():
+        return []
+    return [_parse_item(raw.strip(), index) for index, raw in enumerate(text.split(";"), 1)]
+
+
+def _parse_item(item: str, index: int) -> FaultItem:
+    def fail(problem: str) -> FaultSpecError:
+        return FaultSpecError(f"{INJECT_ENV} item {index} {item!r}: {problem}")
+
+    if not item:
+        raise fail(f"empty item; allowed: KIND:key=value,... with KIND one of {', '.join(KINDS)}")
+    kind, _, rest = item.partition(":")
+    kind = kind.strip()
+    if kind not in KINDS:
+        raise fail(f"unknown kind {kind!r}; allowed: {', '.join(KINDS)}")
+
+    values: dict[str, str] = {}
+    if rest.strip():
+        for pair in rest.split(","):
+            key, sep, value = pair.partition("=")
+            key, value = key.strip(), value.strip()
+            if not sep or not key:
+                raise fail(f"{pair.strip()!r} is not key=value; allowed keys: {', '.join(KEYS)}")
+            if key not in KEYS:
+                raise fail(f"unknown key {key!r}; allowed: {', '.join(KEYS)}")
+            if key in values:
+                raise fail(f"duplicate key {key!r}")
+            values[key] = value
+
+    numbers: dict[str, int] = {}
+    for key in ("rank", "step"):
+        if key not in values:
+            raise fail(f"missing required key {key!r}")
+        if not _NON_NEGATIVE_INT.fullmatch(values[key]):
+            raise fail(f"{key} must be a non-negative integer, got {values[key]!r}")
+        numbers[key] = int(values[key])
+
+    phase = values.get("phase", DEFAULT_PHASE)
+    if phase not in PHASES:
+        raise fail(f"unknown phase {phase!r}; allowed: {', '.join(PHASES)}")
+
+    target: str | None = None
+    if kind == "uce":
+        target = values.get("target", DEFAULT_TARGET)
+        if target not in TARGETS:
+            raise fail(f"unknown target {target!r}; allowed: {', '.join(TARGETS)}")
+    elif "target" in values:
+        raise fail(f"target is only allowed for uce, not for {kind}")
+
+    return FaultItem(kind, numbers["rank"], numbers["step"], phase, target, index)
+
+
+def parse_hang_seconds(text: str | None) -> float:
+    """``TFT_INJECT_HANG_SECONDS``: a positive number (unset or blank: 3600)."""
+    if text is None or not text.strip():
+        return DEFAULT_HANG_SECONDS
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0 or seconds == float("inf"):
+        raise FaultSpecError(
+            f"{HANG_SECONDS_ENV}={text!r}: allowed: a positive number of seconds"
+        )
+    return seconds
+
+
+# --- once-per-job ledgers --------------------------------------------------------------------
+
+
+class _DefaultStore:
+    """Marker for "the torch.distributed default store, looked up at fire time"."""
+
+    def __repr__(self) -> str:
+        return "DEFAULT_STORE"
+
+
+DEFAULT_STORE: Any = _DefaultStore()
+
+
+def default_store() -> Any | None:
+    """The store of the default process group without PrefixStore wrappers, or None.
+
+    Does not import torch: without a torch.distributed already imported there is no group.
+    """
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    store = dist.distributed_c10d._get_default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
+
+
+def _claim_in_store(store: Any, item: FaultItem) -> bool:
+    """True if this call is the first to record ``item`` in ``store``."""
+    return int(store.add(STORE_KEY_PREFIX + item.marker, 1)) == 1
+
+
+def _claim_in_dir(state_dir: str, item: FaultItem) -> bool:
+    """True if this call created ``item``'s marker file in ``state_dir``."""
+    os.makedirs(state_dir, exist_ok=True)
+    try:
+        fd = os.open(os.path.join(state_dir, item.marker), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    except FileExistsError:
+        return False
+    try:
+        os.write(fd, f"{item.describe()} pid={os.getpid()} time={time.time()}\n".encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return True
+
+
+# --- the injector ----------------------------------------------------------------------------
+
+
+class FaultInjector:
+    """Fires this rank's ``TFT_INJECT`` items at the trainer's phase points.
+
+    ``store``: a torch.distributed Store to record fired items in, ``None`` for none, or
+    `DEFAULT_STORE` (the default process group's store, looked up each time an item is about to
+    fire). ``state_dir``: a directory for marker files, or None.
+    """
+
+    def __init__(
+        self,
+        items: Iterable[FaultItem],
+        rank: int,
+        *,
+        store: Any = DEFAULT_STORE,
+        state_dir: str | None = None,
+        hang_seconds: float = DEFAULT_HANG_SECONDS,
+    ) -> None:
+        self.rank = rank
+        self.items = tuple(item for item in items if item.rank == rank)
+        self.store = store
+        self.state_dir = state_dir
+        self.hang_seconds = hang_seconds
+        self._fired: set[int] = set()
+        self._lock = threading.Lock()
+        self._by_point: dict[tuple[int, str], list[FaultItem]] = {}
+        for item in self.items:
+            self._by_point.setdefault((item.step, item.phase), []).append(item)
+
+    @classmethod
+    def from_env(
+        cls,
+        rank: int,
+        environ: Mapping[str, str] | None = None,
+        *,
+        store: Any = DEFAULT_STORE,
+    ) -> FaultInjector:
+        """Parse ``TFT_INJECT`` (all items are checked; this rank's are kept),
+        ``TFT_INJECT_STATE_DIR`` and ``TFT_INJECT_HANG_SECONDS``; raises `FaultSpecError`."""
+        environ = os.environ if environ is None else environ
+        return cls(
+            parse_fault_spec(environ.get(INJECT_ENV)),
+            rank,
+            store=store,
+            state_dir=environ.get(STATE_DIR_ENV) or None,
+            hang_seconds=parse_hang_seconds(environ.get(HANG_SECONDS_ENV)),
+        )
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+    @property
+    def pending(self) -> tuple[FaultItem, ...]:
+        """This rank's items that have not fired in this process."""
+        return tuple(item for item in self.items if item.index not in self._fired)
+
+    def fire(self, step: int, phase: str, **context: Any) -> None:
+        """Fire the items for (``step``, ``phase``) that no ledger has recorded yet, in order.
+
+        Context: ``corrupt`` (``Callable[[str], None]``): corrupts the given target memory in
+        place, for uce. Other keys are ignored.
+        """
+        if phase not in PHASES:
+            raise ValueError(f"unknown phase {phase!r}; allowed: {', '.join(PHASES)}")
+        for item in self._by_point.get((step, phase), ()):
+            if self._claim(item):
+                self._act(item, context)
+
+    # internals
+
+    def _claim(self, item: FaultItem) -> bool:
+        """Record ``item`` as fired in every ledger; True if none had it already."""
+        with self._lock:
+            first = item.index not in self._fired
+            self._fired.add(item.index)
+        store = default_store() if self.store is DEFAULT_STORE else self.store
+        if store is not None:
+            try:
+                first = _claim_in_store(store, item) and first
+            except Exception as error:  # an unreachable store must not stop the run
+                logger.warning("TFT_INJECT: cannot record %s in the store: %s", item.marker, error)
+        if self.state_dir:
+            first = _claim_in_dir(self.state_dir, item) and first
+        if not first:
+            logger.info("TFT_INJECT: %s already fired in this job; skipped", item.describe())
+        return first
+
+    def _act(self, item: FaultItem, context: Mapping[str, Any]) -> None:
+        events.emit(
+            "fault_injected", self.rank, kind=item.kind, step=item.step, phase=item.phase,
+            target=item.target, item=item.index,
+        )
+        where = f"rank {self.rank} step {item.step} phase {item.phase}"
+        logger.warning("TFT_INJECT: firing %s", item.describe())
+        if item.kind == "kill":
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:  # a closed stream must not save the process
+                    pass
+            os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(60)  # SIGKILL is delivered before this returns
+        elif item.kind == "raise":
+            raise RuntimeError(f"TFT_INJECT raise: injected error at {where}")
+        elif item.kind == "uce":
+            corrupt: Callable[[str], None] | None = context.get("corrupt")
+            if corrupt is not None:
+                corrupt(item.target)
+            raise RuntimeError(
+                f"UCE ERROR: TFT_INJECT uce: injected on-chip memory fault in {item.target} "
+                f"at {where}"
+            )
+        elif item.kind == "comm":
+            raise RuntimeError(
+                f"HCCL OP RETRY FAILED: TFT_INJECT comm: injected communication error at {where}"
+            )
+        elif item.kind == "hang":
+            deadline = time.monotonic() + self.hang_seconds
+            while (left := deadline - time.monotonic()) > 0:
+                time.sleep(min(HANG_SLICE_SECONDS, left))
+            raise RuntimeError(
+                f"TFT_INJECT hang: {where} was not stopped within {self.hang_seconds:g} s"
+            )

@@ -1,0 +1,414 @@
+"""Tests of mindspeed_tft.arguments: the flags, HIGH_AVAILABILITY and the SPEC 10 refusals."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import pytest
+
+from mindspeed_tft.arguments import (
+    ARGUMENT_GROUP_TITLE,
+    TFTArgumentError,
+    TFTFeatures,
+    add_tft_args,
+    parse_high_availability_env,
+    validate_tft_args,
+)
+
+# A Megatron-like layout: 8 ranks = tensor 2 x pipeline 1 x context 1 x data 4, bf16,
+# distributed optimizer.
+LAYOUT = dict(
+    world_size=8,
+    tensor_model_parallel_size=2,
+    pipeline_model_parallel_size=1,
+    context_parallel_size=1,
+    data_parallel_size=4,
+    use_distributed_optimizer=True,
+    bf16=True,
+    fp16=False,
+)
+
+
+def make_args(argv: list[str], **layout: object) -> argparse.Namespace:
+    parser = add_tft_args(argparse.ArgumentParser())
+    args = parser.parse_args(argv)
+    for name, value in {**LAYOUT, **layout}.items():
+        setattr(args, name, value)
+    return args
+
+
+def validate(argv: list[str], env: dict[str, str] | None = None, **layout: object):
+    return validate_tft_args(make_args(argv, **layout), environ=env or {})
+
+
+def error_of(argv: list[str], env: dict[str, str] | None = None, **layout: object) -> str:
+    with pytest.raises(TFTArgumentError) as info:
+        validate(argv, env, **layout)
+    return str(info.value)
+
+
+HA = ["--enable-high-availability"]
+
+
+# --- the parser ------------------------------------------------------------------------------
+
+
+def test_add_tft_args_returns_parser_with_group_and_defaults(monkeypatch):
+    monkeypatch.delenv("TFT_EVENTS_FILE", raising=False)
+    parser = argparse.ArgumentParser()
+    assert add_tft_args(parser) is parser
+    titles = [group.title for group in parser._action_groups]
+    assert ARGUMENT_GROUP_TITLE in titles
+    args = parser.parse_args([])
+    assert vars(args) == {
+        "enable_high_availability": False,
+        "enable_hbmfault_repair": False,
+        "enable_worker_reboot": False,
+        "distributed_optimizer_no_replica": False,
+        "optimizer_replica_num": 2,
+        "tft_events_file": None,
+    }
+
+
+def test_all_flags_parse():
+    args = add_tft_args(argparse.ArgumentParser()).parse_args(
+        [
+            "--enable-high-availability", "--enable-hbmfault-repair", "--enable-worker-reboot",
+            "--distributed-optimizer-no-replica", "--optimizer-replica-num", "4",
+            "--tft-events-file", "/tmp/ev.jsonl",
+        ]
+    )
+    assert (args.enable_high_availability, args.enable_hbmfault_repair) == (True, True)
+    assert (args.enable_worker_reboot, args.distributed_optimizer_no_replica) == (True, True)
+    assert (args.optimizer_replica_num, args.tft_events_file) == (4, "/tmp/ev.jsonl")
+
+
+def test_events_file_default_from_env(monkeypatch):
+    monkeypatch.setenv("TFT_EVENTS_FILE", "/data/events.jsonl")
+    args = add_tft_args(argparse.ArgumentParser()).parse_args([])
+    assert args.tft_events_file == "/data/events.jsonl"
+
+
+def test_help_says_sub_flags_need_high_availability():
+    parser = argparse.ArgumentParser(
+        formatter_class=lambda prog: argparse.HelpFormatter(prog, width=10_000)
+    )
+    flat = add_tft_args(parser).format_help()
+    assert ARGUMENT_GROUP_TITLE in flat
+    for flag in ("--enable-hbmfault-repair", "--enable-worker-reboot"):
+        assert flag in flat
+    assert flat.count("Takes effect only with --enable-high-availability") == 4
+    assert "HIGH_AVAILABILITY=dump|retry|recover" in flat
+
+
+# --- effective replica number and features ---------------------------------------------------
+
+
+def test_high_availability_off_records_plain_features():
+    args = validate([])
+    assert args.optimizer_replica_num_effective == 1
+    assert args.tft_features == TFTFeatures()
+    assert args.tft_features.describe() == "mindspeed-tft: high availability off"
+
+
+def test_high_availability_off_non_distributed_counts_every_copy():
+    args = validate([], use_distributed_optimizer=False, bf16=False)
+    assert args.optimizer_replica_num_effective == 4
+
+
+def test_default_two_replicas():
+    args = validate(HA)
+    assert args.optimizer_replica_num_effective == 2
+    assert args.tft_features == TFTFeatures(True, False, False, False, 2, "command line")
+    assert args.tft_features.describe() == (
+        "mindspeed-tft: high availability on (dying-gasp checkpoint), hbmfault repair off, "
+        "worker reboot off, optimizer replicas 2; set by command line"
+    )
+
+
+def test_no_replica_means_one():
+    args = validate(HA + ["--distributed-optimizer-no-replica", "--enable-worker-reboot"])
+    assert args.optimizer_replica_num_effective == 1
+    assert args.tft_features == TFTFeatures(True, False, True, True, 1, "command line")
+    assert args.tft_features.describe() == (
+        "mindspeed-tft: high availability on (dying-gasp checkpoint), hbmfault repair off, "
+        "worker reboot on, optimizer replicas 1 (no-replica: repair from the last checkpoint); "
+        "set by command line"
+    )
+
+
+def test_no_replica_with_explicit_one_is_accepted():
+    args = validate(HA + ["--distributed-optimizer-no-replica", "--optimizer-replica-num", "1"])
+    assert args.optimizer_replica_num_effective == 1
+
+
+def test_replica_num_divisor_of_dp_cp():
+    args = validate(HA + ["--optimizer-replica-num", "4"], data_parallel_size=4,
+                    context_parallel_size=2, world_size=16)
+    assert args.optimizer_replica_num_effective == 4
+
+
+def test_non_distributed_half_optimizer_every_rank_is_a_replica():
+    args = validate(HA, use_distributed_optimizer=False, fp16=True, bf16=False)
+    assert args.optimizer_replica_num_effective == 4
+    assert args.tft_features.replica_num == 4
+
+
+def test_replica_num_ignored_by_non_distributed_optimizer():
+    args = validate(HA + ["--optimizer-replica-num", "3"], use_distributed_optimizer=False)
+    assert args.optimizer_replica_num_effective == 4
+
+
+def test_from_args_without_validation_reads_attributes():
+    args = make_args(HA + ["--enable-hbmfault-repair", "--optimizer-replica-num", "4"])
+    assert TFTFeatures.from_args(args) == TFTFeatures(True, True, False, False, 4, "command line")
+    assert TFTFeatures.from_args(argparse.Namespace()) == TFTFeatures()
+
+
+def test_namespace_without_tft_flags_is_accepted():
+    args = argparse.Namespace(**LAYOUT)
+    validate_tft_args(args, environ={})
+    assert args.tft_features == TFTFeatures()
+    assert args.optimizer_replica_num == 2
+
+
+# --- HIGH_AVAILABILITY ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "value, hbm, reboot",
+    [
+        ("dump", False, False),
+        ("retry", True, False),
+        ("recover", False, True),
+        ("retry,recover", True, True),
+        (" Dump , RETRY ", True, False),
+        ("dump,retry,recover,dump", True, True),
+    ],
+)
+def test_high_availability_env_switches_features_on(value, hbm, reboot):
+    args = validate([], env={"HIGH_AVAILABILITY": value})
+    features = args.tft_features
+    assert (features.high_availability, features.hbm_repair, features.worker_reboot) == (
+        True, hbm, reboot,
+    )
+    assert features.source == f"HIGH_AVAILABILITY={value.strip()}"
+    assert args.enable_high_availability is True
+
+
+def test_high_availability_env_wins_over_command_line(caplog):
+    with caplog.at_level(logging.WARNING, logger="mindspeed_tft.arguments"):
+        args = validate(HA + ["--enable-worker-reboot"], env={"HIGH_AVAILABILITY": "retry"})
+    assert (args.enable_hbmfault_repair, args.enable_worker_reboot) == (True, False)
+    assert caplog.messages == [
+        "HIGH_AVAILABILITY='retry' wins over the command line: --enable-worker-reboot is "
+        "switched off"
+    ]
+
+
+def test_high_availability_env_enables_sub_flags_given_without_master_switch():
+    args = validate(["--distributed-optimizer-no-replica"], env={"HIGH_AVAILABILITY": "dump"})
+    assert args.tft_features == TFTFeatures(True, False, False, True, 1, "HIGH_AVAILABILITY=dump")
+
+
+@pytest.mark.parametrize("value", ["", "   "])
+def test_blank_high_availability_env_is_unset(value):
+    assert parse_high_availability_env(value) == ()
+    assert validate([], env={"HIGH_AVAILABILITY": value}).tft_features == TFTFeatures()
+
+
+@pytest.mark.parametrize(
+    "value, bad",
+    [("ttp", "ttp"), ("dump,foo", "foo"), ("dump,,retry", ""), ("dump;retry", "dump;retry")],
+)
+def test_bad_high_availability_env(value, bad):
+    assert error_of([], env={"HIGH_AVAILABILITY": value}) == (
+        f"HIGH_AVAILABILITY={value!r}: unknown mode {bad!r}; allowed: dump, retry, recover "
+        "(comma-separated, case-insensitive)"
+    )
+
+
+def test_high_availability_env_checks_layout_too():
+    assert error_of([], env={"HIGH_AVAILABILITY": "dump"}, data_parallel_size=1,
+                    world_size=2) == (
+        "--enable-high-availability needs a data-parallel size >= 2, got 1 (world size 2 = "
+        "tensor 2 x pipeline 1 x context 1 x data 1); allowed: a parallel layout with "
+        "data-parallel size >= 2"
+    )
+
+
+# --- refusals ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv", [[], HA])
+def test_replica_num_below_one(argv):
+    assert error_of(argv + ["--optimizer-replica-num", "0"]) == (
+        "--optimizer-replica-num 0 is invalid; allowed: an integer >= 1"
+    )
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--enable-hbmfault-repair"], "--enable-hbmfault-repair takes"),
+        (["--enable-worker-reboot"], "--enable-worker-reboot takes"),
+        (["--distributed-optimizer-no-replica"], "--distributed-optimizer-no-replica takes"),
+        (["--optimizer-replica-num", "4"], "--optimizer-replica-num 4 takes"),
+    ],
+)
+def test_sub_flag_without_high_availability(argv, named):
+    assert error_of(argv) == (
+        f"{named} effect only with --enable-high-availability; allowed: add "
+        "--enable-high-availability (or set HIGH_AVAILABILITY=dump|retry|recover) or remove it"
+    )
+
+
+def test_several_sub_flags_without_high_availability():
+    assert error_of(["--enable-worker-reboot", "--enable-hbmfault-repair"]) == (
+        "--enable-hbmfault-repair, --enable-worker-reboot take effect only with "
+        "--enable-high-availability; allowed: add --enable-high-availability (or set "
+        "HIGH_AVAILABILITY=dump|retry|recover) or remove them"
+    )
+
+
+def test_fp32_non_distributed_optimizer_refused():
+    assert error_of(HA, use_distributed_optimizer=False, bf16=False) == (
+        "--enable-high-availability needs the distributed optimizer or the fp16/bf16 "
+        "optimizer, got the fp32 non-distributed optimizer; allowed: add "
+        "--use-distributed-optimizer, --bf16 or --fp16"
+    )
+
+
+def test_fp32_distributed_optimizer_accepted():
+    args = validate(HA, bf16=False)
+    assert args.optimizer_replica_num_effective == 2
+
+
+def test_no_replica_needs_distributed_optimizer():
+    assert error_of(HA + ["--distributed-optimizer-no-replica"],
+                    use_distributed_optimizer=False) == (
+        "--distributed-optimizer-no-replica needs --use-distributed-optimizer (the "
+        "fp16/bf16 optimizer keeps a full copy on every data-parallel rank); allowed: add "
+        "--use-distributed-optimizer or remove --distributed-optimizer-no-replica"
+    )
+
+
+def test_no_replica_contradicts_replica_num():
+    assert error_of(HA + ["--distributed-optimizer-no-replica", "--optimizer-replica-num", "4"]) == (
+        "--optimizer-replica-num 4 contradicts --distributed-optimizer-no-replica (1 replica); "
+        "allowed: one of the two"
+    )
+
+
+def test_swap_optimizer_refused():
+    assert error_of(HA, swap_optimizer=True) == (
+        "--enable-high-availability cannot be combined with --swap-optimizer (it moves "
+        "optimizer state off the device); allowed: remove one of the two"
+    )
+
+
+def test_disabled_gloo_process_groups_refused():
+    assert error_of(HA, enable_gloo_process_groups=False) == (
+        "--enable-high-availability cannot be combined with --disable-gloo-process-groups "
+        "(recovery needs the gloo process groups); allowed: remove one of the two"
+    )
+
+
+def test_mindspeed_disable_gloo_group_refused():
+    assert error_of(HA, disable_gloo_group=True) == (
+        "--enable-high-availability cannot be combined with --disable-gloo-group "
+        "(recovery needs the gloo process groups); allowed: remove one of the two"
+    )
+
+
+def test_refusals_do_not_apply_without_high_availability():
+    args = validate([], swap_optimizer=True, enable_gloo_process_groups=False,
+                    use_distributed_optimizer=False, bf16=False, data_parallel_size=1)
+    assert args.tft_features == TFTFeatures(replica_num=1)
+
+
+def test_data_parallel_size_one_refused():
+    assert error_of(HA, data_parallel_size=1, tensor_model_parallel_size=4,
+                    pipeline_model_parallel_size=2, world_size=8) == (
+        "--enable-high-availability needs a data-parallel size >= 2, got 1 (world size 8 = "
+        "tensor 4 x pipeline 2 x context 1 x data 1); allowed: a parallel layout with "
+        "data-parallel size >= 2"
+    )
+
+
+def test_context_parallel_counts_toward_d():
+    args = validate(HA + ["--distributed-optimizer-no-replica"], data_parallel_size=1,
+                    context_parallel_size=2, world_size=4)
+    assert args.optimizer_replica_num_effective == 1
+
+
+def test_replica_num_does_not_divide_d():
+    assert error_of(HA + ["--optimizer-replica-num", "3"]) == (
+        "--optimizer-replica-num 3 does not divide the data-parallel size 4; allowed: a "
+        "divisor N of 4 with 1 <= N < 4 (1, 2)"
+    )
+
+
+def test_replica_num_equal_to_d():
+    assert error_of(HA + ["--optimizer-replica-num", "4"]) == (
+        "--optimizer-replica-num 4 is not less than the data-parallel size 4; allowed: a "
+        "divisor N of 4 with 1 <= N < 4 (1, 2)"
+    )
+
+
+def test_replica_num_larger_than_d():
+    assert error_of(HA + ["--optimizer-replica-num", "8"]) == (
+        "--optimizer-replica-num 8 does not divide the data-parallel size 4; allowed: a "
+        "divisor N of 4 with 1 <= N < 4 (1, 2)"
+    )
+
+
+def test_default_replica_num_with_d_two_context_parallel():
+    assert error_of(HA, data_parallel_size=1, context_parallel_size=2, world_size=4) == (
+        "--optimizer-replica-num 2 is not less than the data-parallel x context-parallel size "
+        "2; allowed: a divisor N of 2 with 1 <= N < 2 (1)"
+    )
+
+
+def test_replica_num_checked_against_d_times_cp():
+    assert error_of(HA + ["--optimizer-replica-num", "3"], data_parallel_size=2,
+                    context_parallel_size=4, world_size=16) == (
+        "--optimizer-replica-num 3 does not divide the data-parallel x context-parallel size "
+        "8; allowed: a divisor N of 8 with 1 <= N < 8 (1, 2, 4)"
+    )
+
+
+# --- MoE: expert data parallelism ------------------------------------------------------------
+
+
+def test_moe_expert_data_parallel_size_one_refused():
+    # world 8, pipeline 1, expert 8, expert-tensor = tensor 1 -> expert-DP 1.
+    assert error_of(HA, tensor_model_parallel_size=1, data_parallel_size=8,
+                    expert_model_parallel_size=8, num_experts=8) == (
+        "--enable-high-availability needs an expert-data-parallel size >= 2 for MoE, got 1 "
+        "(world size 8 / (pipeline 1 x expert 8 x expert-tensor 1)); allowed: a parallel "
+        "layout with expert-data-parallel size >= 2"
+    )
+
+
+def test_moe_replica_num_checked_against_expert_data_parallel():
+    # world 8, tensor 2, data 4, expert 2, expert-tensor 2 -> expert-DP 2: N=2 is not < 2.
+    assert error_of(HA, expert_model_parallel_size=2, expert_tensor_parallel_size=2,
+                    num_experts=4) == (
+        "--optimizer-replica-num 2 is not less than the expert-data-parallel size 2; "
+        "allowed: a divisor N of 2 with 1 <= N < 2 (1)"
+    )
+
+
+def test_moe_layout_accepted():
+    # world 8, tensor 2, data 4, expert 2, expert-tensor 1 -> expert-DP 4.
+    args = validate(HA, expert_model_parallel_size=2, expert_tensor_parallel_size=1,
+                    num_experts=4)
+    assert args.optimizer_replica_num_effective == 2
+
+
+def test_moe_no_replica_needs_only_expert_dp_two():
+    args = validate(HA + ["--distributed-optimizer-no-replica"], expert_model_parallel_size=2,
+                    expert_tensor_parallel_size=2, num_experts=4)
+    assert args.optimizer_replica_num_effective == 1
