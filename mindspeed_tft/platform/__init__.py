@@ -4,7 +4,8 @@
 `torch.cuda.is_available()`, else CPU. `distributed_backend()` maps the platform to the
 torch.distributed backend (hccl, nccl, gloo). `apply_platform_adaptor()` installs the adaptor
 the platform needs before megatron-core is used: on CPU the redirections of `cpu_adaptor`,
-on NPU `torch_npu`'s own transfer of `torch.cuda` calls, on CUDA nothing.
+on NPU `torch_npu`'s own transfer of `torch.cuda` calls, on CUDA nothing; and, wherever
+megatron-core falls back to torch's own Adam, the checkpoint fix of `native_adam`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+import os
 
 import torch
 
@@ -54,11 +56,12 @@ def distributed_backend(requested: str | None = None) -> str:
         raise ValueError(
             f"--distributed-backend {requested!r} is not a backend; allowed: nccl, hccl, gloo"
         )
-    print(
-        f"[mindspeed-tft] notice: --distributed-backend {requested} is not available on "
-        f"{detect_platform()}; using {native}",
-        flush=True,
-    )
+    if os.environ.get("RANK", "0") == "0":
+        print(
+            f"[mindspeed-tft] notice: --distributed-backend {requested} is not available on "
+            f"{detect_platform()}; using {native}",
+            flush=True,
+        )
     return native
 
 
@@ -72,6 +75,8 @@ def device_for_rank(local_rank: int) -> torch.device:
 
 def apply_platform_adaptor() -> str:
     """Make megatron-core usable on this platform; idempotent. Returns the platform name."""
+    from mindspeed_tft.platform import native_adam
+
     platform = detect_platform()
     if platform == CPU:
         from mindspeed_tft.platform import cpu_adaptor
@@ -80,4 +85,5 @@ def apply_platform_adaptor() -> str:
     elif platform == NPU:
         # torch_npu's own adaptor redirects torch.cuda.* to torch.npu.* (what MindSpeed uses).
         from torch_npu.contrib import transfer_to_npu  # noqa: F401
+    native_adam.apply()
     return platform

@@ -1,0 +1,255 @@
+"""Checkpoints in Megatron-LM's layout (torch format), written so a half-written one never
+looks complete.
+
+Layout under the save directory (SPEC 11)::
+
+    latest_checkpointed_iteration.txt          the last published iteration
+    iter_0000100/
+        mp_rank_00/model_optim_rng.pt          PP = 1: per tensor-parallel rank
+        mp_rank_00_001/model_optim_rng.pt      PP > 1: per (TP, PP) rank
+        mp_rank_00/distrib_optim.pt            distributed optimizer: fp32 main params,
+                                               exp_avg, exp_avg_sq (megatron-core's DP-zero
+                                               format, written by data-parallel rank 0)
+
+`model_optim_rng.pt` holds what Megatron-LM's holds: `args` (with `consumed_train_samples`),
+`checkpoint_version`, `iteration`, `model`, `optimizer` (non-parameter state),
+`opt_param_scheduler`, `rng_state`. Every rank writes into `iter_XXXXXXX_tmp`; after all
+ranks wrote, rank 0 renames it to `iter_XXXXXXX` and then replaces the tracker file
+atomically. Loading restores the exact trajectory: model, optimizer, scheduler, data position
+(`consumed_train_samples`) and every RNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+CHECKPOINT_VERSION = 3.0
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+MODEL_FILENAME = "model_optim_rng.pt"
+DISTRIB_OPTIM_FILENAME = "distrib_optim.pt"
+
+
+def iteration_dir_name(iteration: int) -> str:
+    """`iter_0000100` for iteration 100."""
+    return f"iter_{iteration:07d}"
+
+
+def model_parallel_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
+    """Megatron-LM's per-model-parallel-rank folder: `mp_rank_TT` or `mp_rank_TT_PPP`."""
+    if pp_size == 1:
+        return f"mp_rank_{tp_rank:02d}"
+    return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def this_rank_dir_name() -> str:
+    """The model-parallel folder name of the calling rank."""
+    from megatron.core import parallel_state as ps
+
+    return model_parallel_dir_name(
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_pipeline_model_parallel_rank(),
+        ps.get_pipeline_model_parallel_world_size(),
+    )
+
+
+def read_tracker(root: str) -> int | None:
+    """The last published iteration under `root`, or None when there is none."""
+    path = os.path.join(root, TRACKER_FILENAME)
+    if not os.path.isfile(path):
+        return None
+    text = open(path, encoding="utf-8").read().strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(
+            f"{path} holds {text!r}; expected an iteration number"
+        ) from None
+
+
+def write_tracker(root: str, iteration: int) -> None:
+    """Replace the tracker atomically (write a temporary file, then rename)."""
+    tmp = os.path.join(root, f".{TRACKER_FILENAME}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(root, TRACKER_FILENAME))
+
+
+def publish_checkpoint(root: str, iteration: int) -> str:
+    """Rename `iter_X_tmp` to `iter_X` (replacing an older copy) and point the tracker at it."""
+    final = os.path.join(root, iteration_dir_name(iteration))
+    tmp = final + "_tmp"
+    if os.path.exists(final):
+        stale = final + "_old"
+        shutil.rmtree(stale, ignore_errors=True)
+        os.replace(final, stale)
+        os.replace(tmp, final)
+        shutil.rmtree(stale, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    write_tracker(root, iteration)
+    return final
+
+
+def get_rng_state() -> dict[str, Any]:
+    """Every RNG this process uses: python, numpy, torch, the model-parallel tracker."""
+    from megatron.core import tensor_parallel
+
+    state = {
+        "random_rng_state": random.getstate(),
+        "np_rng_state": np.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
+        "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda_rng_state"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what `get_rng_state` returned."""
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    if "cuda_rng_state" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+
+
+def _model_state(model: list[torch.nn.Module]) -> dict[str, Any]:
+    if len(model) == 1:
+        return {"model": model[0].state_dict_for_save_checkpoint()}
+    return {f"model{i}": chunk.state_dict_for_save_checkpoint() for i, chunk in enumerate(model)}
+
+
+def _load_model_state(model: list[torch.nn.Module], state_dict: dict[str, Any]) -> None:
+    if len(model) == 1:
+        model[0].load_state_dict(state_dict["model"], strict=True)
+    else:
+        for i, chunk in enumerate(model):
+            chunk.load_state_dict(state_dict[f"model{i}"], strict=True)
+
+
+def _is_data_parallel_writer() -> bool:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_rank() == 0
+
+
+def save_checkpoint(
+    state: Any, hooks: Any = None, root: str | None = None
+) -> str:
+    """Save `state` (a TrainingState) at its iteration under `root` (default `args.save`).
+
+    Collective over all ranks. `hooks.on_phase(state, "save", step)` runs after the files are
+    written and before they are published. Returns the published directory.
+    """
+    args = state.args
+    root = root or args.save
+    iteration = state.iteration
+    tmp_dir = os.path.join(root, iteration_dir_name(iteration) + "_tmp")
+    rank_dir = os.path.join(tmp_dir, this_rank_dir_name())
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        os.makedirs(tmp_dir, exist_ok=True)
+    dist.barrier()
+
+    optimizer = state.optimizer
+    if args.use_distributed_optimizer and not args.no_save_optim:
+        # Collective over the data-parallel group; data-parallel rank 0 writes.
+        os.makedirs(rank_dir, exist_ok=True)
+        optimizer.save_parameter_state(os.path.join(rank_dir, DISTRIB_OPTIM_FILENAME))
+
+    if _is_data_parallel_writer():
+        os.makedirs(rank_dir, exist_ok=True)
+        state_dict: dict[str, Any] = {
+            "args": args,
+            "checkpoint_version": CHECKPOINT_VERSION,
+            "iteration": iteration,
+            **_model_state(state.model),
+        }
+        if not args.no_save_optim:
+            state_dict["optimizer"] = optimizer.state_dict()
+            state_dict["opt_param_scheduler"] = state.opt_param_scheduler.state_dict()
+        if not args.no_save_rng:
+            state_dict["rng_state"] = [get_rng_state()]
+        torch.save(state_dict, os.path.join(rank_dir, MODEL_FILENAME))
+
+    if hooks is not None:
+        hooks.on_phase(state, "save", iteration - 1)
+    dist.barrier()
+    final = os.path.join(root, iteration_dir_name(iteration))
+    if dist.get_rank() == 0:
+        publish_checkpoint(root, iteration)
+    dist.barrier()
+    return final
+
+
+def _checkpoint_args_value(checkpoint_args: argparse.Namespace, name: str, default: Any) -> Any:
+    return getattr(checkpoint_args, name, default)
+
+
+def load_checkpoint(state: Any, root: str | None = None) -> int:
+    """Load the latest checkpoint under `root` (default `args.load`) into `state`.
+
+    Returns the loaded iteration (0 when there is no checkpoint: training starts fresh).
+    """
+    args = state.args
+    root = root or args.load
+    iteration = read_tracker(root) if root else None
+    if iteration is None:
+        if dist.get_rank() == 0:
+            print(f"[mindspeed-tft] no checkpoint found at {root}; training from scratch",
+                  flush=True)
+        return 0
+    rank_dir = os.path.join(root, iteration_dir_name(iteration), this_rank_dir_name())
+    model_file = os.path.join(rank_dir, MODEL_FILENAME)
+    if not os.path.isfile(model_file):
+        raise FileNotFoundError(
+            f"checkpoint iteration {iteration} of {root} has no {MODEL_FILENAME} for this rank "
+            f"({model_file}); the tensor/pipeline layout must match the one that saved it"
+        )
+    # The file holds an argparse.Namespace (Megatron-LM's format), so it is not weights-only.
+    state_dict = torch.load(model_file, map_location="cpu", weights_only=False)
+    _load_model_state(state.model, state_dict)
+
+    optimizer = state.optimizer
+    if not args.no_load_optim and not args.finetune:
+        if "optimizer" not in state_dict:
+            raise ValueError(f"{model_file} holds no optimizer state; load with --no-load-optim")
+        optimizer.load_state_dict(state_dict["optimizer"])
+        if args.use_distributed_optimizer:
+            optimizer.load_parameter_state(os.path.join(rank_dir, DISTRIB_OPTIM_FILENAME))
+        state.opt_param_scheduler.load_state_dict(state_dict["opt_param_scheduler"])
+    elif args.fp16 or args.bf16:
+        optimizer.reload_model_params()
+
+    if not args.finetune:
+        checkpoint_args = state_dict.get("args")
+        args.consumed_train_samples = _checkpoint_args_value(
+            checkpoint_args, "consumed_train_samples", 0
+        )
+        args.consumed_valid_samples = _checkpoint_args_value(
+            checkpoint_args, "consumed_valid_samples", 0
+        )
+        state.iteration = iteration
+    if not args.no_load_rng and not args.finetune and "rng_state" in state_dict:
+        set_rng_state(state_dict["rng_state"][0])
+
+    dist.barrier()
+    if dist.get_rank() == 0:
+        print(f"[mindspeed-tft] loaded checkpoint {root} at iteration {iteration}", flush=True)
+        sys.stdout.flush()
+    return state.iteration

@@ -1,0 +1,133 @@
+"""Step hooks: the points in a training step where the plugin may act.
+
+The trainer calls a `TrainerHooks` object at fixed points of every step; the plugin (fault
+injection, step bookkeeping, the processor of the control plane) implements the methods it
+needs. Phases, in step order, with `step` = completed updates when the step began
+(Megatron's `iteration` before the step; step s produces iteration s + 1):
+
+- ``forward``: before the first micro-batch's forward pass of the step.
+- ``backward``: when the first micro-batch's backward pass reaches this stage's output.
+- ``optimizer``: inside the optimizer update (between `on_update_start` and `on_update_end`).
+- ``save``: during a periodic checkpoint save at the end of the step, after the files are
+  written and before they are published.
+- ``after``: after the step finished (the update applied, `iteration` advanced).
+
+The optimizer update bracket is reported through `on_update_start` / `on_update_end`
+around megatron-core's local update (`step_with_ready_grads` of the mixed-precision and fp32
+optimizers: the inner Adam step and the copy of main params into model params). Nothing in
+that bracket communicates, so a rank that enters it always finishes it; the param all-gather
+of the distributed optimizer comes after it. `install_update_bracket()` installs it once per
+process.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mindspeed_tft.training.state import TrainingState
+
+PHASES = ("forward", "backward", "optimizer", "save", "after")
+
+
+class TrainerHooks:
+    """No-op hooks; subclasses override what they need."""
+
+    def on_train_start(self, state: TrainingState) -> None:
+        """Training is set up (model, optimizer, data) and about to run its first step."""
+
+    def on_phase(self, state: TrainingState, phase: str, step: int) -> None:
+        """The step `step` reached `phase` (one of PHASES)."""
+
+    def on_update_start(self, state: TrainingState, step: int) -> None:
+        """An optimizer is about to modify its state in place for step `step`."""
+
+    def on_update_end(self, state: TrainingState, step: int) -> None:
+        """The optimizer finished modifying its state for step `step`."""
+
+    def on_step_end(self, state: TrainingState) -> None:
+        """A step completed; `state.iteration` counts it."""
+
+    def on_train_end(self, state: TrainingState) -> None:
+        """Training finished (all iterations, or exit interval)."""
+
+
+class HookList(TrainerHooks):
+    """Calls several hooks objects in order."""
+
+    def __init__(self, hooks: list[TrainerHooks] | None = None) -> None:
+        self.hooks: list[TrainerHooks] = list(hooks or [])
+
+    def append(self, hooks: TrainerHooks) -> None:
+        self.hooks.append(hooks)
+
+    def on_train_start(self, state: TrainingState) -> None:
+        for h in self.hooks:
+            h.on_train_start(state)
+
+    def on_phase(self, state: TrainingState, phase: str, step: int) -> None:
+        for h in self.hooks:
+            h.on_phase(state, phase, step)
+
+    def on_update_start(self, state: TrainingState, step: int) -> None:
+        for h in self.hooks:
+            h.on_update_start(state, step)
+
+    def on_update_end(self, state: TrainingState, step: int) -> None:
+        for h in self.hooks:
+            h.on_update_end(state, step)
+
+    def on_step_end(self, state: TrainingState) -> None:
+        for h in self.hooks:
+            h.on_step_end(state)
+
+    def on_train_end(self, state: TrainingState) -> None:
+        for h in self.hooks:
+            h.on_train_end(state)
+
+
+class _UpdateBracket:
+    """Where the patched optimizers report their local update; set by the trainer."""
+
+    hooks: TrainerHooks | None = None
+    state: TrainingState | None = None
+
+
+_bracket = _UpdateBracket()
+_installed = False
+
+
+def set_update_listener(hooks: TrainerHooks | None, state: TrainingState | None) -> None:
+    """Route update-bracket reports of this process to `hooks` (None: nobody)."""
+    _bracket.hooks = hooks
+    _bracket.state = state
+
+
+def _bracketed(step_with_ready_grads: Any) -> Any:
+    @functools.wraps(step_with_ready_grads)
+    def wrapper(self: Any) -> bool:
+        hooks, state = _bracket.hooks, _bracket.state
+        if hooks is None or state is None:
+            return step_with_ready_grads(self)
+        step = state.iteration
+        hooks.on_update_start(state, step)
+        hooks.on_phase(state, "optimizer", step)
+        result = step_with_ready_grads(self)
+        hooks.on_update_end(state, step)
+        return result
+
+    wrapper.__tft_update_bracket__ = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def install_update_bracket() -> None:
+    """Wrap megatron-core's local optimizer updates with the bracket (once per process)."""
+    global _installed
+    if _installed:
+        return
+    from megatron.core.optimizer.optimizer import FP32Optimizer, MixedPrecisionOptimizer
+
+    for cls in (MixedPrecisionOptimizer, FP32Optimizer):
+        cls.step_with_ready_grads = _bracketed(cls.step_with_ready_grads)
+    _installed = True

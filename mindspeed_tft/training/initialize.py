@@ -1,0 +1,109 @@
+"""Bring a training process up: platform, args, torch.distributed, megatron-core's topology.
+
+`initialize_megatron` mirrors Megatron-LM's: it installs the platform adaptor, parses and
+validates the args (Megatron's, then the provider's validator), initializes the default
+process group with the platform's backend (gloo on CPU, nccl on CUDA, hccl on NPU), builds
+megatron-core's parallel state, seeds every RNG as Megatron-LM does, sets up the
+micro-batch calculator and builds the tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from mindspeed_tft.platform import (
+    CPU,
+    apply_platform_adaptor,
+    detect_platform,
+    distributed_backend,
+)
+from mindspeed_tft.training.arguments import parse_args, validate_args
+from mindspeed_tft.training.global_vars import set_args, set_tokenizer
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} must be an integer") from None
+
+
+def set_random_seed(seed: int) -> None:
+    """Seed python, numpy, torch and the model-parallel RNG tracker (Megatron-LM's scheme:
+    each pipeline stage offsets the seed by 100 x its rank)."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def initialize_distributed(args: argparse.Namespace) -> None:
+    """Default process group and megatron-core parallel state for `args`."""
+    from megatron.core import parallel_state
+
+    platform = detect_platform()
+    args.distributed_backend = distributed_backend(args.distributed_backend)
+    if platform != CPU:
+        getattr(torch, platform).set_device(args.local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=args.distributed_backend,
+            world_size=args.world_size,
+            rank=args.rank,
+            timeout=timedelta(minutes=args.distributed_timeout_minutes),
+        )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        num_distributed_optimizer_instances=getattr(args, "num_distributed_optimizer_instances", 1),
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
+        create_gloo_process_groups=args.enable_gloo_process_groups,
+    )
+
+
+def initialize_megatron(
+    extra_args_provider: Callable[[argparse.ArgumentParser], argparse.ArgumentParser] | None = None,
+    extra_args_validator: Callable[[argparse.Namespace], argparse.Namespace] | None = None,
+    argv: Sequence[str] | None = None,
+) -> argparse.Namespace:
+    """Parse, validate and initialize everything a training process needs; returns args."""
+    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+
+    from mindspeed_tft.training.tokenizer import build_tokenizer
+
+    platform = apply_platform_adaptor()
+    args = parse_args(extra_args_provider, argv)
+    args.rank = _env_int("RANK", 0)
+    args.local_rank = _env_int("LOCAL_RANK", 0) if args.local_rank is None else args.local_rank
+    validate_args(args, world_size=_env_int("WORLD_SIZE", 1))
+    if extra_args_validator is not None:
+        args = extra_args_validator(args)
+    args.platform = platform
+    set_args(args)
+    initialize_distributed(args)
+    set_random_seed(args.seed)
+    init_num_microbatches_calculator(
+        args.rank,
+        None,
+        args.global_batch_size,
+        args.micro_batch_size,
+        args.data_parallel_size,
+    )
+    set_tokenizer(build_tokenizer(args))
+    return args

@@ -1,0 +1,73 @@
+#!/bin/bash
+# The reference Llama2 script's flag set on a tiny model: 4 CPU ranks (gloo), mock data.
+# Environment knobs (all optional):
+#   NPROC (4) TP (1) PP (1) TRAIN_ITERS (40) SAVE_INTERVAL (20) GBS (16)
+#   CKPT_DIR (runs/tiny/ckpt) LOAD_DIR (empty: no --load) EVENTS (runs/tiny/events.jsonl)
+#   LAUNCHER (torchrun) HA_ARGS (the four high-availability flags) EXTRA_ARGS
+# Extra command-line arguments are passed to pretrain_gpt.py.
+set -eo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+source "${ROOT}/configs/models/tiny.sh"
+
+NPROC=${NPROC:-4}
+TP=${TP:-1}
+PP=${PP:-1}
+TRAIN_ITERS=${TRAIN_ITERS:-40}
+SAVE_INTERVAL=${SAVE_INTERVAL:-20}
+GBS=${GBS:-16}
+RUN_DIR=${RUN_DIR:-${ROOT}/runs/tiny}
+CKPT_DIR=${CKPT_DIR:-${RUN_DIR}/ckpt}
+EVENTS=${EVENTS:-${RUN_DIR}/events.jsonl}
+LAUNCHER=${LAUNCHER:-torchrun}
+MASTER_PORT=${MASTER_PORT:-$((20000 + RANDOM % 20000))}
+HA_ARGS=${HA_ARGS:-"--enable-high-availability --enable-hbmfault-repair --enable-worker-reboot"}
+
+GPT_ARGS="
+    ${MODEL_ARGS}
+    --tensor-model-parallel-size ${TP}
+    --pipeline-model-parallel-size ${PP}
+    --sequence-parallel
+    --tokenizer-type NullTokenizer
+    --vocab-size ${VOCAB_SIZE:-4096}
+    --micro-batch-size 2
+    --global-batch-size ${GBS}
+    --lr 1e-3
+    --train-iters ${TRAIN_ITERS}
+    --lr-decay-style cosine
+    --use-fused-rmsnorm
+    --use-flash-attn
+    --no-masked-softmax-fusion
+    --attention-softmax-in-fp32
+    --min-lr 1e-4
+    --weight-decay 1e-1
+    --lr-warmup-fraction 0.1
+    --clip-grad 1.0
+    --adam-beta1 0.9
+    --initial-loss-scale 65536
+    --adam-beta2 0.95
+    --no-gradient-accumulation-fusion
+    --use-distributed-optimizer
+    --use-fused-swiglu
+    --use-fused-rotary-pos-emb
+    --overlap-grad-reduce
+    --bf16
+    --seed 1234
+    ${HA_ARGS}
+"
+DATA_ARGS="--mock-data --split 949,50,1"
+OUTPUT_ARGS="
+    --log-interval 1
+    --save-interval ${SAVE_INTERVAL}
+    --eval-interval 1000
+    --eval-iters 0
+    --tft-events-file ${EVENTS}
+"
+LOAD_ARGS=""
+[ -n "${LOAD_DIR}" ] && LOAD_ARGS="--load ${LOAD_DIR}"
+
+mkdir -p "${RUN_DIR}"
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+$LAUNCHER --nproc-per-node "${NPROC}" --master-port "${MASTER_PORT}" "${ROOT}/pretrain_gpt.py" \
+    $GPT_ARGS $DATA_ARGS $OUTPUT_ARGS \
+    --distributed-backend nccl \
+    --save "${CKPT_DIR}" $LOAD_ARGS ${EXTRA_ARGS} "$@"
