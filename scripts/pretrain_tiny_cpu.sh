@@ -3,7 +3,8 @@
 # Environment knobs (all optional):
 #   NPROC (4) TP (1) PP (1) TRAIN_ITERS (40) SAVE_INTERVAL (20) GBS (16)
 #   CKPT_DIR (runs/tiny/ckpt) LOAD_DIR (empty: no --load) EVENTS (runs/tiny/events.jsonl)
-#   LAUNCHER (torchrun) HA_ARGS (the four high-availability flags) EXTRA_ARGS
+#   LAUNCHER (torchrun) HA_ARGS (the high-availability flags) EXTRA_ARGS
+#   DIST_OPT_ARGS (--use-distributed-optimizer; set it empty for the bf16 optimizer)
 # Extra command-line arguments are passed to pretrain_gpt.py.
 set -eo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -46,7 +47,7 @@ GPT_ARGS="
     --initial-loss-scale 65536
     --adam-beta2 0.95
     --no-gradient-accumulation-fusion
-    --use-distributed-optimizer
+    ${DIST_OPT_ARGS-"--use-distributed-optimizer"}
     --use-fused-swiglu
     --use-fused-rotary-pos-emb
     --overlap-grad-reduce

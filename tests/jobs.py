@@ -1,0 +1,147 @@
+"""Launch real multi-process training jobs for tests: `scripts/pretrain_tiny_cpu.sh` under
+torchrun (or `tft-run`), gloo on CPU, and read back what they did.
+
+`run_tiny_job` runs one job in its own directory and returns a `JobResult`: exit code,
+combined output, and the events file (SPEC 11) parsed. Layouts name the parallelism:
+`dp4` (4 ranks, DP=4), `tp2dp2`, `pp2dp2`, `tp2dp4` (8 ranks). Every job has a timeout; on
+timeout the whole process group is killed and the test fails with the output so far.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+TINY_SCRIPT = REPO / "scripts" / "pretrain_tiny_cpu.sh"
+
+LAYOUTS: dict[str, dict[str, int]] = {
+    "dp4": {"NPROC": 4, "TP": 1, "PP": 1},
+    "tp2dp2": {"NPROC": 4, "TP": 2, "PP": 1},
+    "pp2dp2": {"NPROC": 4, "TP": 1, "PP": 2},
+    "dp8": {"NPROC": 8, "TP": 1, "PP": 1},
+    "tp2dp4": {"NPROC": 8, "TP": 2, "PP": 1},
+}
+
+
+@dataclass
+class JobResult:
+    """What a finished job left behind."""
+
+    returncode: int
+    output: str
+    run_dir: Path
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.run_dir / "ckpt"
+
+    def losses(self) -> dict[int, float]:
+        """Iteration -> logged loss (the last one logged for an iteration wins)."""
+        return {e["iteration"]: e["loss"] for e in self.events if e["event"] == "iteration"}
+
+    def named(self, name: str) -> list[dict[str, Any]]:
+        """Events called `name`, in order."""
+        return [e for e in self.events if e["event"] == name]
+
+    def describe(self) -> str:
+        tail = "\n".join(self.output.splitlines()[-60:])
+        return f"job in {self.run_dir} exited {self.returncode}; output tail:\n{tail}"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_tiny_job(
+    run_dir: Path,
+    *,
+    layout: str = "dp4",
+    train_iters: int = 8,
+    save_interval: int = 4,
+    load_dir: Path | None = None,
+    inject: str | None = None,
+    ha_args: str = "",
+    dist_opt: bool = True,
+    extra_args: list[str] | None = None,
+    env: dict[str, str] | None = None,
+    launcher: str = "torchrun",
+    timeout: float = 300.0,
+) -> JobResult:
+    """Run the tiny CPU job once and collect its result."""
+    run_dir = Path(run_dir)
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    job_env = dict(os.environ)
+    job_env.pop("TFT_INJECT", None)
+    job_env.pop("HIGH_AVAILABILITY", None)
+    job_env.update({key: str(value) for key, value in LAYOUTS[layout].items()})
+    bin_dir = str(Path(sys.executable).parent)
+    job_env.update(
+        {
+            "PATH": bin_dir + os.pathsep + job_env.get("PATH", ""),
+            "TRAIN_ITERS": str(train_iters),
+            "SAVE_INTERVAL": str(save_interval),
+            "RUN_DIR": str(run_dir),
+            "HA_ARGS": ha_args or " ",
+            "DIST_OPT_ARGS": "--use-distributed-optimizer" if dist_opt else "",
+            "LAUNCHER": launcher,
+            "MASTER_PORT": str(_free_port()),
+            "TFT_INJECT_STATE_DIR": str(run_dir / "inject-state"),
+            "PYTHONUNBUFFERED": "1",
+            "TTP_PORT": str(_free_port()),
+        }
+    )
+    if load_dir is not None:
+        job_env["LOAD_DIR"] = str(load_dir)
+    if inject:
+        job_env["TFT_INJECT"] = inject
+    if env:
+        job_env.update(env)
+    cmd = ["bash", str(TINY_SCRIPT), *(extra_args or [])]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=job_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        raise AssertionError(
+            f"job in {run_dir} did not finish within {timeout} s; output tail:\n"
+            + "\n".join(output.splitlines()[-60:])
+        ) from None
+    (run_dir / "output.log").write_text(output)
+    events_file = run_dir / "events.jsonl"
+    events = []
+    if events_file.exists():
+        events = [json.loads(line) for line in events_file.read_text().splitlines() if line]
+    return JobResult(proc.returncode, output, run_dir, events)
+
+
+def checkpoint_at(source_root: Path, iteration: int, destination: Path) -> Path:
+    """A copy of `source_root`'s checkpoint at `iteration`, published as the latest there."""
+    destination.mkdir(parents=True, exist_ok=True)
+    name = f"iter_{iteration:07d}"
+    shutil.copytree(source_root / name, destination / name)
+    (destination / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    return destination
