@@ -386,7 +386,7 @@ def pretrain(
 ) -> int:
     """Initialize, set up, train, save; returns the final iteration (Megatron-LM's shape)."""
     from mindspeed_tft.plugin import build_plugin_hooks, startup_notices
-    from mindspeed_tft.training.data import build_data_iterator
+    from mindspeed_tft.training.data import build_data_iterator, get_train_valid_test_num_samples
 
     initialize_megatron(extra_args_provider, extra_args_validator, argv)
     args = get_args()
@@ -398,7 +398,7 @@ def pretrain(
     from megatron.core import parallel_state as ps
 
     train_ds, valid_ds, _test_ds = train_valid_test_datasets_provider(
-        train_valid_test_num_samples(args)
+        list(get_train_valid_test_num_samples(args))
     )
     dp_rank = ps.get_data_parallel_rank()
     dp_size = ps.get_data_parallel_world_size()
@@ -435,13 +435,3 @@ def pretrain(
     print_rank_0(f"[mindspeed-tft] training finished at iteration {iteration}")
     return iteration
 
-
-def train_valid_test_num_samples(args: argparse.Namespace) -> list[int]:
-    """Samples each split must provide (Megatron-LM's computation)."""
-    train_samples = args.train_iters * args.global_batch_size
-    eval_iters = (args.train_iters // args.eval_interval + 1) * args.eval_iters
-    return [
-        train_samples,
-        eval_iters * args.global_batch_size,
-        args.eval_iters * args.global_batch_size,
-    ]
