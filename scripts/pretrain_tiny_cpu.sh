@@ -5,6 +5,7 @@
 #   CKPT_DIR (runs/tiny/ckpt) LOAD_DIR (empty: no --load) EVENTS (runs/tiny/events.jsonl)
 #   LAUNCHER (torchrun) HA_ARGS (the high-availability flags) EXTRA_ARGS
 #   DIST_OPT_ARGS (--use-distributed-optimizer; set it empty for the bf16 optimizer)
+#   DATA_ARGS (--mock-data --split 949,50,1) TOKENIZER_ARGS (NullTokenizer, vocab 4096)
 # Extra command-line arguments are passed to pretrain_gpt.py.
 set -eo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -28,8 +29,7 @@ GPT_ARGS="
     --tensor-model-parallel-size ${TP}
     --pipeline-model-parallel-size ${PP}
     --sequence-parallel
-    --tokenizer-type NullTokenizer
-    --vocab-size ${VOCAB_SIZE:-4096}
+    ${TOKENIZER_ARGS:-"--tokenizer-type NullTokenizer --vocab-size 4096"}
     --micro-batch-size 2
     --global-batch-size ${GBS}
     --lr 1e-3
@@ -55,7 +55,7 @@ GPT_ARGS="
     --seed 1234
     ${HA_ARGS}
 "
-DATA_ARGS="--mock-data --split 949,50,1"
+DATA_ARGS=${DATA_ARGS:-"--mock-data --split 949,50,1"}
 OUTPUT_ARGS="
     --log-interval 1
     --save-interval ${SAVE_INTERVAL}

@@ -39,3 +39,30 @@ def test_loss_goes_down_and_resume_is_bit_exact(layout, reference_job, tmp_path)
     assert sorted(resumed_losses) == list(range(SAVE_AT + 1, ITERS + 1))
     for iteration, loss in resumed_losses.items():
         assert loss == losses[iteration], (iteration, loss, losses[iteration])
+
+
+def test_trains_on_indexed_data_with_llama2_tokenizer(tmp_path):
+    """Megatron .bin/.idx data made by scripts/preprocess_data.py from a corpus and a
+    sentencepiece model built here, read through GPTDataset with a 949,50,1 split."""
+    from tests.corpus import build_tiny_corpus
+
+    corpus = build_tiny_corpus(tmp_path / "corpus")
+    result = run_tiny_job(
+        tmp_path / "run",
+        train_iters=6,
+        save_interval=6,
+        env={
+            "DATA_ARGS": f"--data-path {corpus['prefix']} --split 949,50,1 "
+            f"--data-cache-path {tmp_path / 'cache'}",
+            "TOKENIZER_ARGS": f"--tokenizer-type Llama2Tokenizer --tokenizer-model {corpus['model']}",
+        },
+        extra_args=["--eval-interval", "3", "--eval-iters", "1"],
+    )
+    assert result.returncode == 0, result.describe()
+    losses = result.losses()
+    assert sorted(losses) == list(range(1, 7))
+    # A fresh model predicts uniformly over the 320-token vocabulary: loss ~ ln(320) = 5.77.
+    assert 5.5 < losses[1] < 6.0, losses
+    assert losses[6] < losses[1] - 0.1, losses
+    assert "validation loss at iteration 3" in result.output
+    assert "validation loss at iteration 6" in result.output
