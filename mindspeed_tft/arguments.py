@@ -177,6 +177,16 @@ def add_tft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Append the JSON Lines event stream (faults, states, strategies, dumps, "
         f"iterations) to PATH. Default: the {EVENTS_FILE_ENV} environment variable.",
     )
+    group.add_argument(
+        "--tft-check-replicas-interval",
+        type=int,
+        default=0,
+        metavar="K",
+        help="Every K iterations, check that all holders of each optimizer shard hold "
+        "bit-identical copies (SHA-256 of main params, moments and step, compared across the "
+        "replica group) and record a replica_check event; a mismatch stops training with an "
+        "error. 0 (default): never.",
+    )
     return parser
 
 
@@ -214,6 +224,11 @@ def validate_tft_args(
     environ = os.environ if environ is None else environ
     _ensure_defaults(args)
 
+    if getattr(args, "tft_check_replicas_interval", 0) < 0:
+        raise TFTArgumentError(
+            f"--tft-check-replicas-interval {args.tft_check_replicas_interval} is invalid; "
+            "allowed: 0 (never) or a positive number of iterations"
+        )
     if args.optimizer_replica_num < 1:
         raise TFTArgumentError(
             f"--optimizer-replica-num {args.optimizer_replica_num} is invalid; "
@@ -244,6 +259,12 @@ def validate_tft_args(
     else:
         args.optimizer_replica_num_effective = _validate_high_availability(args)
 
+    # The replica engine is megatron-core's partial distributed optimizer (SPEC 2): one
+    # optimizer instance per replica, each sharding the state over d/N ranks.
+    replicated = args.enable_high_availability and getattr(args, "use_distributed_optimizer", False)
+    args.num_distributed_optimizer_instances = (
+        args.optimizer_replica_num_effective if replicated else 1
+    )
     args.tft_features = TFTFeatures.from_args(args)
     return args
 

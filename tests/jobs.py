@@ -57,7 +57,14 @@ class JobResult:
         return f"job in {self.run_dir} exited {self.returncode}; output tail:\n{tail}"
 
 
-def _free_port() -> int:
+#: The standard job of the suite: long enough to compare trajectories, periodic checkpoints
+#: for resume and no-replica repairs. References are shared across tests per layout.
+STANDARD = {"train_iters": 20, "save_interval": 5}
+#: High availability with the default 2 replicas and a replica check after every step.
+HA_ARGS = "--enable-high-availability --tft-check-replicas-interval 1"
+
+
+def free_port() -> int:
     import socket
 
     with socket.socket() as s:
@@ -99,10 +106,10 @@ def run_tiny_job(
             "HA_ARGS": ha_args or " ",
             "DIST_OPT_ARGS": "--use-distributed-optimizer" if dist_opt else "",
             "LAUNCHER": launcher,
-            "MASTER_PORT": str(_free_port()),
+            "MASTER_PORT": str(free_port()),
             "TFT_INJECT_STATE_DIR": str(run_dir / "inject-state"),
             "PYTHONUNBUFFERED": "1",
-            "TTP_PORT": str(_free_port()),
+            "TTP_PORT": str(free_port()),
         }
     )
     if load_dir is not None:

@@ -1,24 +1,23 @@
 """The reference trainer on real multi-process jobs (torchrun, gloo, 4 CPU ranks).
 
 For DP=4, TP=2 x DP=2 and PP=2 x DP=2: the loss goes down, and a run resumed from the
-checkpoint at iteration 4 logs exactly (bit for bit) the losses of the run that never stopped.
+checkpoint at iteration 5 logs exactly (bit for bit) the losses of the run that never stopped.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.jobs import checkpoint_at, run_tiny_job
+from tests.jobs import STANDARD, checkpoint_at, run_tiny_job
 
 pytestmark = pytest.mark.multiproc
 
-ITERS = 8
-SAVE_AT = 4
+ITERS = STANDARD["train_iters"]
+SAVE_AT = STANDARD["save_interval"]
 
 
 def layout_config(layout: str) -> dict:
-    # d = 2 layouts keep the distributed optimizer too: HA is off here.
-    return {"train_iters": ITERS, "save_interval": SAVE_AT}
+    return dict(STANDARD)
 
 
 @pytest.mark.parametrize("layout", ["dp4", "tp2dp2", "pp2dp2"])
@@ -28,7 +27,7 @@ def test_loss_goes_down_and_resume_is_bit_exact(layout, reference_job, tmp_path)
     assert sorted(losses) == list(range(1, ITERS + 1)), reference.describe()
     assert losses[ITERS] < losses[1] - 0.05, losses
     assert "lm loss:" in reference.output and "tokens per second:" in reference.output
-    assert (reference.checkpoint_dir / "latest_checkpointed_iteration.txt").read_text() == "8"
+    assert (reference.checkpoint_dir / "latest_checkpointed_iteration.txt").read_text() == str(ITERS)
 
     load_dir = checkpoint_at(reference.checkpoint_dir, SAVE_AT, tmp_path / "load")
     resumed = run_tiny_job(tmp_path / "resumed", layout=layout, load_dir=load_dir,

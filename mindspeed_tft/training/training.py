@@ -385,7 +385,7 @@ def pretrain(
     argv: list[str] | None = None,
 ) -> int:
     """Initialize, set up, train, save; returns the final iteration (Megatron-LM's shape)."""
-    from mindspeed_tft.plugin import build_plugin_hooks, startup_notices
+    from mindspeed_tft.plugin import TFTPlugin, startup_notices
     from mindspeed_tft.training.data import build_data_iterator, get_train_valid_test_num_samples
 
     initialize_megatron(extra_args_provider, extra_args_validator, argv)
@@ -393,6 +393,8 @@ def pretrain(
     for notice in startup_notices(args):
         print_rank_0(notice)
     install_update_bracket()
+    plugin = TFTPlugin(args)
+    plugin.setup()
     model, optimizer, scheduler = setup_model_and_optimizer(model_provider, args)
 
     from megatron.core import parallel_state as ps
@@ -424,7 +426,7 @@ def pretrain(
         state.valid_data_iterator = build_data_iterator(
             valid_ds, args.consumed_valid_samples, args.micro_batch_size, dp_rank, dp_size
         )
-    hooks = HookList([build_plugin_hooks(args)])
+    hooks = HookList([plugin.hooks()])
     print_rank_0(f"[mindspeed-tft] training from iteration {state.iteration} to {args.train_iters}")
     start_iteration = state.iteration
     iteration = train(forward_step_func, state, hooks)

@@ -1,0 +1,204 @@
+"""The replica process groups of a job, built from megatron-core's parallel state.
+
+megatron-core builds the groups the replica optimizer communicates in when its parallel
+state is initialized with `num_distributed_optimizer_instances = N`: each DP (x CP) group is
+split into N contiguous chunks ("intra partial" groups: the optimizer is sharded in a chunk,
+params are all-gathered in it) and the ranks holding the same shard form an "inter partial"
+group (gradients are all-reduced across it). `ReplicaGroups` adds what megatron-core lacks:
+
+- the replica maps (`ReplicaMap`) of the whole job, dense and expert, computed with
+  megatron-core's own `RankGenerator` and checked against the groups it actually built;
+- the grad-statistics group of each replica instance (every model-parallel rank of one
+  chunk index): grad norm and zero counts must sum each shard once, not N times;
+- `destroy()` / `build()`, so worker reboot can rebuild the groups with the same ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from mindspeed_tft.replica.replica_map import ReplicaMap
+
+DENSE = "dense"
+EXPERT = "expert"
+
+_ORDER = "tp-cp-ep-dp-pp"  # megatron-core's default rank order
+
+
+@dataclass
+class ReplicaLayout:
+    """The parallel sizes the replica layout derives from."""
+
+    world_size: int
+    tensor_parallel: int
+    pipeline_parallel: int
+    context_parallel: int
+    expert_parallel: int
+    expert_tensor_parallel: int
+    replica_num: int
+    distributed_optimizer: bool
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ReplicaLayout:
+        return cls(
+            world_size=args.world_size,
+            tensor_parallel=args.tensor_model_parallel_size,
+            pipeline_parallel=args.pipeline_model_parallel_size,
+            context_parallel=args.context_parallel_size,
+            expert_parallel=getattr(args, "expert_model_parallel_size", 1),
+            expert_tensor_parallel=getattr(args, "expert_tensor_parallel_size", None)
+            or args.tensor_model_parallel_size,
+            replica_num=args.optimizer_replica_num_effective,
+            distributed_optimizer=args.use_distributed_optimizer,
+        )
+
+    @property
+    def data_parallel(self) -> int:
+        return self.world_size // (
+            self.tensor_parallel * self.pipeline_parallel * self.context_parallel
+        )
+
+    def dense_dp_groups(self) -> list[list[int]]:
+        """Every DP x CP group's global ranks, in DP-index order."""
+        from megatron.core.parallel_state import RankGenerator
+
+        generator = RankGenerator(
+            tp=self.tensor_parallel, ep=1, dp=self.data_parallel, pp=self.pipeline_parallel,
+            cp=self.context_parallel, order=_ORDER,
+        )
+        return generator.get_ranks("dp-cp")
+
+    def expert_dp_groups(self) -> list[list[int]]:
+        """Every expert-DP group's global ranks (MoE), in DP-index order."""
+        from megatron.core.parallel_state import RankGenerator
+
+        expert_dp = self.world_size // (
+            self.expert_tensor_parallel * self.expert_parallel * self.pipeline_parallel
+        )
+        generator = RankGenerator(
+            tp=self.expert_tensor_parallel, ep=self.expert_parallel, dp=expert_dp,
+            pp=self.pipeline_parallel, cp=1, order=_ORDER,
+        )
+        return generator.get_ranks("dp")
+
+    def dense_map(self) -> ReplicaMap:
+        """Replica map of the dense optimizer (N = d for the non-distributed optimizer)."""
+        groups = self.dense_dp_groups()
+        n = self.replica_num if self.distributed_optimizer else len(groups[0])
+        return ReplicaMap.build(DENSE, groups, n)
+
+    def expert_map(self) -> ReplicaMap | None:
+        """Replica map of the expert optimizer, or None without expert parallelism."""
+        if self.expert_parallel == 1:
+            return None
+        groups = self.expert_dp_groups()
+        n = self.replica_num if self.distributed_optimizer else len(groups[0])
+        return ReplicaMap.build(EXPERT, groups, n)
+
+
+class ReplicaGroups:
+    """The replica maps and the extra process groups of this job (build once per world)."""
+
+    def __init__(self, layout: ReplicaLayout) -> None:
+        self.layout = layout
+        self.maps: dict[str, ReplicaMap] = {DENSE: layout.dense_map()}
+        expert = layout.expert_map()
+        if expert is not None:
+            self.maps[EXPERT] = expert
+        self.grad_stats_group: dist.ProcessGroup | None = None
+        self._instance_groups: list[dist.ProcessGroup] = []
+
+    @property
+    def dense(self) -> ReplicaMap:
+        return self.maps[DENSE]
+
+    @property
+    def sharded(self) -> bool:
+        """True when the distributed optimizer keeps N < d replicas (with N > 1)."""
+        return self.layout.distributed_optimizer and self.dense.replica_num > 1
+
+    def build(self) -> None:
+        """Create the grad-statistics group of every replica instance (collective, all ranks)
+        and check megatron-core's DP and partial-DP groups against the map."""
+        self.verify_megatron_groups()
+        self.grad_stats_group = None
+        self._instance_groups = []
+        if not self.sharded:
+            return
+        dense = self.dense
+        me = dist.get_rank()
+        for chunk in range(dense.replica_num):
+            ranks = sorted(
+                rank
+                for group in range(len(dense.dp_groups))
+                for rank in dense.chunk_ranks(group, chunk)
+            )
+            group = dist.new_group(ranks)
+            self._instance_groups.append(group)
+            if me in ranks:
+                self.grad_stats_group = group
+
+    def layout_event(self) -> dict[str, object]:
+        """What this rank holds, from the map and from the groups megatron-core built."""
+        from megatron.core import parallel_state as ps
+
+        me = dist.get_rank()
+        dense = self.dense
+        record: dict[str, object] = {
+            **dense.describe_rank(me),
+            "dp_group": dist.get_process_group_ranks(
+                ps.get_data_parallel_group(with_context_parallel=True)
+            ),
+        }
+        if self.sharded:
+            record["chunk_group"] = dist.get_process_group_ranks(
+                ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
+            )
+            record["replica_group"] = dist.get_process_group_ranks(
+                ps.get_inter_partial_data_parallel_group()
+            )
+            record["grad_stats_group"] = dist.get_process_group_ranks(self.grad_stats_group)
+        return record
+
+    def destroy(self) -> None:
+        """Destroy the groups this object created (collective where the backend needs it)."""
+        for group in self._instance_groups:
+            dist.destroy_process_group(group)
+        self._instance_groups = []
+        self.grad_stats_group = None
+
+    def verify_megatron_groups(self) -> None:
+        """Raise if megatron-core's groups of this rank disagree with the replica map."""
+        from megatron.core import parallel_state as ps
+
+        me = dist.get_rank()
+        dense = self.dense
+        dp_ranks = dist.get_process_group_ranks(
+            ps.get_data_parallel_group(with_context_parallel=True)
+        )
+        expected = list(dense.dp_groups[dense.group_of(me)])
+        if dp_ranks != expected:
+            raise RuntimeError(
+                f"rank {me}: megatron-core's DP group {dp_ranks} is not the replica map's "
+                f"{expected}"
+            )
+        if not self.sharded:
+            return
+        chunk = dist.get_process_group_ranks(
+            ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
+        )
+        expected_chunk = dense.chunk_ranks(dense.group_of(me), dense.chunk_of(me))
+        if list(chunk) != expected_chunk:
+            raise RuntimeError(
+                f"rank {me}: megatron-core's optimizer chunk {chunk} is not the replica map's "
+                f"{expected_chunk}"
+            )
+        inter = dist.get_process_group_ranks(ps.get_inter_partial_data_parallel_group())
+        if sorted(inter) != sorted(dense.holders_of_rank(me)):
+            raise RuntimeError(
+                f"rank {me}: megatron-core's replica group {inter} is not the holders "
+                f"{dense.holders_of_rank(me)} of {dense.shard_of(me)}"
+            )

@@ -1,0 +1,110 @@
+"""Copy an optimizer shard between two holders of a real 4-rank job (run by torchrun).
+
+Trains 2 steps of the tiny model with 2 optimizer replicas (DP=4: ranks 1 and 3 hold the
+same shard), then rank 3 wipes its shard and model params, receives rank 1's over
+torch.distributed (`copy_shard`, digest-checked), and every rank reports its shard digest.
+One more step then runs with the replica check on. Prints one JSON line per rank:
+{"rank", "before", "wiped", "after", "copied", "replicas_agree_after_step"}.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import pretrain_gpt  # noqa: E402
+from mindspeed_tft.arguments import add_tft_args, validate_tft_args  # noqa: E402
+from mindspeed_tft.plugin import TFTPlugin  # noqa: E402
+from mindspeed_tft.replica.check import ReplicaConsistencyCheck  # noqa: E402
+from mindspeed_tft.replica.transfer import copy_shard, export_shard  # noqa: E402
+from mindspeed_tft.training.data import (  # noqa: E402
+    build_data_iterator,
+    get_train_valid_test_num_samples,
+)
+from mindspeed_tft.training.hooks import (  # noqa: E402
+    HookList,
+    install_update_bracket,
+    set_update_listener,
+)
+from mindspeed_tft.training.initialize import initialize_megatron  # noqa: E402
+from mindspeed_tft.training.state import TrainingState  # noqa: E402
+from mindspeed_tft.training.training import setup_model_and_optimizer, train_step  # noqa: E402
+
+ARGV = (
+    "--num-layers 2 --hidden-size 64 --ffn-hidden-size 176 --num-attention-heads 4 "
+    "--seq-length 64 --max-position-embeddings 64 --make-vocab-size-divisible-by 1 "
+    "--untie-embeddings-and-output-weights --disable-bias-linear --attention-dropout 0.0 "
+    "--hidden-dropout 0.0 --position-embedding-type rope --normalization RMSNorm --swiglu "
+    "--tokenizer-type NullTokenizer --vocab-size 4096 --micro-batch-size 2 "
+    "--global-batch-size 16 --lr 1e-3 --train-iters 3 --use-distributed-optimizer --bf16 "
+    "--mock-data --eval-iters 0 --enable-high-availability --distributed-backend gloo"
+).split()
+
+
+def main() -> None:
+    args = initialize_megatron(add_tft_args, validate_tft_args, ARGV)
+    install_update_bracket()
+    plugin = TFTPlugin(args)
+    plugin.setup()
+    model, optimizer, scheduler = setup_model_and_optimizer(pretrain_gpt.model_provider, args)
+    from megatron.core import parallel_state as ps
+
+    train_ds, _, _ = pretrain_gpt.train_valid_test_datasets_provider(
+        list(get_train_valid_test_num_samples(args))
+    )
+    state = TrainingState(
+        args=args, model=model, optimizer=optimizer, opt_param_scheduler=scheduler,
+        build_train_data_iterator=lambda consumed: build_data_iterator(
+            train_ds, consumed, args.micro_batch_size, ps.get_data_parallel_rank(),
+            ps.get_data_parallel_world_size()),
+    )
+    state.reset_train_data_iterator()
+    check = ReplicaConsistencyCheck(plugin.replica_groups, interval=1)
+    hooks = HookList([plugin.hooks(), check])
+    set_update_listener(hooks, state)
+    check.on_train_start(state)
+    for _ in range(2):
+        train_step(pretrain_gpt.forward_step, state, hooks)
+        state.iteration += 1
+        args.consumed_train_samples += args.global_batch_size
+
+    me = dist.get_rank()
+    before = export_shard(optimizer, model).digest()
+    wiped = before
+    if me == 3:
+        with torch.no_grad():
+            for chained in optimizer.chained_optimizers:
+                for group in chained.optimizer.param_groups:
+                    for param in group["params"]:
+                        param.fill_(float("nan"))
+                        chained.optimizer.state[param]["exp_avg"].zero_()
+                        chained.optimizer.state[param]["exp_avg_sq"].zero_()
+            for chunk in model:
+                for param in chunk.parameters():
+                    param.zero_()
+        wiped = export_shard(optimizer, model).digest()
+    copied = None
+    if me in (1, 3):
+        pair = dist.new_group([1, 3])
+        copied = copy_shard(optimizer, model, src=1, dst=3, group=pair)
+    else:
+        dist.new_group([1, 3])
+    after = export_shard(optimizer, model).digest()
+
+    train_step(pretrain_gpt.forward_step, state, hooks)
+    state.iteration += 1
+    check.on_step_end(state)  # raises if the replicas disagree after a step on the copy
+    print(json.dumps({"rank": me, "before": before, "wiped": wiped, "after": after,
+                      "copied": copied, "replicas_agree_after_step": True}), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
