@@ -1,0 +1,49 @@
+"""The control plane: a ZeroMQ controller and one processor per rank (SPEC 4, 5, 6).
+
+- `protocol`: msgpack frames with a version and a schema per message type
+- `transport`: ROUTER/DEALER sockets over TCP (IPv4/IPv6), optional CURVE; `keys` makes keys
+- `config`: `ControlConfig.from_env()` (TTP_ADDR, TTP_PORT, timeouts, TTP_LOG_*)
+- `states`: the SPEC 5 state machine as a transition table
+- `ranktable`: per-rank connection, step, data status and health
+- `classify`: fault kinds, error classification, `ForceStop`
+- `strategy`: strategy choice (SPEC 6) and the planner of action payloads (SPEC 7)
+- `incident`: the phases of one fault's handling (stop, clean, repair, rollback / dump, exit)
+- `controller`: the controller (active or backup), `python -m mindspeed_tft.control.controller`
+- `backup`: backup controllers kept in sync, and failover with a majority of ranks
+- `local`: controllers hosted by this process (an exiting rank lets them finish)
+- `processor`: the per-rank agent; `watchdog`: hang detection; `handler`: the exception wrapper
+
+Wiring, in short: rank 0 (or the node-0 launcher) runs `Controller(world_size).start()`;
+every rank runs `p = Processor(rank, world_size, replica=...)`, registers callbacks,
+`p.start()`, then `run_with_fault_tolerance(train, p)` and finally `p.stop()`.
+"""
+
+from .classify import FaultKind, ForceStop, classify_error
+from .config import ControlConfig, ControlConfigError, setup_logging
+from .controller import Controller
+from .handler import fault_tolerant, run_with_fault_tolerance
+from .processor import Decision, Processor, ProcessorError
+from .states import TRANSITIONS, State
+from .strategy import Features, PlanError, Strategy, StrategyPlanner, choose_strategy
+
+__all__ = [
+    "TRANSITIONS",
+    "ControlConfig",
+    "ControlConfigError",
+    "Controller",
+    "Decision",
+    "FaultKind",
+    "Features",
+    "ForceStop",
+    "PlanError",
+    "Processor",
+    "ProcessorError",
+    "State",
+    "Strategy",
+    "StrategyPlanner",
+    "choose_strategy",
+    "classify_error",
+    "fault_tolerant",
+    "run_with_fault_tolerance",
+    "setup_logging",
+]

@@ -1,0 +1,292 @@
+"""Configuration of the control plane (SPEC 4), read from the environment.
+
+One dataclass, `ControlConfig`, holds everything the controller and the processors need:
+addresses, port, heartbeat timing, action time limit, hang watchdog, backups, CURVE key
+files and logging. `ControlConfig.from_env()` builds it from the environment:
+
+| variable | meaning | default | invalid value |
+| --- | --- | --- | --- |
+| `TTP_ADDR` | controller address (IPv4 or IPv6 literal) | 127.0.0.1 | error |
+| `CONTROLLER_ADDR` | address the controller binds (overrides `TTP_ADDR`) | TTP_ADDR | error |
+| `PROCESSOR_ADDR` | address processors connect to (overrides `TTP_ADDR`) | TTP_ADDR | error |
+| `TTP_PORT` | controller port, 1..65535 | 8000 | error |
+| `TTP_HEARTBEAT_INTERVAL` | seconds between heartbeats, 0.05..60 | 2 | fallback + warning |
+| `TTP_HEARTBEAT_MISSES` | missed intervals before a rank is lost, 1..100 | 3 | fallback + warning |
+| `TTP_NORMAL_ACTION_TIME_LIMIT` | seconds an action callback may take, 30..1800 | 180 | fallback + warning |
+| `TTP_REGISTER_TIMEOUT` | seconds for all ranks to register, 1..86400 | 600 | fallback + warning |
+| `TTP_HANG_TIMEOUT_MIN` | floor of the hang timeout in seconds, 0.1..86400 | 60 | fallback + warning |
+| `TTP_HANG_TIMEOUT_FACTOR` | hang timeout = factor x slowest recent step, 1..1000 | 5 | fallback + warning |
+| `TTP_HANG_INITIAL_TIMEOUT` | hang timeout before the first step, 1..86400 | 1800 | fallback + warning |
+| `TTP_BACKUP_ADDRS` | up to 2 backup controllers, `ip:port,[v6]:port` | none | error |
+| `TTP_CURVE_SERVER_KEY` | server certificate (secret on controllers, public on processors) | off | error |
+| `TTP_CURVE_CLIENT_KEY` | client secret certificate | none | error |
+| `TTP_CURVE_AUTHORIZED_KEYS` | client public certificate file or folder the controller accepts | the client key | error |
+| `TTP_LOG_PATH` | log folder (file `ttp_log.log`) | logs | - |
+| `TTP_LOG_LEVEL` | DEBUG, INFO, WARNING, ERROR | INFO | fallback + warning |
+| `TTP_LOG_MODE` | ONLY_ONE (one file) or PER_PROC (one file per process) | ONLY_ONE | fallback + warning |
+| `TTP_LOG_STDOUT` | 0 or 1 | 0 | fallback + warning |
+
+`TTP_ADDR` names the controller; `CONTROLLER_ADDR` and `PROCESSOR_ADDR` override it per role:
+the controller binds `controller_addr` (it may be a wildcard such as 0.0.0.0 or ::), the
+processors connect to `processor_addr` (never a wildcard). The range checks apply to values
+read from the environment; code (tests) may set shorter times through the constructor.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+log = logging.getLogger("mindspeed_tft.control")
+
+DEFAULT_PORT = 8000
+DEFAULT_ADDR = "127.0.0.1"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_MODES = ("ONLY_ONE", "PER_PROC")
+LOG_FILE = "ttp_log.log"
+MAX_BACKUPS = 2
+
+
+class ControlConfigError(ValueError):
+    """A configuration value that cannot be used (the message names it and what is allowed)."""
+
+
+def parse_ip(value: str, name: str, *, allow_wildcard: bool = True) -> str:
+    """Validate an IPv4/IPv6 literal (brackets allowed around IPv6); returns it unbracketed."""
+    text = value.strip()
+    if text.startswith("[") and text.endswith("]"):
+        text = text[1:-1]
+    try:
+        ip = ipaddress.ip_address(text)
+    except ValueError:
+        raise ControlConfigError(
+            f"{name}={value!r} is not an IPv4 or IPv6 address (e.g. 127.0.0.1, 10.0.0.5, ::1)"
+        ) from None
+    if ip.is_unspecified and not allow_wildcard:
+        raise ControlConfigError(
+            f"{name}={value!r} is a wildcard address; processors need the controller's real address"
+        )
+    return str(ip)
+
+
+def parse_port(value: str | int, name: str = "TTP_PORT", *, allow_any: bool = False) -> int:
+    """Validate a TCP port (1..65535; 0 = any free port where `allow_any`)."""
+    try:
+        port = int(str(value).strip())
+    except ValueError:
+        raise ControlConfigError(f"{name}={value!r} is not an integer port (allowed: 1..65535)") from None
+    if not (0 if allow_any else 1) <= port <= 65535:
+        raise ControlConfigError(f"{name}={value!r} is out of range (allowed: 1..65535)")
+    return port
+
+
+def parse_hostport(value: str, name: str) -> tuple[str, int]:
+    """Parse `ip:port` or `[ipv6]:port` into (ip, port)."""
+    text = value.strip()
+    if text.startswith("["):
+        host, sep, port = text[1:].partition("]:")
+        if not sep:
+            raise ControlConfigError(f"{name}: {value!r} is not '[ipv6]:port'")
+    else:
+        host, sep, port = text.rpartition(":")
+        if not sep or ":" in host:
+            raise ControlConfigError(
+                f"{name}: {value!r} is not 'ip:port' (write IPv6 as '[addr]:port')"
+            )
+    return parse_ip(host, name, allow_wildcard=False), parse_port(port, name)
+
+
+def _number(env: Mapping[str, str], name: str, default: float, lo: float, hi: float,
+            warnings: list[str], *, integer: bool = False) -> float:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value: float = int(raw) if integer else float(raw)
+    except ValueError:
+        value = float("nan")
+    if not (lo <= value <= hi):  # also false for nan
+        kind = "an integer" if integer else "a number"
+        warnings.append(f"{name}={raw!r} is not {kind} in [{lo:g}, {hi:g}]; using the default {default:g}")
+        return default
+    return value
+
+
+def _choice(env: Mapping[str, str], name: str, default: str, allowed: tuple[str, ...],
+            warnings: list[str]) -> str:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    value = raw.strip().upper()
+    if value not in allowed:
+        warnings.append(f"{name}={raw!r} is not one of {', '.join(allowed)}; using the default {default}")
+        return default
+    return value
+
+
+def _path(env: Mapping[str, str], name: str) -> str | None:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    path = raw.strip()
+    if not os.path.exists(path):
+        raise ControlConfigError(f"{name}={raw!r}: no such file or folder")
+    return path
+
+
+@dataclass
+class ControlConfig:
+    """Everything the control plane needs; see the module docstring for the variables."""
+
+    controller_addr: str = DEFAULT_ADDR
+    processor_addr: str = DEFAULT_ADDR
+    port: int = DEFAULT_PORT
+    heartbeat_interval: float = 2.0
+    heartbeat_misses: int = 3
+    action_time_limit: float = 180.0
+    register_timeout: float = 600.0
+    hang_timeout_min: float = 60.0
+    hang_timeout_factor: float = 5.0
+    hang_initial_timeout: float = 1800.0
+    backups: list[tuple[str, int]] = field(default_factory=list)
+    curve_server_key: str | None = None
+    curve_client_key: str | None = None
+    curve_authorized_keys: str | None = None
+    max_message_bytes: int = 1 << 20
+    #: seconds a processor waits for the controller's decision after reporting an error;
+    #: None: derived from the action time limit (enough for stop, clean, repair, rollback)
+    decision_timeout: float | None = None
+    #: seconds an `exit` action gives the training thread before the process is ended
+    exit_grace: float = 10.0
+    #: seconds a `stop` waits for the training thread to come back to the handler (at most
+    #: half the action time limit); a thread that never does is really hung
+    park_timeout: float = 30.0
+    #: exit code after a successful dying-gasp dump, and after any failure
+    dump_exit_code: int = 0
+    failure_exit_code: int = 1
+    log_path: str = "logs"
+    log_level: str = "INFO"
+    log_mode: str = "ONLY_ONE"
+    log_stdout: bool = False
+    #: fallbacks taken while reading the environment (already logged)
+    warnings: list[str] = field(default_factory=list, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_interval <= 0:
+            raise ControlConfigError(f"heartbeat_interval={self.heartbeat_interval} must be > 0")
+        if self.heartbeat_misses < 1:
+            raise ControlConfigError(f"heartbeat_misses={self.heartbeat_misses} must be >= 1")
+        if self.action_time_limit <= 0:
+            raise ControlConfigError(f"action_time_limit={self.action_time_limit} must be > 0")
+        self.controller_addr = parse_ip(self.controller_addr, "controller_addr")
+        self.processor_addr = parse_ip(self.processor_addr, "processor_addr", allow_wildcard=False)
+        self.port = parse_port(self.port, "port", allow_any=True)  # 0: a controller binds any port
+
+    @property
+    def lost_after(self) -> float:
+        """Seconds of silence after which a rank (or the controller) is lost."""
+        return self.heartbeat_interval * self.heartbeat_misses
+
+    @property
+    def curve(self) -> bool:
+        """True when CURVE encryption and authentication are on."""
+        return self.curve_server_key is not None
+
+    def effective_decision_timeout(self) -> float:
+        """How long a rank waits for a decision before giving up and exiting."""
+        if self.decision_timeout is not None:
+            return self.decision_timeout
+        return 6 * self.action_time_limit + 2 * self.lost_after + 30
+
+    def replace(self, **changes: Any) -> ControlConfig:
+        """A copy with some fields changed."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(changes)
+        return ControlConfig(**values)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> ControlConfig:
+        """Read the environment (default `os.environ`); keyword overrides win over it."""
+        env = os.environ if env is None else env
+        warnings: list[str] = []
+        ttp_addr = parse_ip(env.get("TTP_ADDR") or DEFAULT_ADDR, "TTP_ADDR")
+        ctrl = env.get("CONTROLLER_ADDR")
+        proc = env.get("PROCESSOR_ADDR")
+        values: dict[str, Any] = {
+            "controller_addr": parse_ip(ctrl, "CONTROLLER_ADDR") if ctrl else ttp_addr,
+            "processor_addr": parse_ip(proc, "PROCESSOR_ADDR", allow_wildcard=False)
+            if proc else parse_ip(ttp_addr, "TTP_ADDR", allow_wildcard=False),
+            "port": parse_port(env.get("TTP_PORT") or DEFAULT_PORT),
+            "heartbeat_interval": _number(env, "TTP_HEARTBEAT_INTERVAL", 2.0, 0.05, 60, warnings),
+            "heartbeat_misses": int(_number(env, "TTP_HEARTBEAT_MISSES", 3, 1, 100, warnings,
+                                            integer=True)),
+            "action_time_limit": _number(env, "TTP_NORMAL_ACTION_TIME_LIMIT", 180, 30, 1800,
+                                         warnings),
+            "register_timeout": _number(env, "TTP_REGISTER_TIMEOUT", 600, 1, 86400, warnings),
+            "hang_timeout_min": _number(env, "TTP_HANG_TIMEOUT_MIN", 60, 0.1, 86400, warnings),
+            "hang_timeout_factor": _number(env, "TTP_HANG_TIMEOUT_FACTOR", 5, 1, 1000, warnings),
+            "hang_initial_timeout": _number(env, "TTP_HANG_INITIAL_TIMEOUT", 1800, 1, 86400,
+                                            warnings),
+            "curve_server_key": _path(env, "TTP_CURVE_SERVER_KEY"),
+            "curve_client_key": _path(env, "TTP_CURVE_CLIENT_KEY"),
+            "curve_authorized_keys": _path(env, "TTP_CURVE_AUTHORIZED_KEYS"),
+            "log_path": (env.get("TTP_LOG_PATH") or "").strip() or "logs",
+            "log_level": _choice(env, "TTP_LOG_LEVEL", "INFO", LOG_LEVELS, warnings),
+            "log_mode": _choice(env, "TTP_LOG_MODE", "ONLY_ONE", LOG_MODES, warnings),
+            "log_stdout": _choice(env, "TTP_LOG_STDOUT", "0", ("0", "1"), warnings) == "1",
+        }
+        backups = (env.get("TTP_BACKUP_ADDRS") or "").strip()
+        if backups:
+            values["backups"] = [parse_hostport(b, "TTP_BACKUP_ADDRS")
+                                 for b in backups.split(",") if b.strip()]
+            if len(values["backups"]) > MAX_BACKUPS:
+                raise ControlConfigError(
+                    f"TTP_BACKUP_ADDRS={backups!r} names {len(values['backups'])} backup "
+                    f"controllers; at most {MAX_BACKUPS} are allowed"
+                )
+        values.update(overrides)
+        if values["curve_client_key"] and not values["curve_server_key"]:
+            raise ControlConfigError(
+                "TTP_CURVE_CLIENT_KEY is set but TTP_CURVE_SERVER_KEY is not: CURVE needs both"
+            )
+        config = cls(**values)
+        config.warnings = warnings
+        for w in warnings:
+            log.warning("%s", w)
+        return config
+
+
+_logging_done = False
+
+
+def setup_logging(config: ControlConfig, *, force: bool = False) -> None:
+    """Send the `mindspeed_tft.control` logger to TTP_LOG_PATH (once per process)."""
+    global _logging_done
+    if _logging_done and not force:
+        return
+    _logging_done = True
+    logger = logging.getLogger("mindspeed_tft.control")
+    logger.setLevel(getattr(logging, config.log_level))
+    fmt = logging.Formatter(
+        "%(asctime)s %(levelname)s [pid %(process)d %(threadName)s] %(name)s: %(message)s"
+    )
+    name = LOG_FILE if config.log_mode == "ONLY_ONE" else f"ttp_log.{os.getpid()}.log"
+    try:
+        os.makedirs(config.log_path, exist_ok=True)
+        handler: logging.Handler = logging.FileHandler(os.path.join(config.log_path, name))
+    except OSError as e:  # an unwritable log folder must not stop training
+        handler = logging.StreamHandler(sys.stderr)
+        logger.warning("cannot write logs to %s (%s); logging to stderr", config.log_path, e)
+    handler.setFormatter(fmt)
+    logger.addHandler(handler)
+    if config.log_stdout:
+        out = logging.StreamHandler(sys.stdout)
+        out.setFormatter(fmt)
+        logger.addHandler(out)
+    for w in config.warnings:
+        logger.warning("%s", w)

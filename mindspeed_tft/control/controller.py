@@ -1,0 +1,789 @@
+"""The controller: rank table, heartbeat supervision, state machine and fault handling.
+
+One `Controller` is active per job; up to two more run as backups on other nodes. It owns a
+ROUTER socket and a single loop thread that does everything: decode and check frames
+(`protocol`), bind each rank to the connection it registered from, supervise heartbeats
+(a rank silent for interval x misses is lost), take error and hang reports, and hand every
+fault to an `IncidentFlow` that runs the SPEC 5 sequence with per-action deadlines. No
+callback or peer can block the loop: sockets never block, every wait is a deadline.
+
+Where it runs: a background thread of rank 0's training process under plain torchrun
+(`Controller(...).start()`), the launcher of node 0 under `tft-run`, or standalone:
+
+    python -m mindspeed_tft.control.controller --world-size 8 [--port 8000] ...
+
+Backups (`role="backup"`, see `backup`) stay in sync with the active controller and take
+charge when it disappears, but only with more than half of the ranks alive.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from ..events import CONTROLLER_RANK, configure_events, emit
+from . import local
+from .backup import BackupSync
+from .classify import FaultKind
+from .config import ControlConfig, setup_logging
+from .incident import Incident, IncidentFlow
+from .protocol import CONTROLLER, DropCounter, Message, MsgType, ProtocolError, decode, encode
+from .ranktable import CONNECTED, Health, RankInfo, RankTable
+from .states import State, StateMachine
+from .strategy import Features, StrategyPlanner
+from .transport import (
+    MONITOR_EVENTS,
+    MONITOR_NAMES,
+    CurveKeys,
+    bind_router,
+    bound_port,
+    connect_dealer,
+    hostport,
+    new_routing_id,
+    raise_fd_limit,
+    start_authenticator,
+)
+
+log = logging.getLogger("mindspeed_tft.control.controller")
+
+_DRAIN_BATCH = 4096
+_BATCH_WAIT = 0.01  # seconds; heartbeats wait at most this long to be read (not during incidents)
+
+
+class Controller(BackupSync):
+    """The control plane's brain (see the module docstring).
+
+    world_size: number of training ranks. config: addresses, timing, CURVE (default
+    `ControlConfig.from_env()`). features/planner: strategy choice and action payloads.
+    role: "active" or "backup"; a backup binds `bind_addr:port` and syncs from the active
+    controller at `config.processor_addr:config.port`. port 0 binds any free port.
+    """
+
+    def __init__(self, world_size: int, config: ControlConfig | None = None, *,
+                 features: Features | None = None, planner: StrategyPlanner | None = None,
+                 role: str = "active", backup_index: int = 0, bind_addr: str | None = None,
+                 port: int | None = None) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size={world_size} must be >= 1")
+        if role not in ("active", "backup"):
+            raise ValueError(f"role={role!r} must be 'active' or 'backup'")
+        self.config = config or ControlConfig.from_env()
+        self.world_size = world_size
+        self.features = features or Features()
+        self.planner = planner or StrategyPlanner(self.features)
+        self.role = role
+        self.backup_index = backup_index
+        self.bind_addr = bind_addr or self.config.controller_addr
+        self._port_wanted = self.config.port if port is None else port
+        self.port: int | None = None
+        self.table = RankTable(world_size)
+        self.sm = StateMachine(State.INIT, emit_events=False)  # INIT is announced on start
+        self.sm.listeners.append(self._on_transition)
+        self.drops = DropCounter(log)
+        self.epoch = 0
+        self.flow: IncidentFlow | None = None
+        self.incidents = 0
+        self.exit_code: int | None = None
+        self._seq = 0
+        self._action_id = 0
+        self._ctx: zmq.Context | None = None
+        self._router: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
+        #: counts of connection events (handshake failures, disconnects) from the monitor
+        self.connections: dict[str, int] = {}
+        self._upstream: zmq.Socket | None = None
+        self._auth: Any = None
+        self._curve: CurveKeys | None = None
+        self._thread: threading.Thread | None = None
+        self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        self._ready = threading.Event()
+        self._final = threading.Event()
+        self._stopping = False
+        self._error: BaseException | None = None
+        self._ack_frame: bytes | None = None
+        self._started = 0.0
+        self._now = time.monotonic()
+        self._backups: dict[bytes, dict[str, Any]] = {}
+        self._allowed_backups = {hostport(a, p) for a, p in self.config.backups}
+        self._last_sync = 0.0
+        self._next_hello = 0.0
+        self._next_sync = 0.0
+        self._snapshot_path: str | None = None
+        self._snapshot_dirty = True
+        self._next_snapshot = 0.0
+        self.send_errors = 0
+        #: ranks not (or no longer) registered during INIT; NORMAL when it is empty
+        self._missing: set[int] = set(range(world_size))
+        self._done = 0
+
+    # -- public API -------------------------------------------------------------------
+    @property
+    def state(self) -> State:
+        return self.sm.state
+
+    @property
+    def endpoint(self) -> str:
+        """`ip:port` this controller listens on (after `start`)."""
+        return hostport(self.bind_addr, self.port or self._port_wanted)
+
+    def start(self, timeout: float = 30.0) -> None:
+        """Bind and run the loop in a background thread (returns once bound)."""
+        if self._thread is not None:
+            raise RuntimeError("controller already started")
+        self._thread = threading.Thread(target=self._main, name=f"tft-controller-{self.role}",
+                                        daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError(f"controller did not bind within {timeout}s")
+        if self._error is not None:
+            raise self._error
+        local.register(self)
+
+    def run(self) -> int:
+        """Run the loop in this thread until FINAL or `stop()`; returns the exit code decided."""
+        self._main()
+        if self._error is not None:
+            raise self._error
+        return self.exit_code or 0
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the loop and close the sockets."""
+        self._command("stop")
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        local.unregister(self)
+
+    def wait_final(self, timeout: float | None = None) -> bool:
+        """Wait until the controller reached FINAL (or stopped)."""
+        return self._final.wait(timeout)
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        return self._ready.wait(timeout)
+
+    def pause(self) -> None:
+        """Operator pause: NORMAL -> PAUSE, ranks hold before their next update."""
+        self._command("pause")
+
+    def resume(self) -> None:
+        """End an operator pause: PAUSE -> NORMAL."""
+        self._command("resume")
+
+    def snapshot(self, timeout: float = 5.0) -> dict[str, Any]:
+        """State, rank table, drop counters (computed in the loop thread when running)."""
+        if self._thread is None or not self._thread.is_alive() or self._final.is_set():
+            return self._snapshot()
+        box: list[dict[str, Any]] = []
+        done = threading.Event()
+        self._command("snapshot", box, done)
+        deadline = time.monotonic() + timeout
+        while not done.wait(0.05):
+            if self._final.is_set():  # the loop ended before it saw the request
+                return self._snapshot()
+            if time.monotonic() > deadline:
+                raise TimeoutError("controller loop did not answer")
+        return box[0]
+
+    def write_snapshots(self, path: str) -> None:
+        """Write a JSON snapshot to `path` whenever something but heartbeat times changed."""
+        self._snapshot_path = path
+
+    # -- loop ---------------------------------------------------------------------------
+    def _command(self, *cmd: Any) -> None:
+        self._commands.put(cmd)
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+
+    def _main(self) -> None:
+        try:
+            self._setup()
+        except BaseException as e:
+            self._error = e
+            self._ready.set()
+            self._final.set()
+            self._close()
+            return
+        self._ready.set()
+        try:
+            self._loop()
+        except BaseException as e:  # a bug: log it loudly, never leave processors hanging
+            self._error = e
+            log.exception("controller loop failed")
+        finally:
+            self._close()
+            self._final.set()
+
+    def _setup(self) -> None:
+        cfg = self.config
+        raise_fd_limit(self.world_size + 512)
+        self._ctx = zmq.Context()
+        self._curve = CurveKeys.from_config(cfg, server=True)
+        if self._curve is not None:
+            self._auth = start_authenticator(self._ctx, self._curve)
+        self._router = bind_router(self._ctx, self.bind_addr, self._port_wanted,
+                                   max_bytes=cfg.max_message_bytes, curve=self._curve)
+        self.port = bound_port(self._router)
+        self._monitor = self._router.get_monitor_socket(MONITOR_EVENTS)
+        self._started = self._now = time.monotonic()
+        if self.role == "backup":
+            client_keys = None
+            if self._curve is not None:
+                if self._curve.client_secret is None:
+                    raise ValueError("a CURVE backup controller needs TTP_CURVE_CLIENT_KEY too")
+                client_keys = self._curve
+            self._upstream = connect_dealer(
+                self._ctx, cfg.processor_addr, cfg.port, routing_id=new_routing_id(),
+                max_bytes=256 << 20, curve=client_keys)
+            self._last_sync = self._now
+        log.info("%s controller for %d ranks listening on %s", self.role, self.world_size,
+                 self.endpoint)
+        if self.role == "active":
+            self.sm.emit_events = True
+            self.sm.announce("controller started")
+
+    def _close(self) -> None:
+        if self._monitor is not None:
+            try:
+                self._router.disable_monitor()  # type: ignore[union-attr]
+            except zmq.ZMQError:
+                pass
+            self._monitor.close(0)
+            self._monitor = None
+        for sock in (self._router, self._upstream):
+            if sock is not None:
+                try:
+                    sock.setsockopt(zmq.LINGER, 2000)  # let queued exit orders leave
+                    sock.close()
+                except zmq.ZMQError:
+                    pass
+        self._router = self._upstream = None
+        if self._auth is not None:
+            try:
+                self._auth.stop()
+            except Exception:
+                pass
+            self._auth = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._wake_r = self._wake_w = -1
+
+    def _loop(self) -> None:
+        assert self._router is not None
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        if self._monitor is not None:
+            poller.register(self._monitor, zmq.POLLIN)
+        if self._upstream is not None:
+            poller.register(self._upstream, zmq.POLLIN)
+        tick = min(0.25, self.config.heartbeat_interval / 4)
+        next_tick = time.monotonic()
+        while not self._stopping:
+            timeout_ms = max(0, int((next_tick - time.monotonic()) * 1000))
+            events = dict(poller.poll(timeout_ms))
+            self._now = time.monotonic()
+            if self._wake_r in events:
+                os.read(self._wake_r, 4096)
+                self._run_commands()
+            drained = 0
+            if self._router in events:
+                drained = self._drain(self._router, self._on_frames)
+            if self._upstream is not None and self._upstream in events:
+                self._drain(self._upstream, self._on_upstream)
+            if self._monitor is not None and self._monitor in events:
+                self._drain(self._monitor, self._on_monitor)
+            if self._now >= next_tick:
+                self._tick(self._now)
+                next_tick = self._now + tick
+            if self.sm.state is State.FINAL:  # _final is set once the sockets are flushed
+                self._write_snapshot(force=True)
+                break
+            if 0 < drained < _DRAIN_BATCH // 8 and self.flow is None:
+                # a trickle of heartbeats: let a few more arrive before waking up again, so
+                # thousands of ranks cost hundreds of wake-ups a second, not thousands
+                time.sleep(_BATCH_WAIT)
+
+    def _drain(self, sock: zmq.Socket, handler: Any) -> int:
+        for n in range(_DRAIN_BATCH):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return n
+            handler(frames)
+        return _DRAIN_BATCH
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            name = cmd[0]
+            if name == "stop":
+                self._stopping = True
+            elif name == "snapshot":
+                cmd[1].append(self._snapshot())
+                cmd[2].set()
+            elif name == "pause" and self.sm.state is State.NORMAL and self.role == "active":
+                self.sm.to(State.PAUSE, "operator pause")
+                self._broadcast("pause", {"reason": "operator pause"})
+            elif name == "resume" and self.sm.state is State.PAUSE:
+                self.sm.to(State.NORMAL, "operator resume")
+                self._broadcast("resume", {"step": -1, "strategy": "none", "false_alarm": True,
+                                           "incident": 0})
+
+    def _tick(self, now: float) -> None:
+        state = self.sm.state
+        if self.role == "active":
+            self._supervise(now)
+            if self.flow is not None:
+                self.flow.tick(now)
+            if state is State.INIT and now - self._started > self.config.register_timeout:
+                missing = [r for r in range(self.world_size)
+                           if (row := self.table.get(r)) is None or not row.connected]
+                self._fail_init(f"ranks {missing[:32]} did not register within "
+                                f"{self.config.register_timeout:g}s")
+            if self._backups and now >= self._next_sync:
+                self._sync_backups(now)
+        else:
+            self._standby_tick(now)
+        self._write_snapshot()
+
+    # -- frames from processors -------------------------------------------------------------
+    def _on_frames(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            self.drops.drop("frames", f"{len(frames) - 1} frames")
+            return
+        identity, frame = frames
+        try:
+            msg = decode(frame, self.config.max_message_bytes)
+        except ProtocolError as e:
+            self.drops.drop(e.reason, e.detail)
+            self._snapshot_dirty = True
+            return
+        t = msg.type
+        if t == MsgType.HEARTBEAT:
+            self._on_heartbeat(identity, msg)
+        elif t == MsgType.REGISTER:
+            self._on_register(identity, msg)
+        elif t == MsgType.REPORT:
+            self._on_report(identity, msg)
+        elif t == MsgType.RESULT:
+            self._on_result(identity, msg)
+        elif t == MsgType.BYE:
+            self._on_bye(identity, msg)
+        elif t == MsgType.BACKUP and self.role == "active":
+            self._on_backup(identity, msg)
+        else:
+            self.drops.drop("unexpected_type", t)
+            self._snapshot_dirty = True
+
+    def _bound(self, identity: bytes, msg: Message) -> RankInfo | None:
+        row = self.table.lookup(identity)
+        if row is None:
+            self.drops.drop("unregistered", msg.type)
+        elif row.rank != msg.sender:
+            self.drops.drop("spoof", f"{msg.type} claims rank {msg.sender} from rank {row.rank}'s connection")
+        elif msg.seq <= row.last_seq:
+            self.drops.drop("replay", f"{msg.type} seq {msg.seq} <= {row.last_seq}")
+        else:
+            row.last_seq = msg.seq
+            row.last_seen = self._now
+            return row
+        self._snapshot_dirty = True
+        return None
+
+    def _on_heartbeat(self, identity: bytes, msg: Message) -> None:
+        row = self._bound(identity, msg)
+        if row is None:
+            return
+        health = row.health
+        if health in CONNECTED:
+            p = msg.payload
+            row.step = p["step"]
+            row.status = p["status"]
+            progress = p.get("progress", row.progress)
+            if health is Health.HUNG and progress > row.progress and self.flow is not None:
+                self.flow.clear_fault(row.rank)
+            row.progress = progress
+        elif health is Health.LOST:
+            if self.sm.state is State.INIT or self.role == "backup":
+                row.health = Health.ALIVE
+                self._snapshot_dirty = True
+                if self.sm.state is State.INIT:
+                    self._missing.discard(row.rank)
+                    if not self._missing:
+                        self.sm.to(State.NORMAL, f"all {self.world_size} ranks registered")
+            else:  # declared lost and handled as such: this process must go
+                self._send_action(row.rank, self._new_action_id(), "exit",
+                                  {"code": self.config.failure_exit_code,
+                                   "reason": "this rank was declared lost"},
+                                  self.config.action_time_limit)
+                row.health = Health.EXITING
+                return
+        if self.role == "backup" and self._active_alive():
+            self._send(identity, MsgType.REDIRECT, {"reason": "the active controller is alive"})
+            return
+        if not msg.payload.get("ack", True):
+            return
+        frame = self._ack_frame
+        if frame is None:
+            frame = self._ack_frame = encode(
+                MsgType.ACK, CONTROLLER, self._next_seq(),
+                {"state": self.sm.state.value, "epoch": self.epoch, "role": self._role_name()})
+        self._raw_send(identity, frame)
+
+    def _on_register(self, identity: bytes, msg: Message) -> None:
+        p, rank, now = msg.payload, msg.sender, self._now
+        if not (0 <= rank < self.world_size) or p["world_size"] != self.world_size:
+            self.drops.drop("bad_register", f"rank {rank} world {p['world_size']}")
+            self._send(identity, MsgType.REJECT, {
+                "reason": f"rank {rank} of world size {p['world_size']} does not fit this job "
+                          f"(world size {self.world_size})", "retry": False})
+            return
+        bound = self.table.lookup(identity)
+        if bound is not None and bound.rank != rank:
+            self.drops.drop("spoof", f"connection of rank {bound.rank} registers as {rank}")
+            return
+        row = self.table.get(rank)
+        if row is not None and row.identity == identity:  # a repeated registration
+            if msg.seq > row.last_seq:
+                row.last_seq = msg.seq
+            row.last_seen = now
+            if row.health is Health.LOST and (self.sm.state is State.INIT or self.role == "backup"):
+                row.health = Health.ALIVE
+            self._send_registered(row)
+            if self.sm.state is State.INIT and self.role == "active":
+                self._missing.discard(rank)
+                if not self._missing:
+                    self.sm.to(State.NORMAL, f"all {self.world_size} ranks registered")
+            return
+        if row is not None and row.identity and not self._rebindable(row, now):
+            self.drops.drop("rank_taken", f"rank {rank} registers from a second connection")
+            self._send(identity, MsgType.REJECT, {
+                "reason": f"rank {rank} is registered from another connection that is still "
+                          "alive; retrying until it is declared lost", "retry": True})
+            return
+        failover = bool(p.get("failover", False))
+        state = self.sm.state
+        fresh = state is not State.INIT and not failover and self.role == "active"
+        prev_health = row.health if row is not None else None
+        info = self.table.register(rank, identity, p["host"], p["pid"], now, p.get("replica"),
+                                   p.get("step", 0), p.get("status", "updated"))
+        info.last_seq = msg.seq
+        info.fresh = fresh
+        if prev_health in (Health.DONE,) and failover:
+            info.health = Health.DONE
+        self._snapshot_dirty = True
+        log.info("rank %d registered (pid %s on %s%s)", rank, p["pid"], p["host"],
+                 ", restarted" if fresh else (", failover" if failover else ""))
+        self._send_registered(info)
+        if self.role != "active":
+            return
+        if state is State.INIT:
+            self._missing.discard(rank)
+            if not self._missing:
+                self.sm.to(State.NORMAL, f"all {self.world_size} ranks registered")
+        elif fresh:
+            if self.flow is not None:
+                self.flow.on_registered(rank)
+            else:
+                self._send_action(rank, self._new_action_id(), "exit", {
+                    "code": self.config.failure_exit_code,
+                    "reason": f"rank {rank} restarted while no recovery was under way"},
+                    self.config.action_time_limit)
+                info.health = Health.EXITING
+
+    def _rebindable(self, row: RankInfo, now: float) -> bool:
+        """May another connection take over this rank's row?"""
+        if self.role == "backup":
+            return now - row.last_seen > self.config.lost_after
+        return row.health not in CONNECTED
+
+    def _send_registered(self, row: RankInfo) -> None:
+        lock = self.flow.incident.lock_step if self.flow is not None else None
+        self._send(row.identity, MsgType.REGISTERED, {
+            "epoch": self.epoch, "state": self.sm.state.value,
+            "interval": self.config.heartbeat_interval, "misses": self.config.heartbeat_misses,
+            "backups": sorted(self._allowed_backups), "rejoin": row.fresh,
+            "lock_step": lock, "role": self._role_name()})
+
+    def _on_report(self, identity: bytes, msg: Message) -> None:
+        row = self._bound(identity, msg)
+        if row is None or self.role != "active":
+            return
+        p = msg.payload
+        kind = FaultKind(p["kind"])
+        if row.health in CONNECTED:
+            row.step, row.status = p["step"], p["status"]
+        if kind is FaultKind.NORMAL:
+            if self.flow is None and self.sm.state in (State.NORMAL, State.PAUSE):
+                # a rank stopped itself with no incident under way: let it go on
+                self._send_action(row.rank, self._new_action_id(), "resume", {
+                    "incident": 0, "step": row.step, "strategy": "none", "false_alarm": True},
+                    self.config.action_time_limit)
+            return
+        if row.health not in CONNECTED:
+            return
+        if kind is FaultKind.HANG and self.flow is not None and row.rank in self.flow.incident.parked:
+            return  # a report that crossed the stop: its training thread did come back
+        row.health = Health.HUNG if kind is FaultKind.HANG else Health.FAULTY
+        self._snapshot_dirty = True
+        self._fault(row.rank, kind, p["message"], p.get("detail"))
+
+    def _on_result(self, identity: bytes, msg: Message) -> None:
+        row = self._bound(identity, msg)
+        if row is not None and self.flow is not None:
+            self.flow.on_result(row.rank, msg.payload)
+
+    def _on_bye(self, identity: bytes, msg: Message) -> None:
+        row = self._bound(identity, msg)
+        if row is None or self.role != "active":
+            return
+        if row.health is not Health.DONE:
+            row.health = Health.DONE
+            self._done += 1
+        self._snapshot_dirty = True
+        log.info("rank %d finished (code %d)", row.rank, msg.payload["code"])
+        if self.flow is not None:
+            self.flow.on_gone(row.rank, "finished")
+        if self.sm.state is State.NORMAL and self._done == self.world_size and all(
+                (r := self.table.get(i)) is not None and r.health is Health.DONE
+                for i in range(self.world_size)):
+            self.sm.to(State.EXIT, "training finished")
+            self.exit_code = 0
+            emit("exit", CONTROLLER_RANK, code=0, reason="training finished")
+            self.sm.to(State.FINAL, "training finished")
+
+    def _on_monitor(self, frames: list[bytes]) -> None:
+        """Connection events: failed handshakes (wrong CURVE key, garbage) and disconnects
+        (including peers libzmq cut off for frames far over the size limit)."""
+        try:
+            event = int.from_bytes(frames[0][:2], "little")
+        except (IndexError, TypeError):
+            return
+        name = MONITOR_NAMES.get(event)
+        if name is None:
+            return
+        n = self.connections.get(name, 0) + 1
+        self.connections[name] = n
+        self._snapshot_dirty = True
+        if name != "disconnected" and (n <= 10 or n % 1000 == 0):
+            log.warning("connection event #%d: %s", n, name)
+
+    # -- faults -----------------------------------------------------------------------------
+    def _fault(self, rank: int, kind: FaultKind, message: str,
+               detail: dict[str, Any] | None = None) -> None:
+        state = self.sm.state
+        if detail and self.flow is not None:
+            self.flow.incident.details[rank] = detail
+        if state is State.INIT:
+            emit("fault_detected", CONTROLLER_RANK, ranks=[rank], kind=kind.value,
+                 message=message[:500])
+            self._fail_init(f"{kind} on rank {rank} before all ranks registered: {message[:200]}")
+        elif self.flow is None and state in (State.NORMAL, State.PAUSE):
+            self.incidents += 1
+            self.flow = IncidentFlow(self, Incident(self.incidents, self._now))
+            if detail:
+                self.flow.incident.details[rank] = detail
+            self.flow.begin(rank, kind, message)
+        elif self.flow is not None:
+            self.flow.add_fault(rank, kind, message)
+
+    def _fail_init(self, reason: str) -> None:
+        log.error("initialisation failed: %s", reason)
+        code = self.config.failure_exit_code
+        self.exit_code = code
+        emit("exit", CONTROLLER_RANK, code=code, reason=reason)
+        self._broadcast("exit", {"code": code, "reason": reason})
+        self.sm.to(State.FINAL, reason)
+
+    def _supervise(self, now: float) -> None:
+        overdue = self.table.overdue(now, self.config.lost_after)
+        for row in overdue:
+            silent = now - row.last_seen
+            row.health = Health.LOST
+            self._snapshot_dirty = True
+            if self.sm.state is State.INIT:
+                log.warning("rank %d silent for %.1fs during registration", row.rank, silent)
+                self._missing.add(row.rank)
+                continue
+            self._fault(row.rank, FaultKind.LOST, f"no heartbeat for {silent:.1f}s")
+
+    # -- FlowHost ---------------------------------------------------------------------------
+    def now(self) -> float:
+        return time.monotonic()
+
+    def new_action_id(self) -> int:
+        return self._new_action_id()
+
+    def _new_action_id(self) -> int:
+        self._action_id += 1
+        return self._action_id
+
+    def send_action(self, rank: int, action_id: int, name: str, payload: dict[str, Any],
+                    timeout: float) -> None:
+        self._send_action(rank, action_id, name, payload, timeout)
+
+    def send_action_many(self, ranks: list[int], action_id: int, name: str,
+                         payload: dict[str, Any], timeout: float) -> None:
+        """The same order to many ranks (encoded once)."""
+        frame = encode(MsgType.ACTION, CONTROLLER, self._next_seq(),
+                       {"id": action_id, "name": name, "timeout": float(timeout),
+                        "payload": payload})
+        for rank in ranks:
+            row = self.table.get(rank)
+            if row is not None and row.identity:
+                self._raw_send(row.identity, frame)
+
+    def _send_action(self, rank: int, action_id: int, name: str, payload: dict[str, Any],
+                     timeout: float) -> None:
+        row = self.table.get(rank)
+        if row is None or not row.identity:
+            return
+        self._send(row.identity, MsgType.ACTION,
+                   {"id": action_id, "name": name, "timeout": float(timeout), "payload": payload})
+
+    def flow_finished(self, flow: IncidentFlow) -> None:
+        if self.flow is flow:
+            self.flow = None
+        if flow.exit_code is not None:
+            self.exit_code = flow.exit_code
+        self._snapshot_dirty = True
+
+    # -- sending ----------------------------------------------------------------------------
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _send(self, identity: bytes, mtype: str, payload: dict[str, Any]) -> None:
+        self._raw_send(identity, encode(mtype, CONTROLLER, self._next_seq(), payload))
+
+    def _raw_send(self, identity: bytes, frame: bytes) -> None:
+        try:
+            self._router.send_multipart([identity, frame], zmq.NOBLOCK)  # type: ignore[union-attr]
+        except zmq.ZMQError:
+            self.send_errors += 1
+
+    def _broadcast(self, name: str, payload: dict[str, Any]) -> None:
+        self.send_action_many([r.rank for r in self.table.connected()], self._new_action_id(),
+                              name, payload, self.config.action_time_limit)
+
+    def _role_name(self) -> str:
+        return "active" if self.role == "active" else "standby"
+
+    def _on_transition(self, old: State, new: State, reason: str) -> None:
+        self._ack_frame = None
+        self._snapshot_dirty = True
+        self._next_sync = 0.0  # sync backups at the next tick
+
+    # -- snapshots ------------------------------------------------------------------------
+    def _snapshot(self) -> dict[str, Any]:
+        return {
+            "state": self.sm.state.value,
+            "role": self._role_name(),
+            "epoch": self.epoch,
+            "world_size": self.world_size,
+            "port": self.port,
+            "ranks": {str(k): v for k, v in self.table.snapshot().items()},
+            "dropped": dict(self.drops.counts),
+            "dropped_total": self.drops.total,
+            "connections": dict(self.connections),
+            "backups": sorted(b["endpoint"] for b in self._backups.values()),
+            "incident": None if self.flow is None else {
+                "id": self.flow.incident.id,
+                "faults": {str(r): k.value for r, k in self.flow.incident.faults.items()},
+                "strategy": str(self.flow.incident.strategy),
+                "lock_step": self.flow.incident.lock_step,
+                "phase": self.flow.phase.name if self.flow.phase else None,
+            },
+            "incidents": self.incidents,
+            "exit_code": self.exit_code,
+            "history": [s.value for s in self.sm.history],
+        }
+
+    def _write_snapshot(self, force: bool = False) -> None:
+        path = self._snapshot_path
+        if path is None or not (self._snapshot_dirty or force) or (
+                not force and self._now < self._next_snapshot):
+            return
+        self._snapshot_dirty = False
+        self._next_snapshot = self._now + 0.1
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(self._snapshot(), f)
+        os.replace(tmp, path)
+
+
+# -- command line -----------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m mindspeed_tft.control.controller",
+        description="Run a mindspeed-tft controller (active or backup) in this process.")
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--addr", default=None, help="address to bind (default CONTROLLER_ADDR/TTP_ADDR)")
+    parser.add_argument("--port", type=int, default=None, help="port (default TTP_PORT; 0 = any)")
+    parser.add_argument("--role", choices=("active", "backup"), default="active")
+    parser.add_argument("--backup-index", type=int, default=0)
+    parser.add_argument("--features", default="dump",
+                        help="comma list of dump, retry, recover, no_replica")
+    parser.add_argument("--interval", type=float, default=None, help="heartbeat interval (s)")
+    parser.add_argument("--misses", type=int, default=None, help="missed heartbeats before lost")
+    parser.add_argument("--action-time-limit", type=float, default=None)
+    parser.add_argument("--register-timeout", type=float, default=None)
+    parser.add_argument("--events", default=None, help="events file (default TFT_EVENTS_FILE)")
+    parser.add_argument("--ready-file", default=None,
+                        help="write {port, pid} here once listening")
+    parser.add_argument("--snapshot", default=None, help="keep a JSON snapshot in this file")
+    args = parser.parse_args(argv)
+    overrides: dict[str, Any] = {}
+    for name, key in (("interval", "heartbeat_interval"), ("misses", "heartbeat_misses"),
+                      ("action_time_limit", "action_time_limit"),
+                      ("register_timeout", "register_timeout")):
+        if getattr(args, name) is not None:
+            overrides[key] = getattr(args, name)
+    config = ControlConfig.from_env(**overrides)
+    setup_logging(config)
+    configure_events(args.events)
+    ctrl = Controller(args.world_size, config, features=Features.from_names(args.features),
+                      role=args.role, backup_index=args.backup_index, bind_addr=args.addr,
+                      port=args.port)
+    if args.snapshot:
+        ctrl.write_snapshots(args.snapshot)
+
+    def _term(signum: int, frame: Any) -> None:
+        ctrl.stop(timeout=0)
+
+    signal.signal(signal.SIGTERM, _term)
+    signal.signal(signal.SIGINT, _term)
+    if args.ready_file:
+        def _announce() -> None:
+            if ctrl.wait_ready(60) and ctrl.port:
+                tmp = args.ready_file + ".tmp"
+                with open(tmp, "w", encoding="utf-8") as f:
+                    json.dump({"port": ctrl.port, "pid": os.getpid()}, f)
+                os.replace(tmp, args.ready_file)
+        threading.Thread(target=_announce, daemon=True).start()
+    return ctrl.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

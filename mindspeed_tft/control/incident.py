@@ -1,0 +1,447 @@
+"""The handling of one fault incident: from detection to NORMAL again or to FINAL (SPEC 5).
+
+An `IncidentFlow` is created by the controller when a fault arrives in NORMAL or PAUSE and
+drives the state machine through a sequence of phases. Each phase sends one action to a set
+of ranks and waits for every result, a lost rank, or the phase's deadline (the action time
+limit, `TTP_NORMAL_ACTION_TIME_LIMIT`), whichever comes first:
+
+    ABNORMAL   stop      hold every rank before its next update; results carry step/status
+               (decide)  lock step, strategy (`StrategyPlanner`), `strategy` event
+    ENV_CLEAR  clean     drop pending collectives, free bad memory
+               rejoin    recover only: wait for restarted workers to register again
+    REPAIR     repair    rebuild communication, copy state from replicas / load checkpoint
+               rollback  every rank back to the lock step
+               resume    notify normal -> NORMAL (`repaired` event)
+    DUMP       dump      SPEC 7 holders write the dying-gasp checkpoint
+               rename    one rank renames iter_X_tmp -> iter_X and updates the tracker
+    EXIT       exit      every rank exits with the decided code -> FINAL (`exit` event)
+
+A failed or timed-out clean/repair/rollback falls back to DUMP; a failed dump, an
+impossible dump (a shard without a healthy holder) or a lock step of 0 exit with a clear
+reason. A new fault during ENV_CLEAR or REPAIR is a cascading fault and goes to DUMP; faults
+arriving while still ABNORMAL join the incident before the decision. No phase waits longer
+than its deadline, so nothing hangs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ..events import CONTROLLER_RANK, emit
+from .classify import FaultKind
+from .config import ControlConfig
+from .ranktable import CONNECTED, Health, RankTable
+from .states import State, StateMachine
+from .strategy import PROCESS_KINDS, REPAIR_STRATEGIES, PlanError, Strategy, StrategyPlanner
+
+log = logging.getLogger("mindspeed_tft.control.incident")
+
+_KIND_RANK = {FaultKind.COMM: 0, FaultKind.UCE: 1, FaultKind.UNKNOWN: 2, FaultKind.HANG: 3,
+              FaultKind.LOST: 4}
+
+
+@dataclass
+class Incident:
+    """What is known about one incident."""
+
+    id: int
+    started: float
+    faults: dict[int, FaultKind] = field(default_factory=dict)
+    messages: dict[int, str] = field(default_factory=dict)
+    #: what the reporting ranks said beyond the kind (e.g. which memory a UCE hit)
+    details: dict[int, dict[str, Any]] = field(default_factory=dict)
+    strategy: Strategy | None = None
+    lock_step: int = 0
+    source: str = "replica"
+    #: last steps of ranks whose process is gone (their rows may be replaced on rejoin)
+    lost_steps: dict[int, int] = field(default_factory=dict)
+    #: restarted processes that registered during this incident
+    new_ranks: set[int] = field(default_factory=set)
+    #: recover: ranks whose restarted process we still wait for
+    awaiting: set[int] = field(default_factory=set)
+    #: ranks whose training thread came back to the handler when stopped (so: not hung)
+    parked: set[int] = field(default_factory=set)
+    rollback_step: int | None = None
+
+
+@dataclass
+class Phase:
+    """One action sent to a set of ranks, and what came back."""
+
+    name: str
+    action_id: int
+    deadline: float
+    pending: set[int]
+    results: dict[int, dict[str, Any]] = field(default_factory=dict)
+    failures: dict[int, str] = field(default_factory=dict)
+
+
+class FlowHost(Protocol):
+    """What an incident flow needs from its controller."""
+
+    table: RankTable
+    planner: StrategyPlanner
+    config: ControlConfig
+    sm: StateMachine
+
+    def now(self) -> float: ...
+    def new_action_id(self) -> int: ...
+    def send_action(self, rank: int, action_id: int, name: str, payload: dict[str, Any],
+                    timeout: float) -> None: ...
+    def send_action_many(self, ranks: list[int], action_id: int, name: str,
+                         payload: dict[str, Any], timeout: float) -> None: ...
+    def flow_finished(self, flow: IncidentFlow) -> None: ...
+
+
+class IncidentFlow:
+    """Drives one incident through its phases (called from the controller's loop thread)."""
+
+    def __init__(self, host: FlowHost, incident: Incident) -> None:
+        self.host = host
+        self.incident = incident
+        self.phase: Phase | None = None
+        self.writers: set[int] = set()
+        self.renamer: int | None = None
+        self.done = False
+        self.exit_code: int | None = None
+
+    # -- inputs ---------------------------------------------------------------------
+    def begin(self, rank: int, kind: FaultKind, message: str) -> None:
+        """First fault: NORMAL/PAUSE -> ABNORMAL and stop every rank."""
+        self._record(rank, kind, message)
+        self.host.sm.to(State.ABNORMAL, f"{kind} on rank {rank}")
+        targets = [r.rank for r in self.host.table.connected() if not r.fresh]
+        self._start_phase("stop", targets, self.host.planner.stop_payload(self.incident, self.host.table))
+
+    def add_fault(self, rank: int, kind: FaultKind, message: str) -> None:
+        """A further fault while the incident is handled."""
+        inc = self.incident
+        if kind is FaultKind.HANG and rank in inc.parked:
+            log.info("rank %d: late hang report ignored (its training thread came back)", rank)
+            return
+        state = self.host.sm.state
+        old = inc.faults.get(rank)
+        expected = (old in PROCESS_KINDS and kind is FaultKind.LOST) or (
+            old is not None and _KIND_RANK.get(kind, 0) <= _KIND_RANK.get(old, 0))
+        self._record(rank, kind, message)
+        if kind is FaultKind.LOST:  # a hung rank's processor still answers: keep waiting for it
+            self.on_gone(rank, "lost")
+        if expected or state is State.ABNORMAL or self.done or self.host.sm.state is not state:
+            return
+        if state in (State.ENV_CLEAR, State.REPAIR):
+            self._repair_failed(f"cascading fault: {kind} on rank {rank} during {state}")
+
+    def clear_fault(self, rank: int) -> None:
+        """A hung rank made progress again before the decision (false alarm for it)."""
+        if self.host.sm.state is State.ABNORMAL and self.incident.faults.get(rank) is FaultKind.HANG:
+            del self.incident.faults[rank]
+            log.info("rank %d makes progress again: hang report withdrawn", rank)
+
+    def on_result(self, rank: int, payload: dict[str, Any]) -> None:
+        phase = self.phase
+        if phase is None or payload["id"] != phase.action_id or rank not in phase.pending:
+            return
+        phase.pending.discard(rank)
+        log.debug("rank %d: %s result ok=%s %s", rank, phase.name, payload["ok"],
+                  str(payload.get("result") or payload.get("error"))[:200])
+        if payload["ok"]:
+            phase.results[rank] = payload["result"]
+            if phase.name == "stop":
+                self._note_status(rank, payload["result"])
+        else:
+            phase.failures[rank] = payload.get("error", "failed")
+        if not phase.pending:
+            self._phase_done()
+
+    def on_gone(self, rank: int, why: str) -> None:
+        """A rank that will not answer (lost, hung, exiting or done)."""
+        phase = self.phase
+        if phase is not None and rank in phase.pending:
+            phase.pending.discard(rank)
+            phase.failures[rank] = why
+            if not phase.pending:
+                self._phase_done()
+
+    def on_registered(self, rank: int) -> None:
+        """A restarted process registered for `rank` (it holds no training state)."""
+        inc = self.incident
+        inc.new_ranks.add(rank)
+        state = self.host.sm.state
+        if self.done or state in (State.DUMP, State.EXIT, State.FINAL) or (
+                inc.strategy is not None and inc.strategy is not Strategy.RECOVER):
+            self._send(rank, "exit", {"code": self.host.config.failure_exit_code,
+                                      "reason": "the job is not being recovered"})
+            row = self.host.table.get(rank)
+            if row is not None:
+                row.health = Health.EXITING
+            return
+        inc.awaiting.discard(rank)
+        phase = self.phase
+        if phase is not None and phase.name == "rejoin" and rank in phase.pending:
+            phase.pending.discard(rank)
+            phase.results[rank] = {}
+            if not phase.pending:
+                self._phase_done()
+
+    def tick(self, now: float) -> None:
+        phase = self.phase
+        if phase is not None and now >= phase.deadline and phase.pending:
+            limit = self.host.config.action_time_limit
+            for r in phase.pending:
+                phase.failures[r] = f"no result for {phase.name} within {limit:g}s"
+            phase.pending.clear()
+            log.warning("phase %s timed out on ranks %s", phase.name, sorted(phase.failures))
+            self._phase_done()
+
+    # -- phases ---------------------------------------------------------------------
+    def _record(self, rank: int, kind: FaultKind, message: str) -> None:
+        inc = self.incident
+        old = inc.faults.get(rank)
+        if old is None or _KIND_RANK.get(kind, -1) > _KIND_RANK.get(old, -1):
+            inc.faults[rank] = kind
+            inc.messages[rank] = message[:500]
+            row = self.host.table.get(rank)
+            if kind in PROCESS_KINDS and row is not None and not row.fresh:
+                inc.lost_steps[rank] = row.step
+            emit("fault_detected", CONTROLLER_RANK, ranks=[rank], kind=kind.value,
+                 message=message[:500], incident=inc.id)
+            log.warning("fault on rank %d: %s (%s)", rank, kind, message[:200])
+
+    def _note_status(self, rank: int, result: dict[str, Any]) -> None:
+        row = self.host.table.get(rank)
+        if row is None:
+            return
+        parked = result.get("parked")
+        if parked is True:
+            self.incident.parked.add(rank)
+        if parked is True and self.incident.faults.get(rank) is FaultKind.HANG:
+            # its training thread came back when stopped: it was blocked by others, not hung
+            del self.incident.faults[rank]
+            if row.health is Health.HUNG:
+                row.health = Health.ALIVE
+            log.info("rank %d: training thread came back after stop; hang report withdrawn", rank)
+        elif parked is False and rank not in self.incident.faults:
+            row.health = Health.HUNG
+            self._record(rank, FaultKind.HANG, "training thread did not come back when stopped")
+        step, status = result.get("step"), result.get("status")
+        if type(step) is int and step >= 0:
+            row.step = step
+        if status in ("updated", "updating"):
+            row.status = status
+
+    def _send(self, rank: int, name: str, payload: dict[str, Any], action_id: int | None = None) -> None:
+        aid = self.host.new_action_id() if action_id is None else action_id
+        self.host.send_action(rank, aid, name, payload, self.host.config.action_time_limit)
+
+    def _start_phase(self, name: str, targets: list[int], payload: dict[str, Any] | None = None,
+                     per_rank: dict[int, dict[str, Any]] | None = None) -> None:
+        aid = self.host.new_action_id()
+        limit = self.host.config.action_time_limit
+        self.phase = Phase(name, aid, self.host.now() + limit, set(targets))
+        emit("action", CONTROLLER_RANK, action=name, targets=len(targets), incident=self.incident.id)
+        if per_rank is None:
+            assert payload is not None
+            self.host.send_action_many(list(targets), aid, name, payload, limit)
+        else:
+            for r in targets:
+                self.host.send_action(r, aid, name, per_rank[r], limit)
+        if not targets:
+            self._phase_done()
+
+    def _phase_done(self) -> None:
+        phase = self.phase
+        assert phase is not None
+        self.phase = None
+        getattr(self, f"_after_{phase.name}")(phase)
+
+    def _after_stop(self, phase: Phase) -> None:
+        for r, err in phase.failures.items():
+            row = self.host.table.get(r)
+            if r not in self.incident.faults and row is not None and row.connected:
+                row.health = Health.HUNG
+                self._record(r, FaultKind.HANG, f"could not be stopped: {err}")
+        self._decide()
+
+    def _decide(self) -> None:
+        inc, host = self.incident, self.host
+        inc.lock_step = host.planner.lock_step(inc, host.table)
+        strategy = host.planner.choose(inc)
+        if strategy is None:  # every fault was withdrawn: false alarm
+            emit("strategy", CONTROLLER_RANK, strategy="none", lock_step=inc.lock_step,
+                 incident=inc.id)
+            self._resume(false_alarm=True)
+            return
+        reason = f"faults {self._fault_text()}"
+        if inc.lock_step == 0:
+            strategy = Strategy.EXIT
+            reason = ("no optimizer update completed yet (lock step 0): there is nothing to "
+                      "repair or dump")
+        inc.strategy = strategy
+        inc.source = host.planner.repair_source(strategy)
+        emit("strategy", CONTROLLER_RANK, strategy=strategy.value, lock_step=inc.lock_step,
+             source=inc.source, faults={str(r): k.value for r, k in inc.faults.items()},
+             incident=inc.id)
+        log.warning("incident %d: strategy %s at lock step %d (%s)", inc.id, strategy,
+                    inc.lock_step, reason)
+        if strategy in REPAIR_STRATEGIES:
+            host.sm.to(State.ENV_CLEAR, f"{strategy} at step {inc.lock_step}")
+            self._start_clean()
+        else:
+            self._enter_dump(reason)
+
+    def _start_clean(self) -> None:
+        inc, table = self.incident, self.host.table
+        if inc.strategy is Strategy.RECOVER:
+            for r, kind in inc.faults.items():
+                row = table.get(r)
+                if kind in PROCESS_KINDS and row is not None and not row.fresh:
+                    if row.connected:  # hung: end the process so its launcher restarts it
+                        self._send(r, "exit", {"code": self.host.config.failure_exit_code,
+                                               "reason": "hung rank restarted (ARF)"})
+                        row.health = Health.EXITING
+                    inc.awaiting.add(r)
+            inc.awaiting -= {r for r in inc.new_ranks if (row := table.get(r)) and row.connected}
+        targets = [r.rank for r in table.connected() if not r.fresh]
+        self._start_phase("clean", targets, self.host.planner.clean_payload(inc))
+
+    def _after_clean(self, phase: Phase) -> None:
+        if phase.failures:
+            self._repair_failed(f"clean failed: {self._fail_text(phase)}")
+            return
+        inc = self.incident
+        if inc.awaiting:
+            limit = self.host.config.action_time_limit
+            self.phase = Phase("rejoin", -1, self.host.now() + limit, set(inc.awaiting))
+            log.info("waiting up to %gs for ranks %s to restart", limit, sorted(inc.awaiting))
+            return
+        self._start_repair()
+
+    def _after_rejoin(self, phase: Phase) -> None:
+        if phase.failures:
+            self._repair_failed(f"restarted workers did not register: {self._fail_text(phase)}")
+            return
+        self._start_repair()
+
+    def _start_repair(self) -> None:
+        inc, host = self.incident, self.host
+        host.sm.to(State.REPAIR, f"{inc.strategy} from {inc.source}")
+        missing = [r for r in range(host.table.world_size)
+                   if (row := host.table.get(r)) is None
+                   or row.health not in (*CONNECTED, Health.DONE)]
+        if missing:
+            self._repair_failed(f"ranks {missing} are gone: nothing to repair them into")
+            return
+        targets = [r.rank for r in host.table.connected()]
+        try:
+            payloads = host.planner.repair_payloads(inc, host.table, targets)
+        except PlanError as e:
+            self._repair_failed(f"repair impossible: {e}")
+            return
+        self._start_phase("repair", targets, per_rank=payloads)
+
+    def _after_repair(self, phase: Phase) -> None:
+        if phase.failures:
+            self._repair_failed(f"repair failed: {self._fail_text(phase)}")
+            return
+        try:
+            payload = self.host.planner.rollback_payload(self.incident, phase.results)
+        except PlanError as e:
+            self._repair_failed(f"rollback impossible: {e}")
+            return
+        targets = [r.rank for r in self.host.table.connected()]
+        self._start_phase("rollback", targets, payload)
+
+    def _after_rollback(self, phase: Phase) -> None:
+        if phase.failures:
+            self._repair_failed(f"rollback failed: {self._fail_text(phase)}")
+            return
+        inc = self.incident
+        step = inc.rollback_step if inc.rollback_step is not None else inc.lock_step
+        emit("repaired", CONTROLLER_RANK, strategy=str(inc.strategy), lock_step=inc.lock_step,
+             step=step, incident=inc.id)
+        self._resume(false_alarm=False)
+
+    def _resume(self, *, false_alarm: bool) -> None:
+        inc, host = self.incident, self.host
+        step = inc.rollback_step if inc.rollback_step is not None else inc.lock_step
+        payload = {"incident": inc.id, "step": step, "strategy": str(inc.strategy or "none"),
+                   "false_alarm": false_alarm}
+        rows = host.table.connected()
+        for row in rows:
+            row.health = Health.ALIVE
+            row.fresh = False
+            row.step = step
+            row.status = "updated"
+            row.last_seen = host.now()
+        host.send_action_many([r.rank for r in rows], host.new_action_id(), "resume", payload,
+                              host.config.action_time_limit)
+        host.sm.to(State.NORMAL, "false alarm" if false_alarm else f"repaired ({inc.strategy})")
+        self._finish()
+
+    def _repair_failed(self, reason: str) -> None:
+        log.error("incident %d: %s; falling back to dump", self.incident.id, reason)
+        emit("repair_failed", CONTROLLER_RANK, reason=reason, incident=self.incident.id)
+        self._enter_dump(reason)
+
+    def _enter_dump(self, reason: str) -> None:
+        inc, host = self.incident, self.host
+        self.phase = None
+        host.sm.to(State.DUMP, reason)
+        if inc.strategy is Strategy.EXIT:
+            self._exit(host.config.failure_exit_code, reason)
+            return
+        targets = [r.rank for r in host.table.connected() if not r.fresh]
+        try:
+            payloads, self.renamer = host.planner.dump_payloads(inc, host.table, targets)
+        except PlanError as e:
+            self._exit(host.config.failure_exit_code, f"dump impossible: {e}")
+            return
+        self.writers = {r for r, p in payloads.items() if p.get("shards")}
+        self._start_phase("dump", targets, per_rank=payloads)
+
+    def _after_dump(self, phase: Phase) -> None:
+        failed = {r: e for r, e in phase.failures.items() if r in self.writers}
+        if failed:
+            text = "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))
+            self._exit(self.host.config.failure_exit_code, f"dump failed ({text})")
+            return
+        assert self.renamer is not None
+        self._start_phase("rename", [self.renamer], self.host.planner.rename_payload(self.incident))
+
+    def _after_rename(self, phase: Phase) -> None:
+        if phase.failures:
+            self._exit(self.host.config.failure_exit_code,
+                       f"rename of the dump failed: {self._fail_text(phase)}")
+            return
+        self._exit(self.host.config.dump_exit_code,
+                   f"dying-gasp checkpoint saved at step {self.incident.lock_step}")
+
+    def _exit(self, code: int, reason: str) -> None:
+        host = self.host
+        self.phase = None
+        self.exit_code = code
+        host.sm.to(State.EXIT, reason)
+        emit("exit", CONTROLLER_RANK, code=code, reason=reason, incident=self.incident.id)
+        (log.info if code == 0 else log.error)("exit with code %d: %s", code, reason)
+        rows = host.table.connected()
+        host.send_action_many([r.rank for r in rows], host.new_action_id(), "exit",
+                              {"code": code, "reason": reason}, host.config.action_time_limit)
+        for row in rows:
+            row.health = Health.EXITING
+        host.sm.to(State.FINAL, reason)
+        self._finish()
+
+    def _finish(self) -> None:
+        self.done = True
+        self.phase = None
+        self.host.flow_finished(self)
+
+    # -- text -------------------------------------------------------------------------
+    def _fault_text(self) -> str:
+        return ", ".join(f"rank {r}: {k}" for r, k in sorted(self.incident.faults.items()))
+
+    @staticmethod
+    def _fail_text(phase: Phase) -> str:
+        return "; ".join(f"rank {r}: {e}" for r, e in sorted(phase.failures.items()))

@@ -1,0 +1,321 @@
+"""Wire protocol between processors and controllers: msgpack frames with a schema per type.
+
+Every message is one ZeroMQ frame holding a msgpack array
+
+    [version, type, sender, seq, payload]
+
+`version` is `PROTOCOL_VERSION`; `type` one of the `MsgType` names; `sender` the sending
+rank (`CONTROLLER` = -1 for controllers); `seq` a per-sender counter that only grows;
+`payload` a map checked against the schema of its type (`SCHEMAS`): required and optional
+keys with their types and ranges; unknown keys are refused.
+
+`decode` never unpickles and never trusts a length: frames over the size limit are refused
+before decoding, msgpack runs with limits on every container and string and no extension
+types, and anything that does not match its schema raises `ProtocolError` with a short
+reason. Receivers count and log those (`DropCounter`) and carry on; nothing that arrives
+can crash or block them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import msgpack
+
+log = logging.getLogger("mindspeed_tft.control.protocol")
+
+PROTOCOL_VERSION = 1
+CONTROLLER = -1
+MAX_RANK = (1 << 24) - 1
+MAX_STEP = (1 << 62)
+MAX_TEXT = 4096
+MAX_RANKS_PER_MESSAGE = 1 << 21
+
+
+class MsgType:
+    """Message type names (strings on the wire)."""
+
+    # processor -> controller
+    REGISTER = "register"
+    HEARTBEAT = "hb"
+    REPORT = "report"
+    RESULT = "result"
+    BYE = "bye"
+    # controller -> processor
+    REGISTERED = "registered"
+    ACK = "ack"
+    ACTION = "action"
+    REJECT = "reject"
+    REDIRECT = "redirect"
+    # backup controller <-> active controller
+    BACKUP = "backup"
+    SYNC = "sync"
+
+
+#: actions a controller can order; processors run the callback registered for each name
+ACTIONS = ("pause", "stop", "clean", "repair", "rollback", "dump", "rename", "resume", "exit")
+#: what a processor can report (SPEC 6): see `classify.FaultKind`
+REPORT_KINDS = ("uce", "comm", "normal", "unknown", "hang")
+DATA_STATUS = ("updated", "updating")
+ROLES = ("active", "standby")
+
+
+class ProtocolError(ValueError):
+    """A frame that is dropped; `reason` is a short category used for counting."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+class Message(NamedTuple):
+    """A decoded, schema-checked message."""
+
+    type: str
+    sender: int
+    seq: int
+    payload: dict[str, Any]
+
+
+# ---------------------------------------------------------------------------------------
+# field checks: each returns True when the value is acceptable
+
+
+Check = Callable[[Any], bool]
+
+
+def _int(lo: int, hi: int) -> Check:
+    def check(v: Any) -> bool:
+        return type(v) is int and lo <= v <= hi
+    return check
+
+
+def _num(lo: float, hi: float) -> Check:
+    def check(v: Any) -> bool:
+        return (type(v) is int or type(v) is float) and math.isfinite(v) and lo <= v <= hi
+    return check
+
+
+def _str(max_len: int) -> Check:
+    def check(v: Any) -> bool:
+        return type(v) is str and len(v) <= max_len
+    return check
+
+
+def _enum(*values: str) -> Check:
+    allowed = frozenset(values)
+
+    def check(v: Any) -> bool:
+        return type(v) is str and v in allowed
+    return check
+
+
+def _bool(v: Any) -> bool:
+    return type(v) is bool
+
+
+def _list_of(item: Check, max_len: int) -> Check:
+    def check(v: Any) -> bool:
+        return type(v) is list and len(v) <= max_len and all(item(x) for x in v)
+    return check
+
+
+def _nullable(inner: Check) -> Check:
+    def check(v: Any) -> bool:
+        return v is None or inner(v)
+    return check
+
+
+def _map(v: Any) -> bool:
+    """An opaque map with string keys (its values were decoded by msgpack: plain data)."""
+    return type(v) is dict and all(type(k) is str for k in v)
+
+
+_rank = _int(0, MAX_RANK)
+_step = _int(0, MAX_STEP)
+_ranks = _list_of(_rank, MAX_RANKS_PER_MESSAGE)
+_REPLICA_FIELDS: dict[str, Check] = {
+    "dp_index": _int(0, MAX_RANK),
+    "dp_size": _int(1, MAX_RANK + 1),
+    "replica_num": _int(1, MAX_RANK + 1),
+    "shard": _int(0, MAX_RANK),
+    "holders": _list_of(_rank, 1 << 16),
+}
+
+
+def _replica(v: Any) -> bool:
+    """{optimizer name: {dp_index, dp_size, replica_num, shard, holders}} (SPEC 2, 7)."""
+    if type(v) is not dict or len(v) > 16:
+        return False
+    for name, info in v.items():
+        if type(name) is not str or len(name) > 64 or type(info) is not dict:
+            return False
+        if info.keys() != _REPLICA_FIELDS.keys():
+            return False
+        if not all(check(info[k]) for k, check in _REPLICA_FIELDS.items()):
+            return False
+        if info["dp_index"] >= info["dp_size"] or not info["holders"]:
+            return False
+    return True
+
+
+def _sync_ranks(v: Any) -> bool:
+    """[[rank, step, status, health, replica-or-None], ...] (controller -> backup)."""
+    if type(v) is not list or len(v) > MAX_RANKS_PER_MESSAGE:
+        return False
+    for row in v:
+        if type(row) is not list or len(row) != 5:
+            return False
+        if not (_rank(row[0]) and _step(row[1]) and type(row[2]) is str
+                and type(row[3]) is str and (row[4] is None or _replica(row[4]))):
+            return False
+    return True
+
+
+Schema = dict[str, tuple[Check, bool]]  # key -> (check, required)
+
+SCHEMAS: dict[str, Schema] = {
+    MsgType.REGISTER: {
+        "world_size": (_int(1, MAX_RANK + 1), True),
+        "pid": (_int(0, 1 << 31), True),
+        "host": (_str(255), True),
+        "replica": (_nullable(_replica), False),
+        "failover": (_bool, False),
+        "step": (_step, False),
+        "status": (_enum(*DATA_STATUS), False),
+    },
+    MsgType.HEARTBEAT: {
+        "step": (_step, True),
+        "status": (_enum(*DATA_STATUS), True),
+        "progress": (_step, False),
+        "ack": (_bool, False),  # answer with an ack (default true); see Processor
+    },
+    MsgType.REPORT: {
+        "kind": (_enum(*REPORT_KINDS), True),
+        "message": (_str(MAX_TEXT), True),
+        "step": (_step, True),
+        "status": (_enum(*DATA_STATUS), True),
+        "detail": (_map, False),
+    },
+    MsgType.RESULT: {
+        "id": (_int(0, MAX_STEP), True),
+        "action": (_enum(*ACTIONS), True),
+        "ok": (_bool, True),
+        "result": (_map, True),
+        "error": (_str(MAX_TEXT), False),
+    },
+    MsgType.BYE: {"code": (_int(-(1 << 31), 1 << 31), True)},
+    MsgType.REGISTERED: {
+        "epoch": (_int(0, MAX_STEP), True),
+        "state": (_str(32), True),
+        "interval": (_num(1e-3, 3600), True),
+        "misses": (_int(1, 1000), True),
+        "backups": (_list_of(_str(300), 8), True),
+        "rejoin": (_bool, True),
+        "lock_step": (_nullable(_step), True),
+        "role": (_enum(*ROLES), True),
+    },
+    MsgType.ACK: {
+        "state": (_str(32), True),
+        "epoch": (_int(0, MAX_STEP), True),
+        "role": (_enum(*ROLES), True),
+    },
+    MsgType.ACTION: {
+        "id": (_int(0, MAX_STEP), True),
+        "name": (_enum(*ACTIONS), True),
+        "timeout": (_num(0, 1e6), True),
+        "payload": (_map, True),
+    },
+    MsgType.REJECT: {"reason": (_str(MAX_TEXT), True), "retry": (_bool, True)},
+    MsgType.REDIRECT: {"reason": (_str(MAX_TEXT), True)},
+    MsgType.BACKUP: {
+        "endpoint": (_str(300), True),
+        "index": (_int(0, 7), True),
+    },
+    MsgType.SYNC: {
+        "state": (_str(32), True),
+        "epoch": (_int(0, MAX_STEP), True),
+        "world_size": (_int(1, MAX_RANK + 1), True),
+        "features": (_map, True),
+        "ranks": (_sync_ranks, True),
+        "backups": (_list_of(_str(300), 8), True),
+        "lock_step": (_nullable(_step), True),
+    },
+}
+
+
+def check_payload(mtype: str, payload: Any) -> None:
+    """Raise ProtocolError unless `payload` matches the schema of `mtype`."""
+    schema = SCHEMAS.get(mtype)
+    if schema is None:
+        raise ProtocolError("unknown_type", repr(mtype)[:64])
+    if type(payload) is not dict:
+        raise ProtocolError("schema", f"{mtype}: payload is not a map")
+    for key in payload:
+        if key not in schema:
+            raise ProtocolError("schema", f"{mtype}: unknown key {str(key)[:64]!r}")
+    for key, (check, required) in schema.items():
+        if key in payload:
+            if not check(payload[key]):
+                raise ProtocolError("schema", f"{mtype}: bad value for {key!r}")
+        elif required:
+            raise ProtocolError("schema", f"{mtype}: missing {key!r}")
+
+
+def encode(mtype: str, sender: int, seq: int, payload: dict[str, Any], *,
+           check: bool = True) -> bytes:
+    """One frame for a message (the payload is checked: a bad send is a bug here)."""
+    if check:
+        check_payload(mtype, payload)
+    return msgpack.packb([PROTOCOL_VERSION, mtype, sender, seq, payload], use_bin_type=True)
+
+
+def decode(frame: bytes, max_bytes: int = 1 << 20) -> Message:
+    """Decode and check one frame; raises ProtocolError (never anything else)."""
+    if len(frame) > max_bytes:
+        raise ProtocolError("oversized", f"{len(frame)} bytes > {max_bytes}")
+    try:
+        obj = msgpack.unpackb(
+            frame, raw=False, use_list=True, strict_map_key=True,
+            max_str_len=max_bytes, max_bin_len=max_bytes,
+            max_array_len=MAX_RANKS_PER_MESSAGE, max_map_len=1 << 16, max_ext_len=0,
+        )
+    except Exception as e:  # msgpack raises several types (ValueError, ExtraData, ...)
+        raise ProtocolError("malformed", type(e).__name__) from None
+    if type(obj) is not list or len(obj) != 5:
+        raise ProtocolError("malformed", "not a 5-element array")
+    version, mtype, sender, seq, payload = obj
+    if version != PROTOCOL_VERSION or type(version) is not int:
+        raise ProtocolError("version", repr(version)[:32])
+    if type(mtype) is not str or mtype not in SCHEMAS:
+        raise ProtocolError("unknown_type", repr(mtype)[:64])
+    if type(sender) is not int or not (CONTROLLER <= sender <= MAX_RANK):
+        raise ProtocolError("schema", "bad sender")
+    if type(seq) is not int or not (0 <= seq <= MAX_STEP):
+        raise ProtocolError("schema", "bad seq")
+    check_payload(mtype, payload)
+    return Message(mtype, sender, seq, payload)
+
+
+class DropCounter:
+    """Counts dropped frames by reason and logs them without flooding the log."""
+
+    def __init__(self, logger: logging.Logger | None = None, every: int = 1000) -> None:
+        self.counts: dict[str, int] = {}
+        self._log = logger or log
+        self._every = every
+
+    def drop(self, reason: str, detail: str = "", peer: str = "") -> None:
+        """Count one dropped frame; the first few of each reason (then every Nth) are logged."""
+        n = self.counts.get(reason, 0) + 1
+        self.counts[reason] = n
+        if n <= 10 or n % self._every == 0:
+            self._log.warning("dropped frame #%d (%s) %s %s", n, reason, detail, peer)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())

@@ -1,0 +1,272 @@
+"""Strategy choice (SPEC 6) and the plans that go with it (SPEC 7, 8, 9).
+
+`choose_strategy` maps the fault kinds of an incident and the enabled features to one
+strategy:
+
+| kind | strategy |
+| --- | --- |
+| uce, comm | retry if hbmfault-repair is on (load_checkpoint with no-replica), else dump |
+| lost, hang | recover if worker-reboot is on (repairing from the checkpoint with no-replica), else dump |
+| unknown | dump |
+| normal | none (not a fault) |
+
+Several kinds in one incident: the most conservative wins (dump > recover > load_checkpoint >
+retry). A lock step of 0 (no optimizer update ever completed) means exit: nothing to repair
+or dump.
+
+`StrategyPlanner` builds the payload of every action the controller sends. The lead extends
+it (subclass and pass to `Controller(planner=...)`) for richer UCE and ARF plans; the default
+already picks dump holders per SPEC 7 and repair sources from the replica layout the ranks
+registered: `{optimizer name: {dp_index, dp_size, replica_num, shard, holders}}` where
+`holders` lists the global ranks holding the same shard in DP-index order (i, i + d/N, ...).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+from .classify import FaultKind
+from .ranktable import CONNECTED, RankInfo, RankTable
+
+if TYPE_CHECKING:
+    from .incident import Incident
+
+
+class Strategy(str, Enum):
+    DUMP = "dump"
+    RETRY = "retry"
+    RECOVER = "recover"
+    LOAD_CHECKPOINT = "load_checkpoint"
+    EXIT = "exit"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+REPAIR_STRATEGIES = frozenset({Strategy.RETRY, Strategy.RECOVER, Strategy.LOAD_CHECKPOINT})
+_SEVERITY = {Strategy.RETRY: 0, Strategy.LOAD_CHECKPOINT: 1, Strategy.RECOVER: 2,
+             Strategy.DUMP: 3, Strategy.EXIT: 4}
+
+#: kinds whose rank's training data cannot be trusted (never a dump holder or repair source)
+FAULTY_DATA_KINDS = frozenset({FaultKind.UCE, FaultKind.UNKNOWN, FaultKind.HANG, FaultKind.LOST})
+#: UCE targets that leave the optimizer state and params intact: nothing to copy (SPEC 8)
+SPARED_TARGETS = frozenset({"grad", "activation"})
+#: kinds whose rank's process is gone or must be restarted (ARF)
+PROCESS_KINDS = frozenset({FaultKind.HANG, FaultKind.LOST})
+
+
+@dataclass(frozen=True)
+class Features:
+    """Which strategies the job enabled (SPEC 1)."""
+
+    high_availability: bool = True      # --enable-high-availability: dump (TTP)
+    hbm_repair: bool = False            # --enable-hbmfault-repair: retry (UCE)
+    worker_reboot: bool = False         # --enable-worker-reboot: recover (ARF)
+    no_replica: bool = False            # --distributed-optimizer-no-replica
+
+    @classmethod
+    def from_args(cls, args: Any) -> Features:
+        """From Megatron-style parsed arguments (HIGH_AVAILABILITY is already folded in)."""
+        return cls(
+            high_availability=bool(getattr(args, "enable_high_availability", False)),
+            hbm_repair=bool(getattr(args, "enable_hbmfault_repair", False)),
+            worker_reboot=bool(getattr(args, "enable_worker_reboot", False)),
+            no_replica=bool(getattr(args, "distributed_optimizer_no_replica", False)),
+        )
+
+    @classmethod
+    def from_names(cls, names: str) -> Features:
+        """From `dump,retry,recover,no_replica` (any subset; empty: dump only)."""
+        words = {w.strip().lower() for w in names.split(",") if w.strip()}
+        unknown = words - {"dump", "retry", "recover", "no_replica"}
+        if unknown:
+            raise ValueError(f"unknown features {sorted(unknown)} (allowed: dump, retry, "
+                             "recover, no_replica)")
+        return cls(True, "retry" in words, "recover" in words, "no_replica" in words)
+
+    def to_dict(self) -> dict[str, bool]:
+        return asdict(self)
+
+
+def strategy_for(kind: FaultKind, features: Features) -> Strategy | None:
+    """The SPEC 6 row for one fault kind (None for `normal`)."""
+    if kind is FaultKind.NORMAL:
+        return None
+    if kind in (FaultKind.UCE, FaultKind.COMM):
+        if features.hbm_repair:
+            return Strategy.LOAD_CHECKPOINT if features.no_replica else Strategy.RETRY
+        return Strategy.DUMP
+    if kind in PROCESS_KINDS:
+        return Strategy.RECOVER if features.worker_reboot else Strategy.DUMP
+    return Strategy.DUMP
+
+
+def choose_strategy(kinds: Iterable[FaultKind], features: Features) -> Strategy | None:
+    """One strategy for all the faults of an incident (None: no fault at all)."""
+    chosen: Strategy | None = None
+    for kind in kinds:
+        s = strategy_for(kind, features)
+        if s is not None and (chosen is None or _SEVERITY[s] > _SEVERITY[chosen]):
+            chosen = s
+    return chosen
+
+
+class PlanError(RuntimeError):
+    """A repair or dump that cannot be done (the message says why, naming the shard)."""
+
+
+def _shards(row: RankInfo) -> list[tuple[str, int, tuple[int, ...]]]:
+    """(optimizer, shard, holders) for each shard a rank holds; no layout: its own shard."""
+    if not row.replica:
+        return [("rank", row.rank, (row.rank,))]
+    return [(name, int(info["shard"]), tuple(info["holders"]))
+            for name, info in sorted(row.replica.items())]
+
+
+class StrategyPlanner:
+    """Chooses the strategy and builds every action's payload (override to extend)."""
+
+    def __init__(self, features: Features) -> None:
+        self.features = features
+
+    # -- choice ---------------------------------------------------------------------
+    def choose(self, incident: Incident) -> Strategy | None:
+        return choose_strategy(incident.faults.values(), self.features)
+
+    def repair_source(self, strategy: Strategy) -> str:
+        """Where repaired state comes from: replica holders or the last checkpoint."""
+        if self.features.no_replica or strategy is Strategy.LOAD_CHECKPOINT:
+            return "checkpoint"
+        return "replica"
+
+    def lock_step(self, incident: Incident, table: RankTable) -> int:
+        """The highest step any rank reported (fresh, restarted processes excluded)."""
+        steps = [r.step for r in table.all() if not r.fresh]
+        steps += incident.lost_steps.values()  # last steps of processes that are gone
+        return max(steps, default=0)
+
+    def faulty(self, incident: Incident) -> set[int]:
+        """Ranks whose data is not to be trusted (a UCE in grads or activations spares it)."""
+        out = set()
+        for r, k in incident.faults.items():
+            if k not in FAULTY_DATA_KINDS:
+                continue
+            if k is FaultKind.UCE and incident.details.get(r, {}).get("target") in SPARED_TARGETS:
+                continue
+            out.add(r)
+        return out
+
+    def healthy_holder(self, row: RankInfo | None, lock_step: int, faulty: set[int]) -> bool:
+        """SPEC 7: not faulty, connected, data Updated, step == lock step."""
+        return (row is not None and row.rank not in faulty and row.health in CONNECTED
+                and not row.fresh and row.status == "updated" and row.step == lock_step)
+
+    # -- payloads ---------------------------------------------------------------------
+    def stop_payload(self, incident: Incident, table: RankTable) -> dict[str, Any]:
+        """Stop orders carry the provisional lock step: a rank behind it may catch up."""
+        return {"incident": incident.id, "lock_step": self.lock_step(incident, table),
+                "faults": {str(r): k.value for r, k in incident.faults.items()}}
+
+    def clean_payload(self, incident: Incident) -> dict[str, Any]:
+        return {"incident": incident.id, "strategy": str(incident.strategy),
+                "lock_step": incident.lock_step, "faulty": sorted(self.faulty(incident))}
+
+    def repair_payloads(self, incident: Incident, table: RankTable,
+                        targets: Iterable[int]) -> dict[int, dict[str, Any]]:
+        """Per-rank repair orders: who receives which shard from whom (replica source),
+        or everyone reloads the last checkpoint (checkpoint source)."""
+        lock = incident.lock_step
+        base = {"incident": incident.id, "strategy": str(incident.strategy), "lock_step": lock,
+                "source": incident.source, "faulty": sorted(self.faulty(incident)),
+                "new_ranks": sorted(incident.new_ranks)}
+        targets = list(targets)
+        out: dict[int, dict[str, Any]] = {r: {**base, "receive": [], "send": []} for r in targets}
+        if incident.source == "checkpoint":
+            return out
+        faulty = self.faulty(incident)
+        for r in targets:
+            row = table.get(r)
+            if row is None:
+                continue
+            needs = row.fresh or r in faulty or row.step != lock or row.status != "updated"
+            if not needs:
+                continue
+            for name, shard, holders in _shards(row):
+                src = next((h for h in holders if h != r
+                            and self.healthy_holder(table.get(h), lock, faulty)), None)
+                if src is None:
+                    raise PlanError(
+                        f"rank {r} needs {name} shard {shard} at step {lock} but no other "
+                        f"holder is healthy ({self._describe(table, holders, faulty)})"
+                    )
+                out[r]["receive"].append({"optimizer": name, "shard": shard, "from": src})
+                if src in out:
+                    out[src]["send"].append({"optimizer": name, "shard": shard, "to": r})
+        return out
+
+    def rollback_payload(self, incident: Incident,
+                         repair_results: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
+        """Everyone back to the lock step (or to the step a checkpoint load reported)."""
+        step = incident.lock_step
+        loaded = {res.get("step") for res in repair_results.values() if "step" in res}
+        if len(loaded) > 1:
+            raise PlanError(f"ranks loaded different steps {sorted(map(str, loaded))}")
+        if loaded:
+            step = int(next(iter(loaded)))  # type: ignore[arg-type]
+        incident.rollback_step = step
+        return {"incident": incident.id, "step": step, "strategy": str(incident.strategy)}
+
+    def dump_holders(self, incident: Incident, table: RankTable) -> dict[tuple[str, int, tuple[int, ...]], int]:
+        """SPEC 7: for every shard the first healthy holder; PlanError names a shard without one."""
+        lock = incident.lock_step
+        faulty = self.faulty(incident)
+        chosen: dict[tuple[str, int, tuple[int, ...]], int] = {}
+        for row in table.all():
+            for key in _shards(row):
+                if key in chosen:
+                    continue
+                name, shard, holders = key
+                pick = next((h for h in holders if self.healthy_holder(table.get(h), lock, faulty)),
+                            None)
+                if pick is None:
+                    raise PlanError(
+                        f"no healthy holder for {name} shard {shard} at lock step {lock} "
+                        f"(holders: {self._describe(table, holders, faulty)}): the dump would "
+                        "be incomplete"
+                    )
+                chosen[key] = pick
+        return chosen
+
+    def dump_payloads(self, incident: Incident, table: RankTable,
+                      targets: Iterable[int]) -> tuple[dict[int, dict[str, Any]], int]:
+        """Per-rank dump orders and the rank that renames the finished dump."""
+        chosen = self.dump_holders(incident, table)
+        base = {"incident": incident.id, "lock_step": incident.lock_step, "strategy": "dump"}
+        out: dict[int, dict[str, Any]] = {r: {**base, "shards": []} for r in targets}
+        for (name, shard, holders), rank in chosen.items():
+            if rank in out:
+                out[rank]["shards"].append({"optimizer": name, "shard": shard,
+                                            "holders": list(holders)})
+        writers = sorted({r for r in chosen.values()})
+        if not writers:
+            raise PlanError("no rank can write the dump")
+        return out, writers[0]
+
+    @staticmethod
+    def _describe(table: RankTable, ranks: Iterable[int], faulty: set[int]) -> str:
+        parts = []
+        for r in ranks:
+            row = table.get(r)
+            if row is None:
+                parts.append(f"rank {r} never registered")
+                continue
+            bad = " faulty" if r in faulty else ""
+            fresh = " restarted" if row.fresh else ""
+            parts.append(f"rank {r} {row.health}{bad}{fresh} step {row.step} {row.status}")
+        return ", ".join(parts)
+
+    def rename_payload(self, incident: Incident) -> dict[str, Any]:
+        return {"incident": incident.id, "lock_step": incident.lock_step}

@@ -1,0 +1,1 @@
+"""Tests of the control plane (controller, processors, protocol, failover, security)."""

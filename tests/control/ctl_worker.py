@@ -1,0 +1,171 @@
+"""A fake training rank for the control-plane tests: a real Processor around a toy loop.
+
+Run as a script or through `main(argv)` in a forked process (one process per rank). The toy trainer does `--steps` iterations; each
+one first "all-reduces" with the other ranks through small files in `--coll` (it waits until
+every peer has reached the same step, like a gradient all-reduce), then runs the update
+bracket (`before_update` / `report_update_end`) and reports progress. So, as in a real job,
+when one rank fails before its all-reduce the others block in theirs; the stop callback
+aborts the fake communicator and the blocked rank raises "NCCL communicator was aborted".
+
+`--fault KIND@STEP` fires once in this process at the start of iteration STEP:
+uce, comm, normal (a FORCE STOP), unknown, kill (SIGKILL itself), hang (the training thread
+blocks forever while heartbeats go on). Every callback and decision is appended as a JSON
+line to `--out`, and the process exits with the decided code (0 after training finished).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+from mindspeed_tft.control import ControlConfig, Processor, run_with_fault_tolerance
+from mindspeed_tft.control.classify import ForceStop
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--addr", default="127.0.0.1")
+    ap.add_argument("--backups", default="")
+    ap.add_argument("--interval", type=float, default=0.15)
+    ap.add_argument("--misses", type=int, default=4)
+    ap.add_argument("--action-limit", type=float, default=5.0)
+    ap.add_argument("--hang-floor", type=float, default=60.0)
+    ap.add_argument("--exit-grace", type=float, default=1.0)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--step-time", type=float, default=0.01)
+    ap.add_argument("--fault", default="")
+    ap.add_argument("--replicas", type=int, default=2, help="replica_num N (1: no replica)")
+    ap.add_argument("--slow", default="", help="CALLBACK=SECONDS: that callback sleeps")
+    ap.add_argument("--die-in", default="", help="CALLBACK: SIGKILL this process inside it")
+    ap.add_argument("--coll", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+
+    out = open(args.out, "a", buffering=1, encoding="utf-8")
+    lock = threading.Lock()
+
+    def record(event: str, **fields: Any) -> None:
+        with lock:
+            out.write(json.dumps({"t": time.time(), "event": event, **fields}) + "\n")
+
+    backups = []
+    for b in filter(None, args.backups.split(",")):
+        host, port = b.rsplit(":", 1)
+        backups.append((host.strip("[]"), int(port)))
+    config = ControlConfig(
+        controller_addr=args.addr, processor_addr=args.addr, port=args.port,
+        heartbeat_interval=args.interval, heartbeat_misses=args.misses,
+        action_time_limit=args.action_limit, register_timeout=20, hang_timeout_min=args.hang_floor,
+        hang_initial_timeout=max(args.hang_floor, 5.0), exit_grace=args.exit_grace,
+        backups=backups, log_path=os.path.dirname(args.out) or ".",
+        log_mode="PER_PROC", decision_timeout=30)
+    d, n = args.world, args.replicas
+    chunk = d // n
+    shard = args.rank % chunk
+    replica = {"dense": {"dp_index": args.rank, "dp_size": d, "replica_num": n, "shard": shard,
+                         "holders": [shard + k * chunk for k in range(n)]}}
+    proc = Processor(args.rank, args.world, config, replica=replica, host="localhost")
+
+    state = {"iteration": 0}
+    abort = threading.Event()
+    hang_forever = threading.Event()
+    fault_kind, _, fault_step = args.fault.partition("@")
+    fired = [not fault_kind]
+    slow_name, _, slow_secs = args.slow.partition("=")
+
+    def callback(name: str):
+        def fn(payload: dict[str, Any]) -> dict[str, Any]:
+            record("callback", name=name, payload=payload)
+            if name == slow_name:
+                time.sleep(float(slow_secs))
+            if name == args.die_in:
+                out.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+            if name == "stop":
+                abort.set()  # abort the fake communicator: a blocked all-reduce raises
+            if name == "rollback":
+                state["iteration"] = payload["step"]
+                return {"iteration": state["iteration"]}
+            return {}
+        return fn
+
+    for name in ("stop", "clean", "repair", "rollback", "dump", "rename", "exit"):
+        proc.register_callback(name, callback(name))
+
+    def allreduce(step: int) -> None:
+        mine = os.path.join(args.coll, str(args.rank))
+        tmp = mine + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(str(step))
+        os.replace(tmp, mine)
+        while True:
+            if abort.is_set():
+                raise RuntimeError("NCCL communicator was aborted (fake all-reduce)")
+            ok = True
+            for r in range(args.world):
+                try:
+                    with open(os.path.join(args.coll, str(r))) as f:
+                        ok = ok and int(f.read() or -1) >= step
+                except (OSError, ValueError):
+                    ok = False
+            if ok:
+                return
+            time.sleep(0.004)
+
+    def train() -> int:
+        abort.clear()
+        while state["iteration"] < args.steps:
+            nxt = state["iteration"] + 1
+            if not fired[0] and nxt == int(fault_step):
+                fired[0] = True
+                record("fault", kind=fault_kind, step=nxt)
+                if fault_kind == "uce":
+                    raise RuntimeError("UCE ERROR: HBM MULTI BIT ECC on device 0")
+                if fault_kind == "comm":
+                    raise RuntimeError("HCCL OP RETRY FAILED (Connection reset by peer)")
+                if fault_kind == "normal":
+                    raise ForceStop("injected")
+                if fault_kind == "unknown":
+                    raise ValueError("something nobody expected")
+                if fault_kind == "kill":
+                    out.flush()
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if fault_kind == "hang":
+                    hang_forever.wait()
+            allreduce(nxt)
+            proc.before_update(nxt)
+            time.sleep(args.step_time)
+            state["iteration"] = nxt
+            proc.report_update_end(nxt)
+            proc.report_progress(nxt)
+        return state["iteration"]
+
+    def on_resume(decision: Any) -> None:
+        record("resume", step=decision.step, strategy=decision.strategy)
+
+    def leave(code: int) -> None:
+        record("exit", code=code)
+        out.flush()
+        os._exit(code)
+
+    proc.start()
+    record("registered", rejoin=proc.rejoining)
+    proc.report_progress(0)
+    result = run_with_fault_tolerance(train, proc, on_resume=on_resume, exit_fn=leave)
+    record("done", iteration=result)
+    proc.stop()
+    out.flush()
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

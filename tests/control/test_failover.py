@@ -1,0 +1,79 @@
+"""Backup controllers: one takes charge when the active one dies, but never without a majority."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import time
+from pathlib import Path
+
+from tests.control.ctl_harness import Job, wait_for
+
+INTERVAL, MISSES = 0.2, 4
+LOST_AFTER = INTERVAL * MISSES
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_pair(job: Job, tmp: Path, world: int, steps: int) -> tuple[Path, Path]:
+    """Active controller + one backup + `world` ranks; returns the backup's events/snapshot."""
+    backup_port = free_port()
+    backups = f"127.0.0.1:{backup_port}"
+    active = job.start_controller(backups=backups)
+    backup_events, backup_snap = tmp / "backup-events.jsonl", tmp / "backup-snap.json"
+    job.start_controller(role="backup", port=backup_port, backups=backups, active_port=active,
+                         events=backup_events, snapshot=backup_snap)
+    for r in range(world):
+        job.start_worker(r, steps=steps, step_time=0.01, backups=backups)
+    job.wait_state("NORMAL", 20)
+    # the backup has the rank table from the active controller
+    wait_for(lambda: (s := job.snapshot(backup_snap)) and s["state"] == "NORMAL"
+             and len(s["ranks"]) == world, 10, what="backup in sync")
+    return backup_events, backup_snap
+
+
+def test_backup_takes_charge_when_active_dies(tmp_path: Path) -> None:
+    job = Job(tmp_path, 4, interval=INTERVAL, misses=MISSES, action_limit=5.0)
+    try:
+        backup_events, backup_snap = start_pair(job, tmp_path, 4, steps=400)
+        snap = job.snapshot(backup_snap)
+        assert snap["role"] == "standby"
+        assert not [e for e in job.events(backup_events) if e["event"] == "state"]  # silent
+        killed = time.time()
+        job.controllers[0].send_signal(signal.SIGKILL)
+        take = job.wait_event(lambda e: e["event"] == "controller_takeover", 15, backup_events,
+                              what="takeover")
+        assert take["live"] > 2  # more than half of the 4 ranks heartbeat to it
+        assert take["time"] - killed < 4 * LOST_AFTER + 2
+        # the ranks go on training under the new controller and finish normally
+        assert job.controllers[1].wait(30) == 0
+        assert [e["state"] for e in job.events(backup_events) if e["event"] == "state"] == [
+            "NORMAL", "EXIT", "FINAL"]
+        assert [e["code"] for e in job.events(backup_events) if e["event"] == "exit"] == [0]
+        assert {r: job.workers[r].wait(10) for r in range(4)} == {r: 0 for r in range(4)}
+        assert all([x["iteration"] for x in job.records(r) if x["event"] == "done"] == [400]
+                   for r in range(4))
+    finally:
+        job.cleanup()
+
+
+def test_no_backup_takes_charge_with_half_the_ranks_gone(tmp_path: Path) -> None:
+    job = Job(tmp_path, 4, interval=INTERVAL, misses=MISSES, action_limit=5.0)
+    try:
+        backup_events, backup_snap = start_pair(job, tmp_path, 4, steps=100000)
+        for p in (job.controllers[0], job.workers[2], job.workers[3]):
+            p.send_signal(signal.SIGKILL)
+        # ranks 0 and 1 fail over and heartbeat to the backup: 2 of 4 is not a majority
+        wait_for(lambda: (s := job.snapshot(backup_snap)) and s["state"] == "NORMAL" and all(
+            s["ranks"][str(r)]["pid"] == job.workers[r].pid for r in (0, 1)), 10,
+            what="ranks 0 and 1 at the backup")
+        time.sleep(4 * LOST_AFTER)
+        assert not [e for e in job.events(backup_events) if e["event"] == "controller_takeover"]
+        assert job.snapshot(backup_snap)["role"] == "standby"
+        assert job.controllers[1].poll() is None and job.workers[0].poll() is None
+    finally:
+        job.cleanup()

@@ -1,0 +1,194 @@
+"""Fuzzing the controller port: >10,000 random and mutated frames change nothing.
+
+A real controller process serves two registered ranks (real processors, in this test's
+process). A hostile peer then sends random bytes, random msgpack, mutated valid messages,
+wrong versions, unknown types, wrong field types, huge declared lengths, multi-frame
+messages, oversized frames, messages claiming the registered ranks, and raw TCP garbage.
+Afterwards the controller still answers heartbeats, its state and rank table are as before,
+and every frame was dropped and counted.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import zmq
+
+from mindspeed_tft.control import ControlConfig, Processor
+from mindspeed_tft.control.protocol import PROTOCOL_VERSION, MsgType, encode
+from tests.control.ctl_harness import Job, wait_for
+
+N_FRAMES = 12_000
+
+
+def valid_messages() -> list[bytes]:
+    replica = {"dense": {"dp_index": 1, "dp_size": 2, "replica_num": 2, "shard": 0,
+                         "holders": [0, 1]}}
+    msgs: list[tuple[str, dict[str, Any]]] = [
+        (MsgType.REGISTER, {"world_size": 2, "pid": 1, "host": "h", "replica": replica}),
+        (MsgType.HEARTBEAT, {"step": 3, "status": "updated", "progress": 3}),
+        (MsgType.REPORT, {"kind": "uce", "message": "UCE ERROR", "step": 3, "status": "updated"}),
+        (MsgType.RESULT, {"id": 1, "action": "stop", "ok": True, "result": {"step": 3}}),
+        (MsgType.BYE, {"code": 0}),
+        (MsgType.BACKUP, {"endpoint": "127.0.0.1:9", "index": 0}),
+        (MsgType.ACK, {"state": "NORMAL", "epoch": 0, "role": "active"}),
+        (MsgType.ACTION, {"id": 1, "name": "exit", "timeout": 1.0, "payload": {"code": 3}}),
+        (MsgType.REJECT, {"reason": "x", "retry": False}),
+    ]
+    return [encode(t, sender, 10**6 + i, p) for i, (t, p) in enumerate(msgs) for sender in (0, 1)]
+
+
+def random_obj(rng: random.Random, depth: int = 0) -> Any:
+    pick = rng.randrange(9 if depth < 3 else 6)
+    if pick == 0:
+        return rng.randint(-(2**63), 2**64 - 1)
+    if pick == 1:
+        return rng.random() * 10 ** rng.randint(-5, 300)
+    if pick == 2:
+        return "".join(chr(rng.randrange(32, 0x2FF)) for _ in range(rng.randrange(20)))
+    if pick == 3:
+        return rng.randbytes(rng.randrange(20))
+    if pick == 4:
+        return rng.choice([None, True, False])
+    if pick == 5:
+        return rng.choice(list(MsgType.__dict__.values())[1:12])
+    if pick == 6:
+        return [random_obj(rng, depth + 1) for _ in range(rng.randrange(6))]
+    if pick == 7:
+        return {str(random_obj(rng, depth + 1))[:10]: random_obj(rng, depth + 1)
+                for _ in range(rng.randrange(5))}
+    return [PROTOCOL_VERSION, rng.choice(["hb", "report", "register"]), rng.randrange(4),
+            rng.randrange(10**7), {"step": random_obj(rng, depth + 1),
+                                   "status": random_obj(rng, depth + 1)}]
+
+
+def mutate(frame: bytes, rng: random.Random) -> bytes:
+    b = bytearray(frame)
+    op = rng.randrange(5)
+    if op == 0:
+        for _ in range(rng.randint(1, 4)):
+            b[rng.randrange(len(b))] = rng.randrange(256)
+    elif op == 1:
+        b = b[: rng.randrange(len(b))]
+    elif op == 2:
+        b += rng.randbytes(rng.randint(1, 30))
+    elif op == 3:
+        pos = rng.randrange(len(b))
+        b[pos:pos] = rng.randbytes(rng.randint(1, 8))
+    else:
+        del b[rng.randrange(len(b))]
+    return bytes(b)
+
+
+HUGE = [
+    b"\xdb\xff\xff\xff\xff",              # str32 claiming 4 GiB
+    b"\xc6\xff\xff\xff\xffabc",           # bin32
+    b"\xdd\xff\xff\xff\xff\x01",          # array32 with 4G elements
+    b"\xdf\xff\xff\xff\xff\xa1a\x01",     # map32
+    b"\xc9\xff\xff\xff\xff\x05",          # ext32
+    b"\x95" + b"\x91" * 100_000,          # deep nesting
+    msgpack.packb([PROTOCOL_VERSION, "hb", 0, 1, {"step": 2**64 - 1, "status": "updated"}]),
+]
+
+
+def hostile_frames(rng: random.Random, n: int) -> list[bytes | list[bytes]]:
+    valid = valid_messages()
+    frames: list[bytes | list[bytes]] = []
+    while len(frames) < n:
+        r = rng.random()
+        if r < 0.2:
+            frames.append(rng.randbytes(rng.randrange(300)))
+        elif r < 0.4:
+            frames.append(msgpack.packb(random_obj(rng), use_bin_type=rng.random() < 0.5))
+        elif r < 0.7:
+            frames.append(mutate(rng.choice(valid), rng))
+        elif r < 0.8:  # structurally plausible, semantically wrong
+            v = rng.choice([0, 2, 99, "1", None, PROTOCOL_VERSION])
+            t = rng.choice(["hb", "nope", "", "register", 7, "report", "result"])
+            frames.append(msgpack.packb([v, t, rng.choice([0, 1, -5, 2**40, "0"]),
+                                         rng.choice([1, -1, 2**64 - 1, "x"]), random_obj(rng)]))
+        elif r < 0.9:  # valid messages claiming the registered ranks, from this connection
+            frames.append(rng.choice(valid))
+        elif r < 0.95:
+            frames.append(rng.choice(HUGE))
+        else:
+            frames.append([rng.choice(valid), rng.randbytes(rng.randrange(50))])
+    return frames
+
+
+def test_fuzzed_controller_keeps_serving(tmp_path: Path) -> None:
+    interval = 0.2
+    job = Job(tmp_path, 2, interval=interval, misses=5)
+    snap_path = tmp_path / "snap.json"
+    procs: list[Processor] = []
+    ctx = zmq.Context()
+    try:
+        port = job.start_controller(snapshot=snap_path)
+        cfg = ControlConfig(port=port, heartbeat_interval=interval, heartbeat_misses=5,
+                            log_path=str(tmp_path / "logs"))
+        for r in range(2):
+            p = Processor(r, 2, cfg, hard_exit=False, host="localhost")
+            p.start(timeout=10)
+            procs.append(p)
+        job.wait_state("NORMAL", 10)
+        before = wait_for(lambda: (s := job.snapshot(snap_path)) and s["state"] == "NORMAL" and s,
+                          5)
+
+        rng = random.Random(20240611)
+        frames = hostile_frames(rng, N_FRAMES)
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        for f in frames:
+            if isinstance(f, list):
+                sock.send_multipart(f)
+            else:
+                sock.send(f)
+        # frames over the 1 MiB limit are refused before decoding; far over it (> 4 MiB),
+        # libzmq cuts the sender off before any of our code runs
+        for f in (b"\x00" * (2 << 20), msgpack.packb([1, "hb", 0, 1, "x" * (3 << 20)])):
+            sock.send(f)
+            frames.append(f)
+        huge = ctx.socket(zmq.DEALER)
+        huge.setsockopt(zmq.LINGER, 0)
+        huge.connect(f"tcp://127.0.0.1:{port}")
+        huge.send(b"\x00" * (5 << 20))
+        # raw TCP garbage: never gets past the ZMTP handshake
+        for _ in range(20):
+            with socket.create_connection(("127.0.0.1", port), timeout=2) as raw:
+                raw.sendall(rng.randbytes(rng.randrange(1, 2000)))
+
+        after = wait_for(lambda: (s := job.snapshot(snap_path))
+                         and s["dropped_total"] >= len(frames) and s, 30,
+                         what="every frame counted")
+        assert after["dropped_total"] >= N_FRAMES >= 10_000
+        for reason in ("malformed", "version", "unknown_type", "schema", "unregistered",
+                       "rank_taken", "frames", "unexpected_type", "backup_unknown", "oversized"):
+            assert after["dropped"].get(reason, 0) > 0, (reason, after["dropped"])
+        after = wait_for(lambda: (s := job.snapshot(snap_path))
+                         and s["connections"].get("disconnected", 0) >= 1
+                         and s["connections"].get("handshake_failed", 0) >= 1 and s, 10,
+                         what="the huge frame's and the raw garbage's connections counted")
+        # unchanged: state, rank table, no incident, no fault seen
+        assert after["state"] == before["state"] == "NORMAL"
+        assert after["ranks"] == before["ranks"]
+        assert after["incidents"] == 0 and after["incident"] is None
+        assert not [e for e in job.events() if e["event"] == "fault_detected"]
+        # and it still answers heartbeats correctly
+        mark = time.monotonic()
+        for p in procs:
+            wait_for(lambda p=p: p.last_ack is not None and p.last_ack > mark, 5,
+                     what=f"a fresh ack for rank {p.rank}")
+            assert p.controller_state == "NORMAL" and p.controller_role == "active"
+        assert job.controllers[0].poll() is None
+    finally:
+        for p in procs:
+            p.close()
+        ctx.destroy(linger=0)
+        job.cleanup()

@@ -1,0 +1,69 @@
+"""Lock step 0 (no update ever completed) exits cleanly; an operator pause holds every rank.
+
+The pause test also runs the controller the way rank 0 hosts it under plain torchrun: a
+background thread of another process (here, the test's), with the ranks in their own
+processes.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from mindspeed_tft.control import ControlConfig, Controller, State
+from tests.control.ctl_harness import Job, wait_for
+
+
+def test_fault_before_the_first_update_exits_with_a_clear_reason(tmp_path: Path) -> None:
+    job = Job(tmp_path, 2, features="dump,retry,recover", interval=0.2, misses=5)
+    try:
+        job.start_controller()
+        job.start_worker(0, steps=20)
+        job.start_worker(1, steps=20, fault="uce@1")
+        assert job.controllers[0].wait(20) == 1
+        assert job.states() == ["INIT", "NORMAL", "ABNORMAL", "DUMP", "EXIT", "FINAL"]
+        strategy = [e for e in job.events() if e["event"] == "strategy"]
+        assert [(e["strategy"], e["lock_step"]) for e in strategy] == [("exit", 0)]
+        (exit_event,) = [e for e in job.events() if e["event"] == "exit"]
+        assert exit_event["code"] == 1
+        assert "no optimizer update completed yet (lock step 0)" in exit_event["reason"]
+        assert job.workers[0].wait(10) == 1 and job.workers[1].wait(10) == 1
+        assert not [r for r in job.records(0) if r["event"] == "callback" and r["name"] == "dump"]
+    finally:
+        job.cleanup()
+
+
+def coll_step(job: Job, rank: int) -> int:
+    try:
+        return int((job.coll / str(rank)).read_text() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def test_operator_pause_holds_ranks_before_their_update(tmp_path: Path) -> None:
+    config = ControlConfig(port=0, heartbeat_interval=0.2, heartbeat_misses=5,
+                           action_time_limit=5, log_path=str(tmp_path / "logs"))
+    ctrl = Controller(2, config)
+    ctrl.start()
+    job = Job(tmp_path, 2, interval=0.2, misses=5)
+    job.ports.append(ctrl.port)
+    try:
+        for r in (0, 1):
+            job.start_worker(r, steps=100000, step_time=0.01, hang_floor=0.3)
+        wait_for(lambda: ctrl.state is State.NORMAL, 10, what="NORMAL")
+        wait_for(lambda: coll_step(job, 0) > 5, 10, what="training steps")
+        ctrl.pause()
+        wait_for(lambda: ctrl.state is State.PAUSE, 5, what="PAUSE")
+        time.sleep(0.3)
+        held = (coll_step(job, 0), coll_step(job, 1))
+        time.sleep(1.0)  # > 3x the hang floor: the held ranks must not be reported hung
+        assert (coll_step(job, 0), coll_step(job, 1)) == held
+        ctrl.resume()
+        wait_for(lambda: coll_step(job, 0) > held[0] + 5, 10, what="training resumed")
+        assert ctrl.sm.history == [State.INIT, State.NORMAL, State.PAUSE, State.NORMAL]
+        snap = ctrl.snapshot()
+        assert snap["incidents"] == 0 and snap["incident"] is None
+        assert all(row["health"] == "alive" for row in snap["ranks"].values())
+    finally:
+        job.cleanup()
+        ctrl.stop()

@@ -1,0 +1,332 @@
+"""Unit tests of the control plane's pure parts: protocol, config, state table, strategy,
+SPEC 7 holder choice, classification, watchdog, key generation."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from mindspeed_tft.control import (
+    TRANSITIONS,
+    ControlConfig,
+    ControlConfigError,
+    FaultKind,
+    Features,
+    ForceStop,
+    PlanError,
+    State,
+    Strategy,
+    StrategyPlanner,
+    choose_strategy,
+    classify_error,
+)
+from mindspeed_tft.control.incident import Incident
+from mindspeed_tft.control.keys import main as keys_main
+from mindspeed_tft.control.protocol import (
+    PROTOCOL_VERSION,
+    DropCounter,
+    MsgType,
+    ProtocolError,
+    decode,
+    encode,
+)
+from mindspeed_tft.control.ranktable import Health, RankTable
+from mindspeed_tft.control.states import IllegalTransition, StateMachine
+from mindspeed_tft.control.watchdog import ProgressWatchdog
+from mindspeed_tft.events import configure_events, read_events
+
+# -- protocol ---------------------------------------------------------------------------------
+
+
+def test_round_trip_and_fields() -> None:
+    frame = encode(MsgType.HEARTBEAT, 3, 7, {"step": 5, "status": "updating", "progress": 4})
+    msg = decode(frame)
+    assert msg == (MsgType.HEARTBEAT, 3, 7, {"step": 5, "status": "updating", "progress": 4})
+    assert msgpack.unpackb(frame)[0] == PROTOCOL_VERSION
+
+
+@pytest.mark.parametrize("frame,reason", [
+    (b"\xc1", "malformed"),
+    (msgpack.packb({"a": 1}), "malformed"),
+    (msgpack.packb([2, "hb", 0, 1, {"step": 1, "status": "updated"}]), "version"),
+    (msgpack.packb([True, "hb", 0, 1, {"step": 1, "status": "updated"}]), "version"),
+    (msgpack.packb([1, "zzz", 0, 1, {}]), "unknown_type"),
+    (msgpack.packb([1, "hb", 0, 1, {"step": "1", "status": "updated"}]), "schema"),
+    (msgpack.packb([1, "hb", 0, 1, {"step": 1, "status": "x"}]), "schema"),
+    (msgpack.packb([1, "hb", 0, 1, {"step": 1}]), "schema"),
+    (msgpack.packb([1, "hb", 0, 1, {"step": 1, "status": "updated", "evil": 1}]), "schema"),
+    (msgpack.packb([1, "hb", -7, 1, {"step": 1, "status": "updated"}]), "schema"),
+    (msgpack.packb([1, "hb", 0, -1, {"step": 1, "status": "updated"}]), "schema"),
+    (msgpack.packb([1, "hb", 0, 1, [1]]), "schema"),
+    (b"\xdd\xff\xff\xff\xff", "malformed"),
+    (b"\xdb\xff\xff\xff\xff", "malformed"),
+    (b"\x91" * 10_000, "malformed"),
+    (b"\xd4\x01\x02", "malformed"),  # an extension type
+    (b"\x00" * (2 << 20), "oversized"),
+])
+def test_bad_frames_are_refused(frame: bytes, reason: str) -> None:
+    with pytest.raises(ProtocolError) as e:
+        decode(frame)
+    assert e.value.reason == reason
+
+
+def test_register_replica_schema() -> None:
+    ok = {"dense": {"dp_index": 1, "dp_size": 4, "replica_num": 2, "shard": 1, "holders": [1, 3]}}
+    decode(encode(MsgType.REGISTER, 1, 1, {"world_size": 4, "pid": 1, "host": "h", "replica": ok}))
+    for bad in ({"dense": {**ok["dense"], "dp_index": 4}}, {"dense": {**ok["dense"], "x": 1}},
+                {"dense": {**ok["dense"], "holders": []}}, {"dense": 3}):
+        with pytest.raises(ProtocolError):
+            encode(MsgType.REGISTER, 1, 1, {"world_size": 4, "pid": 1, "host": "h",
+                                            "replica": bad})
+
+
+def test_random_bytes_only_ever_raise_protocol_error() -> None:
+    rng = random.Random(7)
+    valid = encode(MsgType.REPORT, 1, 2, {"kind": "comm", "message": "m", "step": 1,
+                                          "status": "updated"})
+    for i in range(5000):
+        if i % 2:
+            frame = rng.randbytes(rng.randrange(64))
+        else:
+            b = bytearray(valid)
+            b[rng.randrange(len(b))] = rng.randrange(256)
+            frame = bytes(b)
+        try:
+            decode(frame)
+        except ProtocolError:
+            pass
+
+
+def test_drop_counter() -> None:
+    c = DropCounter()
+    for _ in range(3):
+        c.drop("malformed")
+    c.drop("spoof")
+    assert c.counts == {"malformed": 3, "spoof": 1} and c.total == 4
+
+
+# -- configuration ------------------------------------------------------------------------
+
+
+def test_config_defaults() -> None:
+    c = ControlConfig.from_env({})
+    assert (c.controller_addr, c.processor_addr, c.port) == ("127.0.0.1", "127.0.0.1", 8000)
+    assert (c.heartbeat_interval, c.heartbeat_misses, c.action_time_limit) == (2.0, 3, 180.0)
+    assert (c.log_path, c.log_level, c.log_mode, c.log_stdout) == ("logs", "INFO", "ONLY_ONE",
+                                                                   False)
+    assert not c.curve and c.warnings == []
+
+
+def test_config_addresses() -> None:
+    c = ControlConfig.from_env({"TTP_ADDR": "::1", "TTP_PORT": "9000"})
+    assert (c.controller_addr, c.processor_addr, c.port) == ("::1", "::1", 9000)
+    c = ControlConfig.from_env({"TTP_ADDR": "10.0.0.5", "CONTROLLER_ADDR": "0.0.0.0",
+                                "PROCESSOR_ADDR": "[fd00::5]"})
+    assert (c.controller_addr, c.processor_addr) == ("0.0.0.0", "fd00::5")
+    for env, words in [({"TTP_ADDR": "controller-0"}, "TTP_ADDR='controller-0'"),
+                       ({"TTP_ADDR": "300.1.1.1"}, "not an IPv4 or IPv6"),
+                       ({"PROCESSOR_ADDR": "0.0.0.0"}, "wildcard"),
+                       ({"TTP_PORT": "http"}, "TTP_PORT='http'"),
+                       ({"TTP_PORT": "0"}, "1..65535"),
+                       ({"TTP_PORT": "70000"}, "1..65535"),
+                       ({"TTP_BACKUP_ADDRS": "::1:80"}, "[addr]:port"),
+                       ({"TTP_CURVE_SERVER_KEY": "/no/such/key"}, "no such file")]:
+        with pytest.raises(ControlConfigError, match=words.replace("[", r"\[").replace("]", r"\]")):
+            ControlConfig.from_env(env)
+
+
+def test_config_fallbacks_warn() -> None:
+    c = ControlConfig.from_env({"TTP_NORMAL_ACTION_TIME_LIMIT": "10", "TTP_HEARTBEAT_INTERVAL": "x",
+                                "TTP_HEARTBEAT_MISSES": "0", "TTP_LOG_LEVEL": "LOUD",
+                                "TTP_LOG_MODE": "MANY", "TTP_LOG_STDOUT": "yes"})
+    assert (c.action_time_limit, c.heartbeat_interval, c.heartbeat_misses) == (180.0, 2.0, 3)
+    assert (c.log_level, c.log_mode, c.log_stdout) == ("INFO", "ONLY_ONE", False)
+    assert len(c.warnings) == 6
+    assert any("TTP_NORMAL_ACTION_TIME_LIMIT='10'" in w and "[30, 1800]" in w for w in c.warnings)
+    c = ControlConfig.from_env({"TTP_NORMAL_ACTION_TIME_LIMIT": "60", "TTP_LOG_LEVEL": "debug",
+                                "TTP_LOG_STDOUT": "1", "TTP_BACKUP_ADDRS": "10.0.0.2:8000,[::1]:9"})
+    assert (c.action_time_limit, c.log_level, c.log_stdout) == (60.0, "DEBUG", True)
+    assert c.backups == [("10.0.0.2", 8000), ("::1", 9)] and c.warnings == []
+    # code (tests) may ask for limits the environment may not
+    assert ControlConfig(action_time_limit=1.5).action_time_limit == 1.5
+    with pytest.raises(ControlConfigError):
+        ControlConfig(heartbeat_interval=0)
+
+
+# -- state machine --------------------------------------------------------------------------
+
+
+def test_transition_table_is_spec5() -> None:
+    s = State
+    assert TRANSITIONS == {
+        s.INIT: {s.NORMAL, s.FINAL},
+        s.NORMAL: {s.ABNORMAL, s.PAUSE, s.EXIT},  # EXIT: training finished (our addition)
+        s.PAUSE: {s.NORMAL, s.ABNORMAL},
+        s.ABNORMAL: {s.ENV_CLEAR, s.DUMP, s.NORMAL},
+        s.ENV_CLEAR: {s.REPAIR, s.DUMP},
+        s.REPAIR: {s.NORMAL, s.DUMP},
+        s.DUMP: {s.EXIT},
+        s.EXIT: {s.FINAL},
+        s.FINAL: set(),
+    }
+
+
+def test_state_machine_checks_and_emits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "ev.jsonl"
+    monkeypatch.delenv("TFT_EVENTS_FILE", raising=False)
+    configure_events(str(path))
+    try:
+        sm = StateMachine()
+        sm.to(State.NORMAL, "registered")
+        with pytest.raises(IllegalTransition):
+            sm.to(State.REPAIR)
+        sm.to(State.ABNORMAL)
+        assert sm.state is State.ABNORMAL
+    finally:
+        os.environ.pop("TFT_EVENTS_FILE", None)
+        configure_events(None)
+    states = [(e["state"], e["rank"]) for e in read_events(str(path)) if e["event"] == "state"]
+    assert states == [("INIT", -1), ("NORMAL", -1), ("ABNORMAL", -1)]
+
+
+# -- strategy (SPEC 6) ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hbm", [False, True])
+@pytest.mark.parametrize("reboot", [False, True])
+@pytest.mark.parametrize("norep", [False, True])
+def test_strategy_table(hbm: bool, reboot: bool, norep: bool) -> None:
+    f = Features(True, hbm, reboot, norep)
+    repair = (Strategy.LOAD_CHECKPOINT if norep else Strategy.RETRY) if hbm else Strategy.DUMP
+    assert choose_strategy([FaultKind.UCE], f) is repair
+    assert choose_strategy([FaultKind.COMM], f) is repair
+    assert choose_strategy([FaultKind.NORMAL], f) is None
+    lost = Strategy.RECOVER if reboot else Strategy.DUMP
+    assert choose_strategy([FaultKind.LOST], f) is lost
+    assert choose_strategy([FaultKind.HANG], f) is lost
+    assert choose_strategy([FaultKind.UNKNOWN], f) is Strategy.DUMP
+    # the most conservative strategy of an incident wins
+    assert choose_strategy([FaultKind.UCE, FaultKind.UNKNOWN], f) is Strategy.DUMP
+    assert choose_strategy([FaultKind.COMM, FaultKind.LOST], f) is (
+        Strategy.DUMP if Strategy.DUMP in (repair, lost) else lost)
+
+
+def test_features_from_args_and_names() -> None:
+    class Args:
+        enable_high_availability = True
+        enable_hbmfault_repair = True
+        enable_worker_reboot = False
+        distributed_optimizer_no_replica = True
+    assert Features.from_args(Args()) == Features(True, True, False, True)
+    assert Features.from_names("dump,recover") == Features(True, False, True, False)
+    with pytest.raises(ValueError, match="unknown features"):
+        Features.from_names("retry,teleport")
+
+
+# -- SPEC 7 holder choice -----------------------------------------------------------------------
+
+
+def layout_table(d: int = 4, n: int = 2) -> RankTable:
+    t = RankTable(d)
+    chunk = d // n
+    for r in range(d):
+        shard = r % chunk
+        t.register(r, bytes([r + 1]), "h", r, 0.0,
+                   {"dense": {"dp_index": r, "dp_size": d, "replica_num": n, "shard": shard,
+                              "holders": [shard + k * chunk for k in range(n)]}}, step=9)
+    return t
+
+
+def test_dump_holders_first_healthy() -> None:
+    planner = StrategyPlanner(Features())
+    t = layout_table()
+    inc = Incident(1, 0.0, faults={0: FaultKind.UCE}, lock_step=9)
+    chosen = planner.dump_holders(inc, t)
+    assert {key[1]: r for key, r in chosen.items()} == {0: 2, 1: 1}
+    t.get(1).status = "updating"  # inside an update: not consistent
+    assert {key[1]: r for key, r in planner.dump_holders(inc, t).items()} == {0: 2, 1: 3}
+    t.get(3).step = 8  # behind the lock step
+    with pytest.raises(PlanError, match="dense shard 1 .*rank 1 alive step 9 updating.*rank 3"):
+        planner.dump_holders(inc, t)
+    # a comm fault leaves the data intact; a UCE in activations too (SPEC 8)
+    t = layout_table()
+    inc = Incident(1, 0.0, faults={0: FaultKind.COMM, 1: FaultKind.UCE}, lock_step=9,
+                   details={1: {"target": "activation"}})
+    assert sorted(planner.dump_holders(inc, t).values()) == [0, 1]
+    payloads, renamer = planner.dump_payloads(inc, t, range(4))
+    assert renamer == 0 and payloads[2]["shards"] == [] and payloads[0]["shards"][0]["shard"] == 0
+
+
+def test_repair_plan_sources() -> None:
+    planner = StrategyPlanner(Features(hbm_repair=True))
+    t = layout_table()
+    t.get(2).health = Health.LOST
+    t.register(2, b"new", "h", 99, 0.0, None)
+    t.get(2).fresh = True
+    inc = Incident(1, 0.0, faults={2: FaultKind.LOST}, lock_step=9, source="replica",
+                   strategy=Strategy.RECOVER, new_ranks={2})
+    plan = planner.repair_payloads(inc, t, range(4))
+    assert plan[2]["receive"] == [{"optimizer": "dense", "shard": 0, "from": 0}]
+    assert plan[0]["send"] == [{"optimizer": "dense", "shard": 0, "to": 2}]
+    assert plan[1]["receive"] == plan[3]["receive"] == []
+    t.get(0).health = Health.LOST
+    with pytest.raises(PlanError, match="rank 2 needs dense shard 0"):
+        planner.repair_payloads(inc, t, range(1, 4))
+
+
+# -- classification, watchdog, keys ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("exc,kind", [
+    (RuntimeError("ACL error: UCE ERROR on device 3"), FaultKind.UCE),
+    (RuntimeError("HBM MULTI BIT ECC detected"), FaultKind.UCE),
+    (RuntimeError("HCCL OP RETRY FAILED"), FaultKind.COMM),
+    (RuntimeError("SUSPECT REMOTE ERROR"), FaultKind.COMM),
+    (RuntimeError("UB LINK ERROR"), FaultKind.COMM),
+    (RuntimeError("HCCS LINK ERROR"), FaultKind.COMM),
+    (RuntimeError("[gloo/pair.cc:534] Connection closed by peer [10.0.0.2]:1234"), FaultKind.COMM),
+    (RuntimeError("Read error: Connection reset by peer"), FaultKind.COMM),
+    (RuntimeError("NCCL communicator was aborted on rank 3"), FaultKind.COMM),
+    (RuntimeError("FORCE STOP"), FaultKind.NORMAL),
+    (ForceStop("held"), FaultKind.NORMAL),
+    (RuntimeError("CUDA out of memory"), FaultKind.UNKNOWN),
+    (ValueError("UCE ERROR"), FaultKind.UNKNOWN),  # SPEC 6 matches RuntimeErrors only
+])
+def test_classification(exc: BaseException, kind: FaultKind) -> None:
+    assert classify_error(exc) is kind
+
+
+def test_watchdog_timeout_follows_step_times() -> None:
+    w = ProgressWatchdog(floor=0.05, factor=3, initial=10)
+    assert w.timeout() == 10
+    for step in range(1, 5):
+        w.progress(step)
+        time.sleep(0.03)
+    assert 0.05 <= w.timeout() <= 3 * 0.2
+    assert w.check() is None
+    now = time.monotonic()
+    fired = w.check(now + 5)
+    assert fired is not None and fired[0] >= 5
+    assert w.check(now + 6) is None  # once
+    w.pause()
+    w.resume()
+    assert w.timeout() == 10 and w.check(time.monotonic() + 5) is None
+    with pytest.raises(ValueError):
+        ProgressWatchdog(floor=0, factor=2, initial=1)
+
+
+def test_keys_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert keys_main([str(tmp_path / "k")]) == 0
+    out = capsys.readouterr().out
+    assert "export TTP_CURVE_SERVER_KEY=" in out and "export TTP_CURVE_CLIENT_KEY=" in out
+    assert sorted(os.listdir(tmp_path / "k")) == ["client.key", "client.key_secret",
+                                                  "server.key", "server.key_secret"]
+    assert keys_main([str(tmp_path / "k")]) == 1  # no silent overwrite
+    cfg = ControlConfig.from_env({"TTP_CURVE_SERVER_KEY": str(tmp_path / "k/server.key_secret"),
+                                  "TTP_CURVE_CLIENT_KEY": str(tmp_path / "k/client.key_secret")})
+    assert cfg.curve
