@@ -1,17 +1,34 @@
 """Where the plugin meets a trainer.
 
-A trainer creates one `TFTPlugin` per process after parsing its args, calls `setup()` once
-torch.distributed and megatron-core's parallel state exist (this builds the replica groups
-and installs the replica optimizer when high availability is on), and installs `hooks()`
-into its training loop. The hooks are: fault injection (`TFT_INJECT`, honoured with or
-without high availability, so faults can be injected into any job), step bookkeeping (the
-data status of SPEC 3) and, with `--tft-check-replicas-interval`, the replica consistency
-check. `startup_notices(args)` lists what a user should see once at startup.
+A trainer creates one `TFTPlugin` per process after parsing its args and:
+
+1. calls `setup()` once torch.distributed and megatron-core's parallel state exist: with
+   high availability this builds the replica groups, installs the replica optimizer and the
+   interruptible collectives, and (rank 0 under plain torchrun) starts the controller;
+2. calls `attach(state)` with its `TrainingState` once model, optimizer and data exist:
+   the processor registers with the controller, with the recovery callbacks;
+3. installs `hooks()` into its loop and runs its training function through `run(fn)`,
+   which under high availability is the fault handler of SPEC 6 (report, wait for the
+   controller's decision, resume after a repair or exit with the decided code);
+4. calls `finish()` when training ended normally.
+
+The hooks are: the processor's step reports (hold before an update when stopped, data
+status, progress for the hang watchdog), step snapshots and bookkeeping, fault injection
+(`TFT_INJECT`, honoured with or without high availability) and, with
+`--tft-check-replicas-interval`, the replica consistency check.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -26,6 +43,15 @@ from mindspeed_tft.training.arguments import fused_kernel_notices
 from mindspeed_tft.training.hooks import HookList, TrainerHooks
 from mindspeed_tft.training.state import TrainingState
 
+log = logging.getLogger("mindspeed_tft.plugin")
+
+T = TypeVar("T")
+
+#: set by `tft-run` in its workers: the controller runs in the launcher, not in rank 0
+CONTROLLER_IN_LAUNCHER_ENV = "TFT_CONTROLLER_IN_LAUNCHER"
+#: exit code of a process ended by SIGTERM when no fault is being handled
+SIGTERM_EXIT_CODE = 143
+
 
 class FaultInjectionHooks(TrainerHooks):
     """Fires the `TFT_INJECT` items of this rank at their step and phase."""
@@ -35,6 +61,76 @@ class FaultInjectionHooks(TrainerHooks):
 
     def on_phase(self, state: TrainingState, phase: str, step: int) -> None:
         self.injector.fire(step, phase)
+
+
+class ProcessorHooks(TrainerHooks):
+    """Feeds the trainer's step into the processor (SPEC 3).
+
+    The processor numbers an update by the iteration it produces (step s -> s + 1)."""
+
+    def __init__(self, processor: Any, termination: _Termination) -> None:
+        self.processor = processor
+        self.termination = termination
+
+    def on_train_start(self, state: TrainingState) -> None:
+        self.processor.report_update_end(state.iteration)
+        self.processor.report_progress(state.iteration)
+
+    def on_phase(self, state: TrainingState, phase: str, step: int) -> None:
+        if phase == "forward":
+            self.termination.check(self.processor)
+
+    def on_update_start(self, state: TrainingState, step: int) -> None:
+        self.processor.before_update(step + 1)
+
+    def on_update_end(self, state: TrainingState, step: int) -> None:
+        self.processor.report_update_end(step + 1)
+
+    def on_step_end(self, state: TrainingState) -> None:
+        self.processor.report_progress(state.iteration)
+        self.termination.check(self.processor)
+
+
+class _Termination:
+    """SIGTERM under high availability: a launcher (torchrun) terminates the survivors as
+    soon as one worker dies, and kills them after a grace period. The survivors must live
+    long enough to handle the fault (dump or repair), so SIGTERM only marks the process;
+    at its next step boundary a rank that is not part of a fault's handling waits briefly
+    for one to begin and otherwise exits."""
+
+    def __init__(self, wait_seconds: float) -> None:
+        self.requested = threading.Event()
+        self.wait_seconds = wait_seconds
+
+    def install(self) -> None:
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        if not self.requested.is_set():
+            print("[mindspeed-tft] SIGTERM received: finishing the fault handling before "
+                  "exiting", flush=True)
+        self.requested.set()
+
+    def check(self, processor: Any) -> None:
+        if not self.requested.is_set():
+            return
+        deadline = time.monotonic() + self.wait_seconds
+        while time.monotonic() < deadline and not processor.stopped:
+            time.sleep(0.05)
+        if processor.stopped:
+            from mindspeed_tft.control import ForceStop
+
+            raise ForceStop("FORCE STOP: terminated while a fault is handled")
+        print("[mindspeed-tft] SIGTERM: no fault to handle; exiting", flush=True)
+        processor.stop(SIGTERM_EXIT_CODE)
+        _hard_exit(SIGTERM_EXIT_CODE)
+
+
+def _hard_exit(code: int) -> None:
+    """Exit now: atexit handlers could block on broken process groups."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class TFTPlugin:
@@ -47,19 +143,65 @@ class TFTPlugin:
         )
         self.status = UpdateStatus()
         self.replica_groups: ReplicaGroups | None = None
+        self.controller: Any = None
+        self.processor: Any = None
+        self.snapshots: Any = None
+        self.termination: _Termination | None = None
+
+    @property
+    def high_availability(self) -> bool:
+        return self.features.high_availability
 
     def setup(self) -> None:
         """Build what needs torch.distributed (call after the parallel state exists)."""
         configure_events(getattr(self.args, "tft_events_file", None))
-        if self.features.high_availability or getattr(self.args, "tft_check_replicas_interval", 0):
+        if self.high_availability or getattr(self.args, "tft_check_replicas_interval", 0):
             self.replica_groups = ReplicaGroups(ReplicaLayout.from_args(self.args))
             self.replica_groups.build()
             install_replica_optimizer(self.replica_groups)
             emit("replica_layout", dist.get_rank(), **self.replica_groups.layout_event())
+        if not self.high_availability:
+            return
+        from mindspeed_tft.control import ControlConfig, Controller, Features
+        from mindspeed_tft.recovery import collectives
+
+        if dist.get_backend() == "gloo":
+            collectives.install()
+        config = ControlConfig.from_env()
+        if dist.get_rank() == 0 and os.environ.get(CONTROLLER_IN_LAUNCHER_ENV) != "1":
+            self.controller = Controller(dist.get_world_size(), config,
+                                         features=Features.from_args(self.args))
+            self.controller.start()
+        self.termination = _Termination(config.lost_after + config.heartbeat_interval + 1.0)
+        self.termination.install()
+
+    def attach(self, state: TrainingState) -> None:
+        """Register this rank with the controller (high availability only)."""
+        if not self.high_availability:
+            return
+        from mindspeed_tft.control import Processor
+        from mindspeed_tft.recovery.actions import RecoveryActions
+        from mindspeed_tft.recovery.snapshot import StepSnapshots
+
+        assert self.replica_groups is not None
+        rank = dist.get_rank()
+        self.snapshots = StepSnapshots()
+        actions = RecoveryActions(state, self.snapshots, self.replica_groups.dense, rank)
+        self.processor = Processor(
+            rank, dist.get_world_size(),
+            replica={"dense": self.replica_groups.dense.describe_rank(rank)},
+        )
+        actions.register(self.processor)
+        self.processor.start()
 
     def hooks(self) -> TrainerHooks:
         """The trainer hooks of this process."""
-        hooks = HookList([StepBookkeeping(self.status)])
+        hooks = HookList()
+        if self.processor is not None:
+            assert self.termination is not None
+            hooks.append(ProcessorHooks(self.processor, self.termination))
+            hooks.append(self.snapshots)
+        hooks.append(StepBookkeeping(self.status))
         injector = FaultInjector.from_env(dist.get_rank())
         if injector:
             hooks.append(FaultInjectionHooks(injector))
@@ -67,6 +209,21 @@ class TFTPlugin:
         if interval and self.replica_groups is not None:
             hooks.append(ReplicaConsistencyCheck(self.replica_groups, interval))
         return hooks
+
+    def run(self, train_fn: Callable[[], T]) -> T:
+        """Run the training function, under the fault handler with high availability."""
+        if self.processor is None:
+            return train_fn()
+        from mindspeed_tft.control import run_with_fault_tolerance
+
+        return run_with_fault_tolerance(train_fn, self.processor, exit_fn=_hard_exit)
+
+    def finish(self) -> None:
+        """Training ended normally: leave the control plane."""
+        if self.processor is not None:
+            self.processor.stop(0)
+        if self.controller is not None:
+            self.controller.stop()
 
 
 def startup_notices(args: argparse.Namespace) -> list[str]:

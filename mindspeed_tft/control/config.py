@@ -166,8 +166,9 @@ class ControlConfig:
     #: seconds a `stop` waits for the training thread to come back to the handler (at most
     #: half the action time limit); a thread that never does is really hung
     park_timeout: float = 30.0
-    #: exit code after a successful dying-gasp dump, and after any failure
-    dump_exit_code: int = 0
+    #: exit code after a successful dying-gasp dump (75, EX_TEMPFAIL: "restart the job from
+    #: the dump"), and after any failure
+    dump_exit_code: int = 75
     failure_exit_code: int = 1
     log_path: str = "logs"
     log_level: str = "INFO"

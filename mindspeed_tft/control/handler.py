@@ -33,6 +33,8 @@ T = TypeVar("T")
 
 def _leave(processor: Processor, decision: Decision, exit_fn: Callable[[int], Any]) -> None:
     log.warning("rank %d exits with code %d: %s", processor.rank, decision.code, decision.reason)
+    print(f"[mindspeed-tft] rank {processor.rank} exits with code {decision.code}: "
+          f"{decision.reason}", flush=True)
     processor.close()
     local.wait_local_controllers(10.0)  # a controller in this process sends its last orders
     exit_fn(decision.code)

@@ -415,8 +415,10 @@ class IncidentFlow:
             self._exit(self.host.config.failure_exit_code,
                        f"rename of the dump failed: {self._fail_text(phase)}")
             return
+        where = next((res.get("path") for res in phase.results.values() if res.get("path")), None)
         self._exit(self.host.config.dump_exit_code,
-                   f"dying-gasp checkpoint saved at step {self.incident.lock_step}")
+                   f"dying-gasp checkpoint saved at iteration {self.incident.lock_step}"
+                   + (f" in {where}" if where else ""))
 
     def _exit(self, code: int, reason: str) -> None:
         host = self.host

@@ -466,8 +466,11 @@ class Processor:
         try:
             sock = self._connect(ctx)
             self._io_loop(ctx, sock)
-        except Exception:
+        except Exception as e:
             log.exception("processor I/O thread of rank %d failed", self.rank)
+            if not self._registered.is_set():  # wake start(): it must not wait for nothing
+                self._reject = f"processor I/O thread failed: {type(e).__name__}: {e}"
+                self._registered.set()
         finally:
             if self._sock is not None:
                 self._sock.close(200)  # let a last bye or result leave

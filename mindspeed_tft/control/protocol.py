@@ -145,18 +145,23 @@ _REPLICA_FIELDS: dict[str, Check] = {
     "shard": _int(0, MAX_RANK),
     "holders": _list_of(_rank, 1 << 16),
 }
+#: optional: the index of the rank's DP group (its model-parallel position)
+_REPLICA_OPTIONAL: dict[str, Check] = {"group": _int(0, MAX_RANK)}
 
 
 def _replica(v: Any) -> bool:
-    """{optimizer name: {dp_index, dp_size, replica_num, shard, holders}} (SPEC 2, 7)."""
+    """{optimizer name: {dp_index, dp_size, replica_num, shard, holders[, group]}} (SPEC 2, 7)."""
     if type(v) is not dict or len(v) > 16:
         return False
     for name, info in v.items():
         if type(name) is not str or len(name) > 64 or type(info) is not dict:
             return False
-        if info.keys() != _REPLICA_FIELDS.keys():
+        optional = info.keys() - _REPLICA_FIELDS.keys()
+        if not _REPLICA_FIELDS.keys() <= info.keys() or not optional <= _REPLICA_OPTIONAL.keys():
             return False
         if not all(check(info[k]) for k, check in _REPLICA_FIELDS.items()):
+            return False
+        if not all(_REPLICA_OPTIONAL[k](info[k]) for k in optional):
             return False
         if info["dp_index"] >= info["dp_size"] or not info["holders"]:
             return False

@@ -142,6 +142,27 @@ def _load_model_state(model: list[torch.nn.Module], state_dict: dict[str, Any]) 
             chunk.load_state_dict(state_dict[f"model{i}"], strict=True)
 
 
+def checkpoint_state_dict(
+    state: Any, rng_state: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The content of `model_optim_rng.pt` for `state` (a TrainingState) at its iteration.
+
+    `rng_state` defaults to this process's current RNG state."""
+    args = state.args
+    state_dict: dict[str, Any] = {
+        "args": args,
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": state.iteration,
+        **_model_state(state.model),
+    }
+    if not args.no_save_optim:
+        state_dict["optimizer"] = state.optimizer.state_dict()
+        state_dict["opt_param_scheduler"] = state.opt_param_scheduler.state_dict()
+    if not args.no_save_rng:
+        state_dict["rng_state"] = [rng_state if rng_state is not None else get_rng_state()]
+    return state_dict
+
+
 def _is_data_parallel_writer() -> bool:
     from megatron.core import parallel_state as ps
 
@@ -174,18 +195,7 @@ def save_checkpoint(
 
     if _is_data_parallel_writer():
         os.makedirs(rank_dir, exist_ok=True)
-        state_dict: dict[str, Any] = {
-            "args": args,
-            "checkpoint_version": CHECKPOINT_VERSION,
-            "iteration": iteration,
-            **_model_state(state.model),
-        }
-        if not args.no_save_optim:
-            state_dict["optimizer"] = optimizer.state_dict()
-            state_dict["opt_param_scheduler"] = state.opt_param_scheduler.state_dict()
-        if not args.no_save_rng:
-            state_dict["rng_state"] = [get_rng_state()]
-        torch.save(state_dict, os.path.join(rank_dir, MODEL_FILENAME))
+        torch.save(checkpoint_state_dict(state), os.path.join(rank_dir, MODEL_FILENAME))
 
     if hooks is not None:
         hooks.on_phase(state, "save", iteration - 1)

@@ -426,14 +426,21 @@ def pretrain(
         state.valid_data_iterator = build_data_iterator(
             valid_ds, args.consumed_valid_samples, args.micro_batch_size, dp_rank, dp_size
         )
+    plugin.attach(state)
     hooks = HookList([plugin.hooks()])
     print_rank_0(f"[mindspeed-tft] training from iteration {state.iteration} to {args.train_iters}")
     start_iteration = state.iteration
-    iteration = train(forward_step_func, state, hooks)
-    if args.save and iteration != start_iteration and (
-        not args.save_interval or iteration % args.save_interval != 0
-    ):
-        save_checkpoint(state, hooks)
+
+    def train_and_save() -> int:
+        iteration = train(forward_step_func, state, hooks)
+        if args.save and iteration != start_iteration and (
+            not args.save_interval or iteration % args.save_interval != 0
+        ):
+            save_checkpoint(state, hooks)
+        return iteration
+
+    iteration = plugin.run(train_and_save)
+    plugin.finish()
     print_rank_0(f"[mindspeed-tft] training finished at iteration {iteration}")
     return iteration
 

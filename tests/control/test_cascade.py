@@ -29,7 +29,7 @@ def test_rank_lost_during_repair_falls_back_to_dump(tmp_path: Path) -> None:
                    for r in (0, 3)}
         assert writers == {0: [0], 3: [1]}
         (exit_event,) = [e for e in job.events() if e["event"] == "exit"]
-        assert exit_event["code"] == 0 and "saved at step 4" in exit_event["reason"]
+        assert exit_event["code"] == 75 and "saved at iteration 4" in exit_event["reason"]
         assert {r: job.workers[r].wait(10) for r in range(4)} == {0: 0, 1: 0, 2: -9, 3: 0}
     finally:
         job.cleanup()

@@ -1,0 +1,192 @@
+"""The dying-gasp checkpoint (TTP, SPEC 7): a Megatron-layout checkpoint of the lock step,
+written from surviving replicas after the process groups are gone.
+
+A dump needs no collective communication: a fault has broken the process groups. It goes
+through the checkpoint directory instead, in three stages driven by the controller:
+
+1. `write_shard` — the chosen holder of each optimizer shard writes its shard of every
+   bucket (fp32 main params, exp_avg, exp_avg_sq, and its slice of the bf16 param buffer,
+   which its own update refreshed) to `iter_L_tmp/mp_rank_XX/tft_shards/shard_NNN.pt`.
+2. `assemble` — one healthy rank per model-parallel position reads the shards of its
+   position, concatenates them into megatron-core's DP-zero parameter state
+   (`distrib_optim.pt`), writes the assembled params into its own param buffer (the model
+   params of the lock step), and writes `model_optim_rng.pt` with the scheduler, consumed
+   samples and RNG of the lock step. With the non-distributed fp16/bf16 optimizer every rank
+   holds the whole state, and the assembler writes the checkpoint from its own memory.
+3. `publish` — one rank renames `iter_L_tmp` to `iter_L` and updates
+   `latest_checkpointed_iteration.txt` (atomically), so a half-written dump is never taken
+   for a checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+import torch
+
+from mindspeed_tft.recovery.snapshot import StepSnapshot, restore_scheduler
+from mindspeed_tft.training.checkpointing import (
+    DISTRIB_OPTIM_FILENAME,
+    MODEL_FILENAME,
+    checkpoint_state_dict,
+    iteration_dir_name,
+    publish_checkpoint,
+    this_rank_dir_name,
+)
+from mindspeed_tft.training.state import TrainingState
+
+SHARDS_DIRNAME = "tft_shards"
+_STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
+
+
+class DumpError(RuntimeError):
+    """The dump cannot be completed; nothing is published."""
+
+
+def tmp_dir(root: str, iteration: int) -> str:
+    """Where the dump of `iteration` is written before it is published."""
+    return os.path.join(root, iteration_dir_name(iteration) + "_tmp")
+
+
+def _distributed_optimizers(optimizer: Any) -> list[Any]:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [opt for opt in chained if isinstance(opt, DistributedOptimizer)]
+
+
+def uses_distributed_optimizer(state: TrainingState) -> bool:
+    """Whether the state is sharded (megatron-core's DistributedOptimizer)."""
+    return bool(_distributed_optimizers(state.optimizer))
+
+
+def local_shard_payload(
+    state: TrainingState, chunk: int, index: int
+) -> list[dict[tuple[int, str, int], dict]]:
+    """This rank's shard (`index` of `chunk` per bucket) of every distributed optimizer,
+    as CPU copies. `chunk` and `index` come from the replica map: no process group is
+    needed, so this works after a fault broke them."""
+    from megatron.core.distributed.param_and_grad_buffer import shard_buffer
+
+    payload = []
+    for opt in _distributed_optimizers(state.optimizer):
+        buckets: dict[tuple[int, str, int], dict] = {}
+        for gbuf_idx, gbuf_range_maps in enumerate(opt.gbuf_ranges):
+            for dtype, range_maps in gbuf_range_maps.items():
+                for bucket_idx, range_map in enumerate(range_maps):
+                    bucket = opt.buffers[gbuf_idx].buckets[bucket_idx]
+                    local_numel = bucket.grad_data.numel() // chunk
+                    local = {k: torch.zeros(local_numel, dtype=torch.float32) for k in _STATE_KEYS}
+                    for model_param, param_range in range_map["param_map"].items():
+                        tensors = opt._get_main_param_and_optimizer_states(model_param)
+                        start, end = param_range["gbuf_local"].start, param_range["gbuf_local"].end
+                        for key in _STATE_KEYS:
+                            local[key][start:end].copy_(tensors[key].detach().view(-1).cpu())
+                    local["param_data"] = shard_buffer(bucket.param_data, chunk)[index].cpu().clone()
+                    buckets[(gbuf_idx, str(dtype), bucket_idx)] = local
+        payload.append(buckets)
+    return payload
+
+
+def write_shard(state: TrainingState, root: str, lock_step: int, chunk: int, index: int) -> str:
+    """Stage 1: write this rank's optimizer shard (`index` of `chunk`) of the lock step;
+    returns the file."""
+    if not _distributed_optimizers(state.optimizer):
+        raise DumpError("write_shard needs the distributed optimizer")
+    directory = os.path.join(tmp_dir(root, lock_step), this_rank_dir_name(), SHARDS_DIRNAME)
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"shard_{index:03d}.pt")
+    partial = path + ".partial"
+    torch.save(
+        {"iteration": lock_step, "shard": index, "chunk_size": chunk,
+         "optimizers": local_shard_payload(state, chunk, index)},
+        partial,
+    )
+    os.replace(partial, path)
+    return path
+
+
+def _read_shards(directory: str, chunk: int, lock_step: int) -> list[dict]:
+    shards = []
+    for index in range(chunk):
+        path = os.path.join(directory, f"shard_{index:03d}.pt")
+        if not os.path.isfile(path):
+            raise DumpError(f"shard {index} of {directory} was not written: cannot assemble")
+        shard = torch.load(path, map_location="cpu", weights_only=False)
+        if shard["iteration"] != lock_step or shard["shard"] != index:
+            raise DumpError(
+                f"{path} holds shard {shard['shard']} of iteration {shard['iteration']}, "
+                f"expected shard {index} of iteration {lock_step}"
+            )
+        shards.append(shard)
+    return shards
+
+
+def _assemble_parameter_state(
+    opt: Any, opt_index: int, shards: list[dict]
+) -> dict[Any, Any]:
+    """megatron-core's DP-zero parameter state of `opt` from the shards of every chunk rank;
+    also writes the assembled bf16 params into `opt`'s param buffers (the model params)."""
+    state: dict[Any, Any] = {"buckets_coalesced": True}
+    for gbuf_idx, gbuf_range_maps in enumerate(opt.gbuf_ranges):
+        dtype_state = {}
+        for dtype, range_maps in gbuf_range_maps.items():
+            buffer = opt.buffers[gbuf_idx]
+            world = {k: torch.zeros(buffer.numel_unpadded, dtype=torch.float32)
+                     for k in _STATE_KEYS}
+            offset = 0
+            for bucket_idx in range(len(range_maps)):
+                bucket = buffer.buckets[bucket_idx]
+                key = (gbuf_idx, str(dtype), bucket_idx)
+                pieces = [shard["optimizers"][opt_index][key] for shard in shards]
+                numel = bucket.numel_unpadded
+                for name in _STATE_KEYS:
+                    whole = torch.cat([piece[name] for piece in pieces])
+                    world[name][offset : offset + numel].copy_(whole[:numel])
+                params = torch.cat([piece["param_data"] for piece in pieces])
+                bucket.param_data.copy_(params.to(bucket.param_data.device))
+                offset += numel
+            dtype_state[dtype] = {**world, "numel_unpadded": buffer.numel_unpadded}
+        state[gbuf_idx] = dtype_state
+    return state
+
+
+def _set_lock_step_bookkeeping(state: TrainingState, snapshot: StepSnapshot) -> None:
+    state.iteration = snapshot.iteration
+    state.args.consumed_train_samples = snapshot.consumed_train_samples
+    restore_scheduler(state.opt_param_scheduler, snapshot.scheduler_state)
+
+
+def assemble(state: TrainingState, root: str, snapshot: StepSnapshot, chunk: int) -> str:
+    """Stage 2: write this model-parallel position's checkpoint files of the lock step
+    (`chunk` shards per bucket with the distributed optimizer)."""
+    lock_step = snapshot.iteration
+    rank_dir = os.path.join(tmp_dir(root, lock_step), this_rank_dir_name())
+    os.makedirs(rank_dir, exist_ok=True)
+    opts = _distributed_optimizers(state.optimizer)
+    if opts:
+        shards_dir = os.path.join(rank_dir, SHARDS_DIRNAME)
+        shards = _read_shards(shards_dir, chunk, lock_step)
+        states = [_assemble_parameter_state(opt, i, shards) for i, opt in enumerate(opts)]
+        torch.save(states[0] if len(states) == 1 else states,
+                   os.path.join(rank_dir, DISTRIB_OPTIM_FILENAME))
+    _set_lock_step_bookkeeping(state, snapshot)
+    torch.save(checkpoint_state_dict(state, snapshot.rng_state),
+               os.path.join(rank_dir, MODEL_FILENAME))
+    if opts:
+        shutil.rmtree(os.path.join(rank_dir, SHARDS_DIRNAME))
+    return rank_dir
+
+
+def publish(root: str, lock_step: int, expected_dirs: list[str]) -> str:
+    """Stage 3: check every model-parallel folder is complete, then publish atomically."""
+    directory = tmp_dir(root, lock_step)
+    for name in expected_dirs:
+        rank_dir = os.path.join(directory, name)
+        if not os.path.isfile(os.path.join(rank_dir, MODEL_FILENAME)):
+            raise DumpError(f"{rank_dir} has no {MODEL_FILENAME}: the dump is incomplete")
+        if os.path.isdir(os.path.join(rank_dir, SHARDS_DIRNAME)):
+            raise DumpError(f"{rank_dir} was not assembled: the dump is incomplete")
+    return publish_checkpoint(root, lock_step)

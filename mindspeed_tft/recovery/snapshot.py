@@ -1,0 +1,104 @@
+"""What a rank must remember to restore, or dump, the state of a recent step.
+
+A fault can hit a rank anywhere in a step: before its update (the state is still that of
+the previous step, but the RNG has moved on through the forward pass), or after its local
+update but before the step's bookkeeping (the optimizer is at the new step, the LR scheduler
+and the consumed-sample count are not). `StepSnapshots` records, cheaply, what the
+optimizer state does not hold: every RNG state, the LR scheduler's state and the consumed
+samples, for the last steps this rank reached. `at(step)` returns them for the lock step.
+
+Recorded points:
+- train start (after a load or a rollback): the state at `iteration`;
+- end of each local update of step s: the RNG state, which is the one step s + 1 starts
+  with (nothing draws random numbers between an update and the next forward pass);
+- end of each completed step: scheduler and consumed samples at the new iteration.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+from mindspeed_tft.training.checkpointing import get_rng_state
+from mindspeed_tft.training.hooks import TrainerHooks
+from mindspeed_tft.training.state import TrainingState
+
+_KEEP = 3
+
+
+@dataclass
+class StepSnapshot:
+    """The non-optimizer state of iteration `iteration` on this rank."""
+
+    iteration: int
+    rng_state: dict[str, Any]
+    scheduler_state: dict[str, Any]
+    consumed_train_samples: int
+
+
+def restore_scheduler(scheduler: Any, scheduler_state: dict[str, Any]) -> None:
+    """Put a live megatron-core OptimizerParamScheduler back to `scheduler_state`.
+
+    Its `load_state_dict` advances the scheduler by the saved step count (it expects a fresh
+    scheduler at step 0), so the count is reset first."""
+    scheduler.num_steps = 0
+    scheduler.load_state_dict(copy.deepcopy(scheduler_state))
+
+
+class SnapshotUnavailableError(RuntimeError):
+    """This rank cannot reconstruct the state of the requested step."""
+
+
+class StepSnapshots(TrainerHooks):
+    """Remembers the last few steps' RNG, scheduler state and consumed samples."""
+
+    def __init__(self) -> None:
+        self._snapshots: dict[int, StepSnapshot] = {}
+        self._rng_after_update: dict[int, dict[str, Any]] = {}
+        self._samples_per_step = 0
+
+    def on_train_start(self, state: TrainingState) -> None:
+        self._samples_per_step = state.args.global_batch_size
+        self._record(state, get_rng_state())
+
+    def on_update_end(self, state: TrainingState, step: int) -> None:
+        self._rng_after_update[step + 1] = get_rng_state()
+        for old in [s for s in self._rng_after_update if s < step + 1 - _KEEP]:
+            del self._rng_after_update[old]
+
+    def on_step_end(self, state: TrainingState) -> None:
+        rng = self._rng_after_update.get(state.iteration) or get_rng_state()
+        self._record(state, rng)
+
+    def _record(self, state: TrainingState, rng: dict[str, Any]) -> None:
+        self._snapshots[state.iteration] = StepSnapshot(
+            iteration=state.iteration,
+            rng_state=rng,
+            scheduler_state=copy.deepcopy(state.opt_param_scheduler.state_dict()),
+            consumed_train_samples=state.args.consumed_train_samples,
+        )
+        for old in [s for s in self._snapshots if s < state.iteration - _KEEP]:
+            del self._snapshots[old]
+
+    def at(self, step: int, scheduler: Any) -> StepSnapshot:
+        """The snapshot of iteration `step`; when this rank finished the update of step
+        `step` but not its bookkeeping, it is derived from the previous one (the scheduler
+        advanced by one step with `scheduler`, a live scheduler restored for the purpose)."""
+        if step in self._snapshots:
+            return self._snapshots[step]
+        previous = self._snapshots.get(step - 1)
+        rng = self._rng_after_update.get(step)
+        if previous is None or rng is None:
+            known = sorted(self._snapshots)
+            raise SnapshotUnavailableError(
+                f"no record of iteration {step} on this rank (it knows iterations {known})"
+            )
+        restore_scheduler(scheduler, previous.scheduler_state)
+        scheduler.step(increment=self._samples_per_step)
+        return StepSnapshot(
+            iteration=step,
+            rng_state=rng,
+            scheduler_state=copy.deepcopy(scheduler.state_dict()),
+            consumed_train_samples=previous.consumed_train_samples + self._samples_per_step,
+        )
