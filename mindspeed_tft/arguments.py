@@ -426,4 +426,13 @@ def _validate_high_availability(args: argparse.Namespace) -> int:
     _check_replica_num(replica_num, dp, label)
     if expert is not None:
         _check_replica_num(replica_num, expert[0], "expert-data-parallel size")
+    expert_parallel = int(getattr(args, "expert_model_parallel_size", 1) or 1)
+    if expert_parallel > 1 and replica_num > 1:
+        raise TFTArgumentError(
+            f"--optimizer-replica-num {replica_num} cannot be combined with "
+            f"--expert-model-parallel-size {expert_parallel}: "
+            "megatron-core 0.12.1's partial distributed optimizer (the replica engine) does not "
+            "support expert parallelism; allowed: --distributed-optimizer-no-replica, or no "
+            "expert parallelism"
+        )
     return replica_num

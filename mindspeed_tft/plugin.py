@@ -147,6 +147,7 @@ class TFTPlugin:
         self.processor: Any = None
         self.snapshots: Any = None
         self.termination: _Termination | None = None
+        self.control_config: Any = None
 
     @property
     def high_availability(self) -> bool:
@@ -163,11 +164,9 @@ class TFTPlugin:
         if not self.high_availability:
             return
         from mindspeed_tft.control import ControlConfig, Controller, Features
-        from mindspeed_tft.recovery import collectives
 
-        if dist.get_backend() == "gloo":
-            collectives.install()
         config = ControlConfig.from_env()
+        self.control_config = config
         if dist.get_rank() == 0 and os.environ.get(CONTROLLER_IN_LAUNCHER_ENV) != "1":
             self.controller = Controller(dist.get_world_size(), config,
                                          features=Features.from_args(self.args))
@@ -186,7 +185,12 @@ class TFTPlugin:
         assert self.replica_groups is not None
         rank = dist.get_rank()
         self.snapshots = StepSnapshots()
-        actions = RecoveryActions(state, self.snapshots, self.replica_groups.dense, rank)
+        config = self.control_config
+        keep_ports = [config.port, *(port for _, port in config.backups)]
+        if os.environ.get("MASTER_PORT"):
+            keep_ports.append(int(os.environ["MASTER_PORT"]))
+        actions = RecoveryActions(state, self.snapshots, self.replica_groups.dense, rank,
+                                  keep_ports)
         self.processor = Processor(
             rank, dist.get_world_size(),
             replica={"dense": self.replica_groups.dense.describe_rank(rank)},

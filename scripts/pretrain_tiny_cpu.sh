@@ -68,6 +68,7 @@ LOAD_ARGS=""
 
 mkdir -p "${RUN_DIR}"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+export TTP_LOG_PATH=${TTP_LOG_PATH:-${RUN_DIR}/ttp_logs}
 $LAUNCHER --nproc-per-node "${NPROC}" --master-port "${MASTER_PORT}" "${ROOT}/pretrain_gpt.py" \
     $GPT_ARGS $DATA_ARGS $OUTPUT_ARGS \
     --distributed-backend nccl \

@@ -52,6 +52,13 @@ class JobResult:
         """Events called `name`, in order."""
         return [e for e in self.events if e["event"] == name]
 
+    def exit_codes(self) -> dict[int, int]:
+        """Each rank's exit code, as torchrun's failure summary reports it."""
+        import re
+
+        pattern = r"rank\s+: (\d+) \(local_rank: \d+\)\s+exitcode\s+: (-?\d+)"
+        return {int(r): int(c) for r, c in re.findall(pattern, self.output)}
+
     def describe(self) -> str:
         tail = "\n".join(self.output.splitlines()[-60:])
         return f"job in {self.run_dir} exited {self.returncode}; output tail:\n{tail}"
@@ -110,6 +117,9 @@ def run_tiny_job(
             "TFT_INJECT_STATE_DIR": str(run_dir / "inject-state"),
             "PYTHONUNBUFFERED": "1",
             "TTP_PORT": str(free_port()),
+            # A lost rank is declared after 0.5 s x (3 + 1): quick, still real heartbeats.
+            "TTP_HEARTBEAT_INTERVAL": "0.5",
+            "TTP_LOG_PATH": str(run_dir / "logs"),
         }
     )
     if load_dir is not None:

@@ -401,11 +401,16 @@ def test_moe_replica_num_checked_against_expert_data_parallel():
     )
 
 
-def test_moe_layout_accepted():
-    # world 8, tensor 2, data 4, expert 2, expert-tensor 1 -> expert-DP 4.
-    args = validate(HA, expert_model_parallel_size=2, expert_tensor_parallel_size=1,
-                    num_experts=4)
-    assert args.optimizer_replica_num_effective == 2
+def test_moe_expert_parallel_replicas_refused():
+    # world 8, tensor 2, data 4, expert 2, expert-tensor 1 -> expert-DP 4: the layout is
+    # fine, but megatron-core's partial distributed optimizer refuses expert parallelism.
+    assert error_of(HA, expert_model_parallel_size=2, expert_tensor_parallel_size=1,
+                    num_experts=4) == (
+        "--optimizer-replica-num 2 cannot be combined with --expert-model-parallel-size 2: "
+        "megatron-core 0.12.1's partial distributed optimizer (the replica engine) does not "
+        "support expert parallelism; allowed: --distributed-optimizer-no-replica, or no "
+        "expert parallelism"
+    )
 
 
 def test_moe_no_replica_needs_only_expert_dp_two():

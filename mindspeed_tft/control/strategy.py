@@ -50,8 +50,10 @@ REPAIR_STRATEGIES = frozenset({Strategy.RETRY, Strategy.RECOVER, Strategy.LOAD_C
 _SEVERITY = {Strategy.RETRY: 0, Strategy.LOAD_CHECKPOINT: 1, Strategy.RECOVER: 2,
              Strategy.DUMP: 3, Strategy.EXIT: 4}
 
-#: kinds whose rank's training data cannot be trusted (never a dump holder or repair source)
-FAULTY_DATA_KINDS = frozenset({FaultKind.UCE, FaultKind.UNKNOWN, FaultKind.HANG, FaultKind.LOST})
+#: kinds whose rank's training data cannot be trusted (never a dump holder or repair source).
+#: An exception (unknown, comm) leaves the optimizer data intact: the rank stays a holder if
+#: its data is Updated at the lock step (so with no replicas every rank dumps its own shard).
+FAULTY_DATA_KINDS = frozenset({FaultKind.UCE, FaultKind.HANG, FaultKind.LOST})
 #: UCE targets that leave the optimizer state and params intact: nothing to copy (SPEC 8)
 SPARED_TARGETS = frozenset({"grad", "activation"})
 #: kinds whose rank's process is gone or must be restarted (ARF)

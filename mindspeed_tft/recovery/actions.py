@@ -4,9 +4,9 @@
 step snapshots) and implements the callbacks the processor runs when the controller orders
 an action:
 
-- `stop`: abandon pending collectives, so a training thread stuck in one raises a
-  "FORCE STOP" and parks in the fault handler (the processor has already held the rank
-  before its next update, SPEC 3);
+- `stop`: abandon pending collectives (`collectives.abandon`), so a training thread stuck
+  in one raises and parks in the fault handler, and so do its peers (the processor has
+  already held the rank before its next update, SPEC 3);
 - `dump`: stages 1 and 2 of the dying-gasp checkpoint (see `dump.py`): write the shards
   this rank was chosen for; if it was chosen for shard 0 of its model-parallel position,
   assemble that position's checkpoint once every shard file is there;
@@ -53,11 +53,13 @@ class RecoveryActions:
         snapshots: StepSnapshots,
         replica_map: ReplicaMap,
         rank: int,
+        keep_ports: list[int],
     ) -> None:
         self.state = state
         self.snapshots = snapshots
         self.map = replica_map
         self.rank = rank
+        self.keep_ports = keep_ports
 
     def register(self, processor: Any) -> None:
         """Register every callback this class implements with `processor`."""
@@ -66,8 +68,10 @@ class RecoveryActions:
 
     # -- stop -----------------------------------------------------------------------------
     def stop(self, payload: dict[str, Any]) -> dict[str, Any]:
-        collectives.abandon(f"incident {payload.get('incident')}: stopped by the controller")
-        return {}
+        closed = collectives.abandon(
+            f"incident {payload.get('incident')}: stopped by the controller", self.keep_ports
+        )
+        return {"connections_closed": closed}
 
     # -- dump -----------------------------------------------------------------------------
     def _checkpoint_root(self) -> str:
@@ -100,6 +104,8 @@ class RecoveryActions:
                 self._wait_for_shards(root, lock_step)
             snapshot = self.snapshots.at(lock_step, self.state.opt_param_scheduler)
             result["assembled"] = assemble(self.state, root, snapshot, self.map.chunk_size)
+        emit("dump_written", self.rank, iteration=lock_step, shard=str(my_shard),
+             assembled="assembled" in result)
         log.info("rank %d: dump of iteration %d written (%s)", self.rank, lock_step, result)
         return result
 

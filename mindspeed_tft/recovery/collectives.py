@@ -4,85 +4,95 @@ raises instead of waiting for a peer that will never answer.
 When one rank fails, the others block in the next collective that needs it. A dead peer
 closes its sockets and gloo raises at once, but a peer that is alive and stuck (it raised
 and sits in the fault handler, or it hangs) keeps them blocked until the process-group
-timeout, minutes. NCCL (and HCCL) can abort their communicators; gloo cannot: its
-`abort()` does not wake a waiting operation. On gloo this module makes the waits
-interruptible instead: `Work.wait()` without a timeout (what every synchronous collective
-and every `handle.wait()` calls) waits in slices of `POLL_SECONDS`, and between slices checks
-whether the control plane ordered the rank to stop. `abandon()` raises `CollectivesAbandoned`
-("FORCE STOP ...", classified as a normal stop, SPEC 6) in every thread waiting on a
-collective, and in every collective started until `reset()`. A slice costs nothing when the
-operation completes within it: the wait returns as soon as the operation does.
+timeout, minutes. NCCL (and HCCL) can abort their communicators. gloo cannot: its
+`abort()` leaves the connections open, and the wait of some of its operations (every
+reduce-scatter) ignores timeouts. What does wake every gloo operation at once is what a
+dead peer does: closed connections. `abandon()` therefore shuts down (without closing: the
+file descriptors stay valid for gloo) every TCP connection of this process except those of
+the rendezvous store and the control plane. Every operation of this rank, and every
+operation of a peer waiting on this rank, then fails with "Connection closed by peer"; the
+training threads land in the fault handler, where the error counts as a consequence of the
+stop. The process lives on: recovery rebuilds the process groups on new connections.
 
-After an abandon, the process groups are unusable (operations are half done on some ranks):
-recovery destroys and rebuilds them before `reset()`.
+Linux: the connections are found through /proc/self/fd and /proc/self/net/tcp{,6}.
 """
 
 from __future__ import annotations
 
-import threading
-from datetime import timedelta
-from typing import Any
+import logging
+import os
+import socket
+from collections.abc import Iterable
 
 import torch.distributed as dist
 
-POLL_SECONDS = 0.2
+log = logging.getLogger("mindspeed_tft.recovery")
 
-_abandoned = threading.Event()
-_reason = ""
-_installed = False
+_LISTEN = "0A"
 
 
-class CollectivesAbandoned(RuntimeError):
-    """A collective was abandoned because the control plane stopped this rank."""
+def _tcp_connections() -> dict[int, tuple[int, int, str]]:
+    """socket inode -> (local port, remote port, state) of this process's TCP sockets."""
+    table: dict[int, tuple[int, int, str]] = {}
+    for path in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            with open(path, encoding="ascii") as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            local, remote, state, inode = fields[1], fields[2], fields[3], int(fields[9])
+            table[inode] = (int(local.rsplit(":", 1)[1], 16), int(remote.rsplit(":", 1)[1], 16),
+                            state)
+    return table
 
 
-def _raise_abandoned() -> None:
-    raise CollectivesAbandoned(f"FORCE STOP: collective abandoned ({_reason})")
+def _socket_fds() -> Iterable[tuple[int, int]]:
+    """(fd, inode) of this process's open sockets."""
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            yield int(name), int(link[8:-1])
 
 
-def _interruptible_wait(original: Any) -> Any:
-    poll = timedelta(seconds=POLL_SECONDS)
-
-    def wait(self: Any, timeout: timedelta | None = None) -> bool:
-        if timeout is not None and timeout != timedelta(0):
-            return original(self, timeout)
-        while True:
-            if _abandoned.is_set():
-                _raise_abandoned()
-            try:
-                return original(self, poll)
-            except RuntimeError as error:
-                if "timed out" not in str(error).lower():
-                    raise
-
-    return wait
-
-
-def install() -> None:
-    """Make gloo waits interruptible (idempotent; call before training on gloo)."""
-    global _installed
-    if _installed:
-        return
-    dist.Work.wait = _interruptible_wait(dist.Work.wait)
-    _installed = True
+def shutdown_connections(keep_ports: Iterable[int]) -> int:
+    """Shut down every established TCP connection of this process whose local or remote
+    port is not in `keep_ports`; returns how many."""
+    keep = set(keep_ports)
+    table = _tcp_connections()
+    count = 0
+    for fd, inode in _socket_fds():
+        row = table.get(inode)
+        if row is None:
+            continue
+        local_port, remote_port, state = row
+        if state == _LISTEN or local_port in keep or remote_port in keep:
+            continue
+        sock = socket.socket(fileno=fd)
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+            count += 1
+        except OSError:
+            pass
+        finally:
+            sock.detach()
+    return count
 
 
-def abandon(reason: str) -> None:
-    """Make every pending and future collective of this process raise (until `reset`).
+def abandon(reason: str, keep_ports: Iterable[int]) -> int:
+    """Make every pending and future collective of this process fail now.
 
-    On NCCL, the communicators are aborted as well (that is what wakes a CUDA wait)."""
-    global _reason
-    _reason = reason
-    _abandoned.set()
+    `keep_ports`: the ports of connections that must survive (the rendezvous store, the
+    controllers). Returns the number of connections shut down (0 on NCCL, whose
+    communicators are aborted instead)."""
     if dist.is_initialized() and dist.get_backend() == "nccl":
         dist.distributed_c10d._abort_process_group()
-
-
-def abandoned() -> bool:
-    """Whether collectives are currently abandoned."""
-    return _abandoned.is_set()
-
-
-def reset() -> None:
-    """Allow collectives again (after the process groups were rebuilt)."""
-    _abandoned.clear()
+        log.warning("communicators aborted: %s", reason)
+        return 0
+    count = shutdown_connections(keep_ports)
+    log.warning("%d process-group connections shut down: %s", count, reason)
+    return count

@@ -15,7 +15,7 @@ def test_rank_lost_during_repair_falls_back_to_dump(tmp_path: Path) -> None:
         for r in range(4):
             job.start_worker(r, steps=30, fault="uce@5" if r == 1 else "",
                              die_in="repair" if r == 2 else "")
-        assert job.controllers[0].wait(30) == 0
+        assert job.controllers[0].wait(30) == 75  # the dump exit code
         assert job.states() == ["INIT", "NORMAL", "ABNORMAL", "ENV_CLEAR", "REPAIR", "DUMP",
                                 "EXIT", "FINAL"]
         assert job.strategies() == ["retry"]
@@ -30,6 +30,6 @@ def test_rank_lost_during_repair_falls_back_to_dump(tmp_path: Path) -> None:
         assert writers == {0: [0], 3: [1]}
         (exit_event,) = [e for e in job.events() if e["event"] == "exit"]
         assert exit_event["code"] == 75 and "saved at iteration 4" in exit_event["reason"]
-        assert {r: job.workers[r].wait(10) for r in range(4)} == {0: 0, 1: 0, 2: -9, 3: 0}
+        assert {r: job.workers[r].wait(10) for r in range(4)} == {0: 75, 1: 75, 2: -9, 3: 75}
     finally:
         job.cleanup()

@@ -14,7 +14,7 @@ LIMIT = 1.5  # TTP_NORMAL_ACTION_TIME_LIMIT for these jobs (the constructor allo
 CASES = {
     # a stuck repair: the repair fails, falls back to the dump (rank 0 holds the shard)
     "repair": ("retry", "uce@5", ["INIT", "NORMAL", "ABNORMAL", "ENV_CLEAR", "REPAIR", "DUMP",
-                                  "EXIT", "FINAL"], 0),
+                                  "EXIT", "FINAL"], 75),
     # a stuck dump: the dump fails, everyone exits with the failure code
     "dump": ("dump", "unknown@5", ["INIT", "NORMAL", "ABNORMAL", "DUMP", "EXIT", "FINAL"], 1),
     # a stuck stop: rank 0 cannot be held, so it is not trusted; no holder left: exit

@@ -1,0 +1,306 @@
+"""Step-time overhead of optimizer replicas: high availability on (N = 2) vs off.
+
+What it measures: the median training step time of the same 4-rank CPU job (torchrun, gloo;
+DP = 4, TP = PP = 1, distributed optimizer, bf16, mock data) with high availability off
+(megatron-core's native distributed optimizer) and on (`--enable-high-availability`, N = 2
+optimizer replicas: reduce-scatter inside each chunk of d/N ranks plus an all-reduce across
+the N chunks, and an optimizer shard twice as large; the "on" jobs also run the rest of the
+plugin that flag switches on: controller, processors, interruptible collectives, step
+snapshots). `--ha-args="--enable-high-availability --distributed-optimizer-no-replica"`
+measures that rest alone (N = 1).
+
+How: it runs `scripts/pretrain_tiny_cpu.sh` (the tiny Llama-shaped preset; `--hidden` etc.
+make it bigger) as complete jobs, alternating the two modes in one run, in ABBA order
+(off, on, on, off, off, on, ...) so that slow drifts of a shared machine hit both modes
+alike. Each job trains `--iters` iterations with `--log-interval 1`; the per-iteration
+times are the trainer's own "elapsed time per iteration (ms)" (perf_counter around
+`train_step`), the first `--warmup` of each job are dropped, and the median over all kept
+iterations of a mode is its step time. The gaps between consecutive `iteration` events of the
+events file (SPEC 11) give a cross-check. OMP_NUM_THREADS=1.
+
+Output: a table, then as the last line one JSON object
+`{"step_ms_off": ..., "step_ms_on": ..., "ratio": ...}` (ratio = on / off).
+
+    python bench/overhead.py             # 6 rounds x 2 jobs x 40 iterations, ~4 min
+    python bench/overhead.py --quick     # 2 rounds x 2 jobs x 25 iterations
+    python bench/overhead.py --profile   # the same, plus where the time of a step goes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _jobs import REPO, bench_env, free_port, run_job, tail  # noqa: E402
+
+SCRIPT = REPO / "scripts" / "pretrain_tiny_cpu.sh"
+PROFILE_LAUNCHER = REPO / "bench" / "_profile_launch.py"
+#: Components timed by `--profile` (see bench/_profile_worker.py), in display order.
+COMPONENTS = (
+    "iteration", "train_step", "plugin_hooks", "forward_backward", "grad_sync", "optimizer_step", "prepare_grads",
+    "grad_norm", "clip", "local_update", "adam", "param_gather",
+)
+ITER_LINE = re.compile(
+    r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)"
+)
+MODES = ("off", "on")
+
+
+@dataclass
+class JobTimes:
+    mode: str
+    round: int
+    step_ms: dict[int, float] = field(default_factory=dict)  # iteration -> ms (log)
+    event_ms: dict[int, float] = field(default_factory=dict)  # iteration -> ms (event gaps)
+    losses: dict[int, float] = field(default_factory=dict)
+    seconds: float = 0.0
+    #: --profile: per rank, per iteration (1-based), component -> [wall ms, cpu ms]
+    profile: list[list[dict[str, list[float]]]] = field(default_factory=list)
+
+
+def job_env(mode: str, run_dir: Path, opts: argparse.Namespace) -> dict[str, str]:
+    ha_args = opts.ha_args if mode == "on" else " "  # a blank value turns the default off
+    env = bench_env(
+        run_dir / "ttp_logs",
+        NPROC=str(opts.nproc),
+        TRAIN_ITERS=str(opts.iters),
+        SAVE_INTERVAL=str(opts.iters + 1000),  # no periodic save inside the timed loop
+        GBS=str(opts.gbs),
+        RUN_DIR=str(run_dir),
+        CKPT_DIR=str(run_dir / "ckpt"),
+        EVENTS=str(run_dir / "events.jsonl"),
+        HA_ARGS=ha_args,
+        LAUNCHER=(
+            f"{sys.executable} {PROFILE_LAUNCHER}" if opts.profile
+            else f"{sys.executable} -m torch.distributed.run"
+        ),
+        BENCH_PROFILE_OUT=str(run_dir / "profile"),
+        MASTER_PORT=str(free_port()),
+        PYTHONUNBUFFERED="1",
+    )
+    for name, value in (
+        ("TINY_NUM_LAYERS", opts.layers),
+        ("TINY_HIDDEN_SIZE", opts.hidden),
+        ("TINY_FFN_HIDDEN_SIZE", opts.ffn),
+        ("TINY_SEQ_LENGTH", opts.seq),
+    ):
+        if value is not None:
+            env[name] = str(value)
+    return env
+
+
+def run_one(mode: str, rnd: int, opts: argparse.Namespace, work: Path) -> JobTimes:
+    run_dir = work / f"r{rnd}_{mode}"
+    cmd = ["bash", str(SCRIPT), *opts.extra]
+    job = run_job(cmd, job_env(mode, run_dir, opts), opts.timeout, run_dir / "output.log")
+    if job.returncode != 0:
+        raise RuntimeError(
+            f"round {rnd} mode {mode}: job exited {job.returncode}; output tail:\n"
+            f"{tail(job.output)}"
+        )
+    times = JobTimes(mode, rnd, seconds=job.seconds)
+    for match in ITER_LINE.finditer(job.output):
+        times.step_ms[int(match.group(1))] = float(match.group(2))
+    events_file = run_dir / "events.jsonl"
+    if events_file.exists():
+        events = [json.loads(line) for line in events_file.read_text().splitlines() if line]
+        stamps = {e["iteration"]: e["time"] for e in events if e.get("event") == "iteration"}
+        times.losses = {
+            e["iteration"]: e["loss"] for e in events if e.get("event") == "iteration"
+        }
+        for it, stamp in stamps.items():
+            if it - 1 in stamps:
+                times.event_ms[it] = (stamp - stamps[it - 1]) * 1000.0
+    if len(times.step_ms) < opts.iters:
+        raise RuntimeError(
+            f"round {rnd} mode {mode}: found {len(times.step_ms)}/{opts.iters} iteration log "
+            f"lines; output tail:\n{tail(job.output)}"
+        )
+    if opts.profile:
+        files = sorted((run_dir / "profile").glob("rank*.json"),
+                       key=lambda p: int(p.stem[len("rank"):]))
+        times.profile = [json.loads(p.read_text()) for p in files]
+    if opts.keep is None:
+        shutil.rmtree(run_dir / "ckpt", ignore_errors=True)
+    return times
+
+
+def profile_table(jobs: list[JobTimes], opts: argparse.Namespace) -> dict[str, Any]:
+    """Median per-iteration ms of each component and mode, averaged over ranks first."""
+    table: dict[str, Any] = {}
+    for mode in MODES:
+        per_component: dict[str, list[tuple[float, float]]] = {c: [] for c in COMPONENTS}
+        for job in (j for j in jobs if j.mode == mode):
+            if not job.profile:
+                continue
+            iterations = min(len(r) for r in job.profile)
+            for it in range(opts.warmup, iterations):
+                for comp in COMPONENTS:
+                    walls = [r[it].get(comp, [0.0, 0.0])[0] for r in job.profile]
+                    cpus = [r[it].get(comp, [0.0, 0.0])[1] for r in job.profile]
+                    per_component[comp].append(
+                        (statistics.fmean(walls), statistics.fmean(cpus))
+                    )
+        table[mode] = {
+            comp: (
+                statistics.median(w for w, _ in vals) if vals else float("nan"),
+                statistics.median(c for _, c in vals) if vals else float("nan"),
+            )
+            for comp, vals in per_component.items()
+        }
+    return table
+
+
+def print_profile(table: dict[str, Any]) -> None:
+    print("per-iteration component times, ms (median over kept iterations of the mean over"
+          " ranks; wall / process CPU)")
+    head = (f"{'component':>16} | {'off wall':>8} {'on wall':>8} {'delta':>7} | "
+            f"{'off cpu':>8} {'on cpu':>8} {'delta':>7}")
+    print(head)
+    print("-" * len(head))
+    for comp in COMPONENTS:
+        (ow, oc), (nw, nc) = table["off"][comp], table["on"][comp]
+        print(f"{comp:>16} | {ow:8.2f} {nw:8.2f} {nw - ow:+7.2f} | "
+              f"{oc:8.2f} {nc:8.2f} {nc - oc:+7.2f}")
+
+
+def kept(values: dict[int, float], warmup: int) -> list[float]:
+    return [ms for it, ms in sorted(values.items()) if it > warmup]
+
+
+def summarize(jobs: list[JobTimes], opts: argparse.Namespace) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for mode in MODES:
+        mine = [j for j in jobs if j.mode == mode]
+        log_ms = [ms for j in mine for ms in kept(j.step_ms, opts.warmup)]
+        ev_ms = [ms for j in mine for ms in kept(j.event_ms, opts.warmup)]
+        result[mode] = {
+            "median": statistics.median(log_ms),
+            "mean": statistics.fmean(log_ms),
+            "n": len(log_ms),
+            "events_median": statistics.median(ev_ms) if ev_ms else float("nan"),
+            "job_medians": [statistics.median(kept(j.step_ms, opts.warmup)) for j in mine],
+        }
+    return result
+
+
+def bootstrap_ratio(
+    jobs: list[JobTimes], warmup: int, samples: int = 2000, seed: int = 0
+) -> tuple[float, float]:
+    """5th and 95th percentiles of the on/off ratio of pooled medians when whole jobs are
+    resampled with replacement within each mode (the noise of a shared machine is mostly
+    job-to-job, so jobs are the independent units)."""
+    import random
+
+    rng = random.Random(seed)
+    per_mode = {m: [kept(j.step_ms, warmup) for j in jobs if j.mode == m] for m in MODES}
+    ratios = []
+    for _ in range(samples):
+        med = {}
+        for mode, runs in per_mode.items():
+            pool = [ms for _ in runs for ms in rng.choice(runs)]
+            med[mode] = statistics.median(pool)
+        ratios.append(med["on"] / med["off"])
+    ratios.sort()
+    return ratios[int(0.05 * samples)], ratios[int(0.95 * samples) - 1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=6, help="rounds K (one job per mode)")
+    parser.add_argument("--iters", type=int, default=40, help="iterations M per job")
+    parser.add_argument("--warmup", type=int, default=5, help="first iterations dropped per job")
+    parser.add_argument("--quick", action="store_true", help="2 rounds of 25 iterations")
+    parser.add_argument("--nproc", type=int, default=4, help="ranks (DP size)")
+    parser.add_argument("--gbs", type=int, default=16, help="global batch size")
+    parser.add_argument("--layers", type=int, default=None, help="TINY_NUM_LAYERS (4)")
+    parser.add_argument("--hidden", type=int, default=None, help="TINY_HIDDEN_SIZE (64)")
+    parser.add_argument("--ffn", type=int, default=None, help="TINY_FFN_HIDDEN_SIZE (176)")
+    parser.add_argument("--seq", type=int, default=None, help="TINY_SEQ_LENGTH (64)")
+    parser.add_argument(
+        "--ha-args", default="--enable-high-availability --optimizer-replica-num 2",
+        help="flags of the 'on' mode",
+    )
+    parser.add_argument("--timeout", type=float, default=240.0, help="seconds per job")
+    parser.add_argument(
+        "--profile", action="store_true",
+        help="run the jobs with timing wrappers (bench/_profile_worker.py) and print where "
+        "the time of a step goes in each mode",
+    )
+    parser.add_argument("--keep", type=Path, default=None, help="keep run dirs here")
+    parser.add_argument("extra", nargs="*", help="extra pretrain_gpt.py flags (after --)")
+    opts = parser.parse_args(argv)
+    if opts.quick:
+        opts.rounds, opts.iters = 2, 25
+    if opts.iters <= opts.warmup:
+        parser.error("--iters must be larger than --warmup")
+
+    work = opts.keep or Path(tempfile.mkdtemp(prefix="tft-bench-overhead-"))
+    jobs: list[JobTimes] = []
+    try:
+        for rnd in range(opts.rounds):
+            order = MODES if rnd % 2 == 0 else MODES[::-1]
+            for mode in order:
+                job = run_one(mode, rnd, opts, work)
+                jobs.append(job)
+                med = statistics.median(kept(job.step_ms, opts.warmup))
+                print(
+                    f"[overhead] round {rnd} HA {mode:>3}: median {med:7.1f} ms/iter over "
+                    f"{len(kept(job.step_ms, opts.warmup))} iterations (job {job.seconds:.0f}s)",
+                    file=sys.stderr, flush=True,
+                )
+    finally:
+        if opts.keep is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+    s = summarize(jobs, opts)
+    off, on = s["off"], s["on"]
+    ratio = on["median"] / off["median"]
+    # Loss agreement between the modes (same data and seed: only reduction order differs).
+    off_losses = next(j.losses for j in jobs if j.mode == "off")
+    on_losses = next(j.losses for j in jobs if j.mode == "on")
+    common = sorted(set(off_losses) & set(on_losses))
+    max_loss_diff = max((abs(off_losses[i] - on_losses[i]) for i in common), default=float("nan"))
+
+    print(f"{'mode':>4} | {'median ms':>9} {'mean ms':>8} {'iters':>5} {'events med':>10} | "
+          "per-job medians (ms)")
+    print("-" * 78)
+    for mode in MODES:
+        r = s[mode]
+        jm = " ".join(f"{m:.1f}" for m in r["job_medians"])
+        print(f"{mode:>4} | {r['median']:9.2f} {r['mean']:8.2f} {r['n']:5d} "
+              f"{r['events_median']:10.2f} | {jm}")
+    pair_ratios = [
+        on_m / off_m for on_m, off_m in zip(on["job_medians"], off["job_medians"], strict=True)
+    ]
+    low, high = bootstrap_ratio(jobs, opts.warmup)
+    print(f"ratio on/off of the pooled medians: {ratio:.4f} (goal <= 1.03); "
+          f"90% bootstrap interval over jobs: {low:.3f} .. {high:.3f}")
+    print("  per round (adjacent jobs): " + " ".join(f"{r:.3f}" for r in pair_ratios)
+          + f"; median {statistics.median(pair_ratios):.4f}")
+    print(f"  least-disturbed jobs (min of job medians): "
+          f"{min(on['job_medians']) / min(off['job_medians']):.4f}")
+    print(f"events-gap ratio: {on['events_median'] / off['events_median']:.4f}; "
+          f"max |loss off - loss on| over {len(common)} iterations: {max_loss_diff:.3e}")
+    if opts.profile:
+        print_profile(profile_table(jobs, opts))
+    print(json.dumps({
+        "step_ms_off": round(off["median"], 3),
+        "step_ms_on": round(on["median"], 3),
+        "ratio": round(ratio, 4),
+    }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
