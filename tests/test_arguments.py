@@ -68,6 +68,7 @@ def test_add_tft_args_returns_parser_with_group_and_defaults(monkeypatch):
         "distributed_optimizer_no_replica": False,
         "optimizer_replica_num": 2,
         "tft_events_file": None,
+        "tft_check_replicas_interval": 0,
     }
 
 
