@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -16,11 +15,9 @@ REPO = Path(__file__).resolve().parent.parent
 _SCRUBBED_ENV = ("HIGH_AVAILABILITY", "TFT_INJECT", "TFT_EVENTS_FILE", "TTP_PORT", "TTP_LOG_PATH")
 
 
-def free_port() -> int:
-    """A TCP port that is free right now on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+from tests.jobs import free_port  # noqa: E402  (one port policy for tests and benchmarks)
 
 
 def bench_env(log_dir: Path, **extra: str) -> dict[str, str]:

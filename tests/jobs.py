@@ -71,12 +71,27 @@ STANDARD = {"train_iters": 20, "save_interval": 5}
 HA_ARGS = "--enable-high-availability --tft-check-replicas-interval 1"
 
 
+_issued_ports: set[int] = set()
+
+
 def free_port() -> int:
+    """A free TCP port below the ephemeral range (so connections the job opens cannot take
+    it before the job binds it), never handed out twice in this test session."""
+    import random
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    for _ in range(1000):
+        port = random.randrange(20000, 32000)
+        if port in _issued_ports:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _issued_ports.add(port)
+        return port
+    raise RuntimeError("no free port in 20000..32000")
 
 
 def run_tiny_job(
