@@ -170,6 +170,9 @@ class ControlConfig:
     #: the dump"), and after any failure
     dump_exit_code: int = 75
     failure_exit_code: int = 1
+    #: exit code of a rank ordered to end so that its launcher restarts it (ARF: a hung rank
+    #: under the recover strategy); `tft-run` restarts a worker exiting with it
+    reboot_exit_code: int = 76
     log_path: str = "logs"
     log_level: str = "INFO"
     log_mode: str = "ONLY_ONE"

@@ -179,6 +179,16 @@ class Controller(BackupSync):
         """End an operator pause: PAUSE -> NORMAL."""
         self._command("resume")
 
+    def report_process_exit(self, rank: int, returncode: int) -> None:
+        """A launcher saw `rank`'s process end (thread-safe; returns at once).
+
+        The loop treats the rank as lost right away, exactly as when its heartbeats stop
+        (`fault_detected` kind `lost`, the same incident handling), instead of waiting
+        interval x misses. Ignored for a rank that is not connected (it said bye, was
+        ordered to exit or is already lost) and for returncode 0 (a clean exit is no fault;
+        if it never said bye, its silence still gives it away)."""
+        self._command("process_exit", int(rank), int(returncode))
+
     def snapshot(self, timeout: float = 5.0) -> dict[str, Any]:
         """State, rank table, drop counters (computed in the loop thread when running)."""
         if self._thread is None or not self._thread.is_alive() or self._final.is_set():
@@ -345,6 +355,8 @@ class Controller(BackupSync):
             elif name == "pause" and self.sm.state is State.NORMAL and self.role == "active":
                 self.sm.to(State.PAUSE, "operator pause")
                 self._broadcast("pause", {"reason": "operator pause"})
+            elif name == "process_exit":
+                self._on_process_exit(cmd[1], cmd[2])
             elif name == "resume" and self.sm.state is State.PAUSE:
                 self.sm.to(State.NORMAL, "operator resume")
                 self._broadcast("resume", {"step": -1, "strategy": "none", "false_alarm": True,
@@ -620,13 +632,32 @@ class Controller(BackupSync):
         overdue = self.table.overdue(now, self.config.lost_after)
         for row in overdue:
             silent = now - row.last_seen
-            row.health = Health.LOST
-            self._snapshot_dirty = True
-            if self.sm.state is State.INIT:
-                log.warning("rank %d silent for %.1fs during registration", row.rank, silent)
-                self._missing.add(row.rank)
-                continue
-            self._fault(row.rank, FaultKind.LOST, f"no heartbeat for {silent:.1f}s")
+            self._declare_lost(row, f"silent for {silent:.1f}s", f"no heartbeat for {silent:.1f}s")
+
+    def _declare_lost(self, row: RankInfo, during_init: str, message: str) -> None:
+        """A connected rank's process is gone (silence or a launcher's report)."""
+        row.health = Health.LOST
+        self._snapshot_dirty = True
+        if self.sm.state is State.INIT:
+            log.warning("rank %d %s during registration", row.rank, during_init)
+            self._missing.add(row.rank)
+            return
+        self._fault(row.rank, FaultKind.LOST, message)
+
+    def _on_process_exit(self, rank: int, returncode: int) -> None:
+        if self.role != "active" or returncode == 0:
+            return
+        if self._router is not None:  # a bye or report it sent before it ended comes first
+            self._drain(self._router, self._on_frames)
+        row = self.table.get(rank)
+        if row is None or not row.connected:
+            log.info("rank %d: process ended (code %d), not connected (%s): nothing to do",
+                     rank, returncode, "unregistered" if row is None else row.health)
+            return
+        how = (f"killed by signal {-returncode}" if returncode < 0
+               else f"exited with code {returncode}")
+        log.warning("rank %d: process %s (reported by its launcher)", rank, how)
+        self._declare_lost(row, f"process {how}", f"process {how} (reported by its launcher)")
 
     # -- FlowHost ---------------------------------------------------------------------------
     def now(self) -> float:

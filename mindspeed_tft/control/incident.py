@@ -298,7 +298,7 @@ class IncidentFlow:
                 row = table.get(r)
                 if kind in PROCESS_KINDS and row is not None and not row.fresh:
                     if row.connected:  # hung: end the process so its launcher restarts it
-                        self._send(r, "exit", {"code": self.host.config.failure_exit_code,
+                        self._send(r, "exit", {"code": self.host.config.reboot_exit_code,
                                                "reason": "hung rank restarted (ARF)"})
                         row.health = Health.EXITING
                     inc.awaiting.add(r)

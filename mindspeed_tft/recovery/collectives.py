@@ -72,7 +72,12 @@ def shutdown_connections(keep_ports: Iterable[int]) -> int:
         local_port, remote_port, state = row
         if state == _LISTEN or local_port in keep or remote_port in keep:
             continue
-        sock = socket.socket(fileno=fd)
+        try:
+            if os.fstat(fd).st_ino != inode:  # closed and reused since it was listed
+                continue
+            sock = socket.socket(fileno=fd)
+        except OSError:  # closed by its owner since it was listed
+            continue
         try:
             sock.shutdown(socket.SHUT_RDWR)
             count += 1

@@ -1,0 +1,404 @@
+"""The elastic agent of `tft-run`: torch's `LocalElasticAgent` with mindspeed-tft's failure
+handling, everything else (rendezvous, worker environment, logs, error files, exit barrier,
+group restarts of `--max-restarts`) left to torch.distributed.elastic.
+
+What changes, by feature (see `options`):
+
+- high availability: node 0's launcher (group rank 0) hosts the `Controller` in a thread,
+  every worker gets `TFT_CONTROLLER_IN_LAUNCHER=1` (so rank 0 does not start one), and each
+  worker exit seen by node 0's launcher goes to `Controller.report_process_exit` at once.
+  The launcher's exit waits, bounded, for the controller to reach FINAL.
+- worker reboot (ARF): a worker killed by a signal or exiting with the reboot code (76,
+  `ControlConfig.reboot_exit_code`) is restarted at once as the same rank with the same
+  environment plus `TFT_WORKER_RESTART_COUNT`, while the other workers keep running; a
+  worker exiting 0, 75 (dump saved), 1 or anything else is not. The node's workers are
+  done when all of them ended. `TFT_MAX_WORKER_RESTARTS` bounds the restarts per launcher.
+  With spares (`--tft-spares-per-node`), a failed worker's rank goes to a warm spare when one
+  is ready. A node whose launcher is replaced finds its record in the rendezvous store and
+  starts its workers as the same ranks without a rendezvous (static rendezvous, node rank
+  > 0).
+
+How it plugs in: `TFTElasticAgent` overrides `_rendezvous` (controller, replacement
+nodes), `_start_workers` (its process context, the record, the spares) and `run` (tear-down);
+`TFTSubprocessContext` overrides `SubprocessContext._poll`, the only place where torch
+decides that one worker's exit ends the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch.distributed.elastic.agent.server import local_elastic_agent as _local_agent
+from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, Worker, WorkerGroup
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.api import (
+    PContext,
+    RunProcsResult,
+    SubprocessContext,
+)
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
+
+from .options import MAX_WORKER_RESTARTS_ENV, LauncherError, LaunchOptions
+from .pool import SparePool
+
+#: set in every worker under high availability (same name as `plugin.CONTROLLER_IN_LAUNCHER_ENV`)
+CONTROLLER_IN_LAUNCHER_ENV = "TFT_CONTROLLER_IN_LAUNCHER"
+#: how many times this rank's process was restarted (set in restarted workers only)
+WORKER_RESTART_COUNT_ENV = "TFT_WORKER_RESTART_COUNT"
+#: key (under the rendezvous' run-id prefix) of a node's record: what its workers are
+RECORD_KEY = "mindspeed_tft/launcher/node/{}"
+
+_ORIGINAL_START_PROCESSES = _local_agent.start_processes
+
+
+def say(message: str) -> None:
+    """One line of the launcher's log (stderr, prefixed like torchrun's own lines)."""
+    print(f"[tft-run] {message}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def swapped(module: Any, name: str, value: Any) -> Iterator[None]:
+    """Replace `module.name` by `value` for the duration of the block."""
+    old = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, old)
+
+
+def describe_exit(returncode: int) -> str:
+    """'died (signal 9)' or 'exited with code 76'."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = "?"
+        return f"died (signal {-returncode}, {name})"
+    return f"exited with code {returncode}"
+
+
+class _AppendingHandler(SubprocessHandler):
+    """A `SubprocessHandler` that appends to the log files: a restarted worker's output
+    follows its predecessor's in the same files (which `--tee` keeps following)."""
+
+    def __init__(self, *, stdout: str, stderr: str, **kwargs: Any) -> None:
+        self._append_to = (stdout, stderr)
+        super().__init__(stdout=None, stderr=None, **kwargs)
+
+    def _popen(self, args: tuple, env: dict[str, str]) -> Any:
+        out, err = self._append_to
+        self._stdout = open(out, "a") if out else None  # noqa: SIM115 (closed by close())
+        self._stderr = open(err, "a") if err else None  # noqa: SIM115
+        return super()._popen(args, env)
+
+
+class TFTSubprocessContext(SubprocessContext):
+    """torch's process context for binaries, with the agent deciding what a worker's exit
+    means (see the module docstring)."""
+
+    def __init__(self, *, agent: TFTElasticAgent, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.agent = agent
+        self._first_final_failure: float | None = None
+
+    def _poll(self) -> RunProcsResult | None:
+        agent = self.agent
+        if not agent.options.worker_reboot:  # torch's policy; the controller hears first
+            for local_rank in sorted(self._running_local_ranks):
+                code = self.subprocess_handlers[local_rank].proc.poll()
+                if code is not None:
+                    agent.report_exit(local_rank, code)
+            return super()._poll()
+        if agent.pool is not None:
+            agent.pool.poll()
+        for local_rank in sorted(self._running_local_ranks):
+            handler = self.subprocess_handlers[local_rank]
+            code = handler.proc.poll()
+            if code is None or agent.on_worker_exit(self, local_rank, handler, code):
+                continue
+            self._running_local_ranks.discard(local_rank)
+            if code != 0:
+                self._failures[local_rank] = ProcessFailure(
+                    local_rank=local_rank, pid=handler.proc.pid, exitcode=code,
+                    error_file=self.error_files[local_rank])
+                if self._first_final_failure is None:
+                    self._first_final_failure = time.monotonic()
+        if self._running_local_ranks and self._first_final_failure is not None and (
+                time.monotonic() - self._first_final_failure > agent.failure_grace):
+            say(f"workers {sorted(self._running_local_ranks)} (local ranks) still run "
+                f"{agent.failure_grace:g}s after a worker failed for good; stopping them")
+            self.close()
+            self._capture_process_failures(set())
+            self._running_local_ranks.clear()
+        if self._running_local_ranks:
+            return None
+        result = RunProcsResult(failures=dict(self._failures), stdouts=self.stdouts,
+                                stderrs=self.stderrs)
+        if not result.is_failed():
+            result.return_values = dict.fromkeys(range(self.nprocs))
+        self.close()
+        return result
+
+    def replace(self, local_rank: int, handler: SubprocessHandler) -> None:
+        """`handler` runs `local_rank` from now on (the dead process' group is cleaned up)."""
+        old = self.subprocess_handlers[local_rank]
+        try:  # orphans of the dead worker (its data loader workers, ...) go with it
+            os.killpg(old.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for stream in (getattr(old, "_stdout", None), getattr(old, "_stderr", None)):
+            if stream is not None:
+                stream.close()
+        self.subprocess_handlers[local_rank] = handler
+
+
+class TFTElasticAgent(LocalElasticAgent):
+    """`LocalElasticAgent` with mindspeed-tft's controller, worker reboot and spares."""
+
+    def __init__(self, *args: Any, options: LaunchOptions, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        from mindspeed_tft.control.config import ControlConfig
+        from mindspeed_tft.events import configure_events
+
+        self.options = options
+        self.control_config = ControlConfig.from_env()
+        self.reboot_exit_code = self.control_config.reboot_exit_code
+        self.dump_exit_code = self.control_config.dump_exit_code
+        #: seconds the other workers may go on after one failed for good (the controller's
+        #: fault handling ends them long before, with a dump or an exit order)
+        cfg = self.control_config
+        self.failure_grace = cfg.effective_decision_timeout() + cfg.exit_grace + cfg.lost_after
+        self.controller: Any = None
+        self.pool: SparePool | None = None
+        self.restarts = 0
+        #: (monotonic time, rank, old pid, new pid, via) of every restart, for tests and logs
+        self.restart_log: list[tuple[float, int, int, int, str]] = []
+        self.adopted = False
+        self._first_rendezvous = True
+        self._warned_function = False
+        configure_events(getattr(options.tft_args, "tft_events_file", None))
+
+    # -- rendezvous ---------------------------------------------------------------------
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        first, self._first_rendezvous = self._first_rendezvous, False
+        if not (first and self.options.worker_reboot and self._adopt_running_job(worker_group)):
+            super()._rendezvous(worker_group)
+        self._start_controller(worker_group)
+
+    def _adopt_running_job(self, worker_group: WorkerGroup) -> bool:
+        """A replacement launcher of a running job: take over the node's workers' ranks from
+        its record instead of a rendezvous the other nodes will never redo."""
+        spec = worker_group.spec
+        handler = spec.rdzv_handler
+        if handler.get_backend() != "static" or self.options.node_rank == 0:
+            return False  # node 0 hosts the store: a new one knows of no running job
+        info = handler.next_rendezvous()  # static, node rank > 0: a store client, no waiting
+        key = RECORD_KEY.format(info.rank)
+        if not info.store.check([key]):
+            return False
+        record = json.loads(info.store.get(key))
+        if record["local_world_size"] != spec.local_world_size:
+            raise LauncherError(
+                f"--nproc-per-node {spec.local_world_size} differs from the "
+                f"{record['local_world_size']} workers node {info.rank} ran in the running job; "
+                "allowed: the same --nproc-per-node as before")
+        worker_group.workers = [Worker(local_rank=w[0], global_rank=w[1], role_rank=w[2],
+                                       world_size=w[3], role_world_size=w[4])
+                                for w in record["workers"]]
+        worker_group.store = info.store
+        worker_group.group_rank = info.rank
+        worker_group.group_world_size = info.world_size
+        worker_group.master_addr = record["master_addr"]
+        worker_group.master_port = record["master_port"]
+        self._store = info.store
+        self._remaining_restarts = max(0, spec.max_restarts - int(record["restart_count"]))
+        self.adopted = True
+        ranks = [w.global_rank for w in worker_group.workers]
+        say(f"node {info.rank} rejoins a running job (its record is in the rendezvous store): "
+            f"starting ranks {ranks} of {record['workers'][0][3]} without a rendezvous")
+        return True
+
+    def _publish(self, worker_group: WorkerGroup) -> None:
+        """Record what this node's workers are, for a replacement launcher."""
+        if worker_group.spec.rdzv_handler.get_backend() != "static" or worker_group.store is None:
+            return
+        record = {
+            "local_world_size": worker_group.spec.local_world_size,
+            "master_addr": worker_group.master_addr,
+            "master_port": worker_group.master_port,
+            "restart_count": worker_group.spec.max_restarts - self._remaining_restarts,
+            "workers": [[w.local_rank, w.global_rank, w.role_rank, w.world_size,
+                         w.role_world_size] for w in worker_group.workers],
+        }
+        worker_group.store.set(RECORD_KEY.format(worker_group.group_rank), json.dumps(record))
+
+    # -- controller -----------------------------------------------------------------------
+    def _start_controller(self, worker_group: WorkerGroup) -> None:
+        if not self.options.high_availability or worker_group.group_rank != 0:
+            return
+        from mindspeed_tft.control import Controller, Features, setup_logging
+
+        if self.controller is not None:  # a group restart (--max-restarts): all new workers
+            self._stop_controller(wait=0.0)
+        world_size = worker_group.workers[0].world_size
+        setup_logging(self.control_config)
+        controller = Controller(world_size, self.control_config,
+                                features=Features.from_args(self.options.tft_args))
+        controller.start()
+        self.controller = controller
+        say(f"controller for {world_size} ranks listening on {controller.endpoint}")
+
+    def _stop_controller(self, wait: float) -> None:
+        controller, self.controller = self.controller, None
+        if controller is None:
+            return
+        from mindspeed_tft.control import State
+
+        if controller.state is State.INIT:
+            wait = 0.0  # no rank registered everywhere: nothing left to bring to an end
+        if wait > 0 and not controller.wait_final(wait):
+            say(f"the controller did not reach FINAL within {wait:g}s after the workers ended "
+                f"(state {controller.state.value}); stopping it")
+        controller.stop()
+
+    def report_exit(self, local_rank: int, returncode: int) -> None:
+        """Tell the controller hosted here (node 0) that a worker process ended."""
+        if self.controller is not None:
+            rank = self._worker_group.workers[local_rank].global_rank
+            self.controller.report_process_exit(rank, returncode)
+
+    # -- workers --------------------------------------------------------------------------
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        with swapped(_local_agent, "start_processes", self._start_processes):
+            pids = super()._start_workers(worker_group)
+        if self.options.worker_reboot:
+            self._publish(worker_group)
+            if self.options.spares_per_node and self.pool is None:
+                self._start_pool()
+        return pids
+
+    def _start_processes(self, **kwargs: Any) -> PContext:
+        """torch's `start_processes` with this agent's context for binaries."""
+        for env in kwargs["envs"].values():
+            if self.options.high_availability:
+                env[CONTROLLER_IN_LAUNCHER_ENV] = "1"
+            if self.adopted:
+                env[WORKER_RESTART_COUNT_ENV] = "1"
+        if not isinstance(kwargs.get("entrypoint"), str):
+            if self.options.worker_reboot and not self._warned_function:
+                self._warned_function = True
+                say("worker reboot needs workers started as programs; --run-path runs them as "
+                    "functions, so a failed worker stops the node as under torchrun")
+            return _ORIGINAL_START_PROCESSES(**kwargs)
+        kwargs.pop("start_method", None)
+        context = TFTSubprocessContext(agent=self, **kwargs)
+        try:
+            context.start()
+        except Exception:
+            context.close()
+            raise
+        return context
+
+    def _start_pool(self) -> None:
+        context = self._pcontext
+        if not isinstance(context, TFTSubprocessContext):
+            return
+        args = {tuple(a) for a in context.args.values()}
+        if len(args) != 1:
+            say("no warm spares: the workers' arguments differ by local rank (a "
+                "${local_rank} macro), so a spare cannot be started ahead of time")
+            return
+        self.pool = SparePool(self.options.spares_per_node, str(context.entrypoint),
+                              next(iter(args)), say=say)
+        self.pool.start()
+        say(f"started {self.options.spares_per_node} warm spare(s): pids "
+            f"{[s.pid for s in self.pool.spares]}")
+
+    def on_worker_exit(self, context: TFTSubprocessContext, local_rank: int,
+                       handler: SubprocessHandler, returncode: int) -> bool:
+        """A worker ended: report it, and restart it when the policy says so (True)."""
+        self.report_exit(local_rank, returncode)
+        worker = self._worker_group.workers[local_rank]
+        rank, pid = worker.global_rank, handler.proc.pid
+        what = f"rank {rank} (pid {pid}) {describe_exit(returncode)}"
+        if returncode == 0:
+            return False
+        if returncode > 0 and returncode != self.reboot_exit_code:
+            kind = " (dying-gasp checkpoint saved)" if returncode == self.dump_exit_code else ""
+            say(f"{what}{kind}; not restarting it (only a worker killed by a signal or exiting "
+                f"with {self.reboot_exit_code} is restarted)")
+            return False
+        limit = self.options.max_worker_restarts
+        if self.restarts >= limit:
+            say(f"{what}; not restarting it: the {limit} restart(s) allowed on this node "
+                f"({MAX_WORKER_RESTARTS_ENV}={limit}) are used up")
+            return False
+        self.restarts += 1
+        env = dict(context.envs[local_rank])
+        count = int(env.get(WORKER_RESTART_COUNT_ENV, "0") or 0) + 1
+        env[WORKER_RESTART_COUNT_ENV] = str(count)
+        context.envs[local_rank] = env
+        error_file = context.error_files.get(local_rank)
+        if error_file and os.path.isfile(error_file):
+            os.remove(error_file)  # the new process' error file, not the dead one's
+        new, via = self._replacement(context, local_rank, env)
+        context.replace(local_rank, new)
+        worker.id = new.proc.pid
+        self.restart_log.append((time.monotonic(), rank, pid, new.proc.pid, via))
+        say(f"{what}; {via} (restart {self.restarts}/{limit})")
+        from mindspeed_tft.events import emit
+
+        emit("worker_restarted", rank, pid=pid, new_pid=new.proc.pid, returncode=returncode,
+             restart=self.restarts, rank_restarts=count, spare=via.startswith("handing"),
+             node=self._worker_group.group_rank)
+        return True
+
+    def _replacement(self, context: TFTSubprocessContext, local_rank: int,
+                     env: dict[str, str]) -> tuple[SubprocessHandler, str]:
+        rank = self._worker_group.workers[local_rank].global_rank
+        stdout, stderr = context.stdouts[local_rank], context.stderrs[local_rank]
+        if self.pool is not None:
+            spare = self.pool.take(env, stdout, stderr)
+            if spare is not None:
+                return spare.handler, (f"handing rank {rank} to warm spare pid {spare.pid}; "
+                                       f"a new spare is starting")
+        handler = _AppendingHandler(
+            entrypoint=str(context.entrypoint), args=context.args[local_rank], env=env,
+            stdout=stdout, stderr=stderr, local_rank_id=local_rank,
+            numa_options=getattr(context, "_numa_options", None))
+        return handler, f"restarting it as rank {rank}"
+
+    # -- end ------------------------------------------------------------------------------
+    def run(self, role: str = DEFAULT_ROLE) -> RunResult:
+        finished = False
+        try:
+            result = super().run(role)
+            finished = True
+            return result
+        finally:
+            if self.pool is not None:
+                self.pool.close()
+                self.pool = None
+            self._stop_controller(wait=self.control_config.lost_after + 10.0 if finished else 0.0)
+
+
+def agent_factory(options: LaunchOptions,
+                  created: list[TFTElasticAgent] | None = None) -> Callable[..., TFTElasticAgent]:
+    """A stand-in for `LocalElasticAgent` in torch's `launch_agent` (same keyword arguments)."""
+
+    def make(**kwargs: Any) -> TFTElasticAgent:
+        agent = TFTElasticAgent(options=options, **kwargs)
+        if created is not None:
+            created.append(agent)
+        return agent
+
+    return make

@@ -1,0 +1,75 @@
+"""`tft-run`: a drop-in for torchrun that restarts only failed workers when worker reboot is on.
+
+    tft-run [torchrun options] [--tft-spares-per-node K] train.py [training args]
+
+Without high availability in the training command this is torchrun: the arguments go to
+`torch.distributed.run`'s own `run`, unchanged. With it, the same torch machinery runs with
+the mindspeed-tft agent (`agent.TFTElasticAgent`): the controller in node 0's launcher and,
+with worker reboot, restarts of failed workers only (see `agent` and `options`).
+
+Exit codes: 0 when every worker succeeded; with high availability, 75 when the job ended with
+a dying-gasp checkpoint (the failed workers all exited with 75); otherwise torchrun's
+failure (the `ChildFailedError` summary, exit code 1); 2 for a bad launcher setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+
+from .agent import agent_factory, say, swapped
+from .options import LauncherError, launch_options
+from .torchrun_hook import ORIGINAL_RUN, get_args_parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """torchrun's arguments plus the launcher's (`--tft-spares-per-node`)."""
+    return get_args_parser().parse_args(None if argv is None else list(argv))
+
+
+def launch(args: argparse.Namespace) -> int:
+    """Launch the workers of parsed launcher arguments; returns the launcher's exit code
+    (a torchrun failure raises `ChildFailedError`, as torch's `run` does)."""
+    try:
+        options = launch_options(args)
+    except LauncherError as e:
+        say(f"error: {e}")
+        return 2
+    if not options.high_availability:
+        ORIGINAL_RUN(args)
+        return 0
+    import torch.distributed.launcher.api as launcher_api
+
+    from mindspeed_tft.control.config import ControlConfig, ControlConfigError
+
+    try:
+        dump_exit_code = ControlConfig.from_env().dump_exit_code
+    except ControlConfigError as e:
+        say(f"error: {e}")
+        return 2
+    say(options.describe())
+    try:
+        with swapped(launcher_api, "LocalElasticAgent", agent_factory(options)):
+            ORIGINAL_RUN(args)
+    except ChildFailedError as e:
+        codes = {failure.exitcode for failure in e.failures.values()}
+        if codes == {dump_exit_code}:
+            print(e.format_msg(), file=sys.stderr, flush=True)
+            say(f"the job ended with a dying-gasp checkpoint (ranks {sorted(e.failures)} "
+                f"exited with {dump_exit_code}); exit code {dump_exit_code}")
+            return dump_exit_code
+        raise
+    return 0
+
+
+@record
+def main(argv: Sequence[str] | None = None) -> int:
+    """The `tft-run` console script."""
+    return launch(parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
