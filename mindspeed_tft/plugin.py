@@ -2,15 +2,19 @@
 
 A trainer creates one `TFTPlugin` per process after parsing its args and:
 
-1. calls `setup()` once torch.distributed and megatron-core's parallel state exist: with
-   high availability this builds the replica groups, installs the replica optimizer and the
-   interruptible collectives, and (rank 0 under plain torchrun) starts the controller;
-2. calls `attach(state)` with its `TrainingState` once model, optimizer and data exist:
-   the processor registers with the controller, with the recovery callbacks;
-3. installs `hooks()` into its loop and runs its training function through `run(fn)`,
+1. calls `register()` before it initializes torch.distributed: with high availability,
+   rank 0 starts the controller (unless the launcher hosts it, `tft-run`) and every rank's
+   processor registers. A restarted worker (worker reboot) learns here that it joins a
+   running job (`rejoining`): it then builds what needs no communication and calls
+   `join_job()`, which waits for the controller's repair to bring it into the rebuilt
+   process groups, instead of initializing torch.distributed itself;
+2. calls `setup()` once torch.distributed and megatron-core's parallel state exist (builds
+   the replica groups and installs the replica optimizer);
+3. calls `attach(state)` with its `TrainingState` once model, optimizer and data exist;
+4. installs `hooks()` into its loop and runs its training function through `run(fn)`,
    which under high availability is the fault handler of SPEC 6 (report, wait for the
    controller's decision, resume after a repair or exit with the decided code);
-4. calls `finish()` when training ended normally.
+5. calls `finish()` when training ended normally.
 
 The hooks are: the processor's step reports (hold before an update when stopped, data
 status, progress for the hang watchdog), step snapshots and bookkeeping, fault injection
@@ -148,55 +152,98 @@ class TFTPlugin:
         self.snapshots: Any = None
         self.termination: _Termination | None = None
         self.control_config: Any = None
+        self.actions: Any = None
 
     @property
     def high_availability(self) -> bool:
         return self.features.high_availability
 
+    @property
+    def rejoining(self) -> bool:
+        """This process restarted into a running job (worker reboot)."""
+        return self.processor is not None and self.processor.rejoining
+
+    def register(self) -> None:
+        """Join the control plane (high availability only; before torch.distributed)."""
+        configure_events(getattr(self.args, "tft_events_file", None))
+        if not self.high_availability:
+            return
+        from mindspeed_tft.control import ControlConfig, Controller, Features, Processor
+        from mindspeed_tft.recovery.actions import RecoveryActions
+        from mindspeed_tft.recovery.snapshot import StepSnapshots
+
+        config = ControlConfig.from_env()
+        self.control_config = config
+        rank, world_size = self.args.rank, self.args.world_size
+        if rank == 0 and os.environ.get(CONTROLLER_IN_LAUNCHER_ENV) != "1":
+            self.controller = Controller(world_size, config,
+                                         features=Features.from_args(self.args))
+            self.controller.start()
+        dense_map = ReplicaLayout.from_args(self.args).dense_map()
+        keep_ports = [config.port, *(port for _, port in config.backups)]
+        if os.environ.get("MASTER_PORT"):
+            keep_ports.append(int(os.environ["MASTER_PORT"]))
+        self.snapshots = StepSnapshots()
+        self.actions = RecoveryActions(self, self.snapshots, dense_map, rank, keep_ports)
+        self.processor = Processor(rank, world_size, config,
+                                   replica={"dense": dense_map.describe_rank(rank)})
+        self.actions.register(self.processor)
+        self.processor.start()
+        self.termination = _Termination(config.lost_after + config.heartbeat_interval + 1.0)
+        self.termination.install()
+
+    def join_job(self) -> None:
+        """A restarted worker: wait (serving the repair) until it is part of the rebuilt
+        process groups; then set up the model as usual, without collectives."""
+        assert self.processor is not None
+        print(f"[mindspeed-tft] rank {self.args.rank} restarted into a running job: waiting for "
+              "the repair", flush=True)
+        self.processor.serve_training_thread(
+            until=lambda: self.replica_groups is not None,
+            timeout=self.control_config.effective_decision_timeout(),
+        )
+
     def setup(self) -> None:
         """Build what needs torch.distributed (call after the parallel state exists)."""
-        configure_events(getattr(self.args, "tft_events_file", None))
         if self.high_availability or getattr(self.args, "tft_check_replicas_interval", 0):
             self.replica_groups = ReplicaGroups(ReplicaLayout.from_args(self.args))
             self.replica_groups.build()
             install_replica_optimizer(self.replica_groups)
             emit("replica_layout", dist.get_rank(), **self.replica_groups.layout_event())
-        if not self.high_availability:
-            return
-        from mindspeed_tft.control import ControlConfig, Controller, Features
 
-        config = ControlConfig.from_env()
-        self.control_config = config
-        if dist.get_rank() == 0 and os.environ.get(CONTROLLER_IN_LAUNCHER_ENV) != "1":
-            self.controller = Controller(dist.get_world_size(), config,
-                                         features=Features.from_args(self.args))
-            self.controller.start()
-        self.termination = _Termination(config.lost_after + config.heartbeat_interval + 1.0)
-        self.termination.install()
+    def rebuild_process_groups(self, generation: int, survivor: bool) -> None:
+        """Every process group again, with the restarted workers (training thread)."""
+        from mindspeed_tft.recovery.rebuild import (
+            join_generation,
+            leave_generation,
+            repoint_process_groups,
+        )
+        from mindspeed_tft.training.initialize import set_random_seed
+
+        old = leave_generation() if survivor else {}
+        join_generation(self.args, generation)
+        self.replica_groups = None
+        self.setup()
+        if survivor:
+            state = self.actions.state
+            roots = [*state.model, state.optimizer] if state is not None else []
+            replaced = repoint_process_groups(roots, old)
+            log.info("rank %d: %d process-group references re-pointed", self.args.rank,
+                     replaced)
+        else:
+            from megatron.core.num_microbatches_calculator import (
+                init_num_microbatches_calculator,
+            )
+
+            set_random_seed(self.args.seed)
+            init_num_microbatches_calculator(self.args.rank, None, self.args.global_batch_size,
+                                             self.args.micro_batch_size,
+                                             self.args.data_parallel_size)
 
     def attach(self, state: TrainingState) -> None:
-        """Register this rank with the controller (high availability only)."""
-        if not self.high_availability:
-            return
-        from mindspeed_tft.control import Processor
-        from mindspeed_tft.recovery.actions import RecoveryActions
-        from mindspeed_tft.recovery.snapshot import StepSnapshots
-
-        assert self.replica_groups is not None
-        rank = dist.get_rank()
-        self.snapshots = StepSnapshots()
-        config = self.control_config
-        keep_ports = [config.port, *(port for _, port in config.backups)]
-        if os.environ.get("MASTER_PORT"):
-            keep_ports.append(int(os.environ["MASTER_PORT"]))
-        actions = RecoveryActions(state, self.snapshots, self.replica_groups.dense, rank,
-                                  keep_ports)
-        self.processor = Processor(
-            rank, dist.get_world_size(),
-            replica={"dense": self.replica_groups.dense.describe_rank(rank)},
-        )
-        actions.register(self.processor)
-        self.processor.start()
+        """The trainer's state exists: recovery may act on it."""
+        if self.actions is not None:
+            self.actions.attach(state)
 
     def hooks(self) -> TrainerHooks:
         """The trainer hooks of this process."""

@@ -73,6 +73,16 @@ class Decision:
     payload: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class _Task:
+    """Work an action callback hands to the training thread."""
+
+    fn: Callable[[], Any]
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Any = None
+    error: BaseException | None = None
+
+
 class Processor:
     """The control plane's agent in one training process (see the module docstring).
 
@@ -120,6 +130,7 @@ class Processor:
         self._training = False
         self._catch_up: int | None = None
         self._pending: Decision | None = None
+        self._tasks: deque[_Task] = deque()
         self._last_report: dict[str, Any] | None = None
         # I/O-side state
         #: one identity for the life of this process: a reconnect to the same controller is
@@ -276,7 +287,11 @@ class Processor:
         self._post(MsgType.REPORT, report)
 
     def wait_decision(self, timeout: float | None = None) -> Decision:
-        """Wait for the controller's decision (resume or exit); exit on timeout."""
+        """Wait for the controller's decision (resume or exit); exit on timeout.
+
+        While it waits, the training thread runs the work that action callbacks hand it
+        with `run_in_training_thread` (recovery must act on the training state from the
+        thread that owns it)."""
         limit = self.config.effective_decision_timeout() if timeout is None else timeout
         deadline = time.monotonic() + limit
         with self._cond:
@@ -284,6 +299,9 @@ class Processor:
             self._cond.notify_all()
             try:
                 while self._pending is None:
+                    if self._tasks:
+                        self._run_task_locked()
+                        continue
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         return Decision("exit", self.config.failure_exit_code,
@@ -296,6 +314,53 @@ class Processor:
                 return decision
             finally:
                 self._in_handler = False
+
+    def serve_training_thread(self, until: Callable[[], bool], timeout: float) -> None:
+        """Run handed-over work in the calling (training) thread until `until()` is true.
+
+        For a restarted process before it trains: its training thread is not in the handler
+        yet but must run the repair's first steps (joining the process groups)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not until():
+                if self._tasks:
+                    self._run_task_locked()
+                    continue
+                if self._pending is not None and self._pending.action == "exit":
+                    raise ProcessorError(f"rank {self.rank}: ordered to exit while joining: "
+                                         f"{self._pending.reason}")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise ProcessorError(f"rank {self.rank}: the repair did not arrive within "
+                                         f"{timeout:g}s")
+                self._cond.wait(min(remaining, 0.5))
+
+    def run_in_training_thread(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
+        """From an action callback: run `fn` in the training thread (parked in
+        `wait_decision` or serving in `serve_training_thread`) and return its result or
+        raise its exception; bounded by `timeout` (default: the action time limit)."""
+        limit = self.config.action_time_limit if timeout is None else timeout
+        task = _Task(fn)
+        with self._cond:
+            self._tasks.append(task)
+            self._cond.notify_all()
+        if not task.done.wait(limit):
+            raise ProcessorError(f"rank {self.rank}: the training thread did not run the task "
+                                 f"within {limit:g}s")
+        if task.error is not None:
+            raise task.error
+        return task.result
+
+    def _run_task_locked(self) -> None:
+        task = self._tasks.popleft()
+        self._cond.release()
+        try:
+            task.result = task.fn()
+        except BaseException as e:  # handed back to the callback thread
+            task.error = e
+        finally:
+            self._cond.acquire()
+            task.done.set()
 
     # -- actions --------------------------------------------------------------------------
     def _dispatch(self, payload: dict[str, Any]) -> None:

@@ -210,6 +210,8 @@ class SparePool:
             owner.ready_at = time.monotonic()
             owner.extra["import_seconds"] = owner.ready_at - owner.started
             self._early_deaths = 0
+            self.say(f"warm spare pid {owner.pid} is ready "
+                     f"({owner.extra['import_seconds']:.1f}s after its start)")
         self._pending = still
 
     def _owner(self, buffer: bytes) -> Spare | None:

@@ -10,16 +10,27 @@ an action:
 - `dump`: stages 1 and 2 of the dying-gasp checkpoint (see `dump.py`): write the shards
   this rank was chosen for; if it was chosen for shard 0 of its model-parallel position,
   assemble that position's checkpoint once every shard file is there;
-- `rename`: stage 3, publish the dump and record `dump_saved`.
+- `rename`: stage 3, publish the dump and record `dump_saved`;
+- `clean`: nothing left to drop on CPU (the stop already abandoned the collectives);
+- `repair`: in the training thread, rebuild every process group with the restarted
+  workers (`rebuild.py`), re-point the model and optimizer at the new groups, then copy
+  shards from replica holders (`rollback.transfer_shards`) or, without replicas, reload the
+  last periodic checkpoint in place;
+- `rollback`: in the training thread, every rank back to the lock step (`rollback.py`).
 
-Callbacks run in the processor's action threads while the training thread is parked in the
-fault handler, so they own the training state. Every wait has a deadline.
+A restarted worker registers before it has a model: its `repair` first joins the new
+process groups (the training thread, waiting in `TFTPlugin.join_job`, runs that), then waits
+until the trainer has built its model and optimizer (`attach`), then receives its shard.
+Dump callbacks run in the processor's action threads (the training thread is parked and
+leaves the state alone); repair and rollback run in the training thread itself. Every wait
+has a deadline.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from typing import Any
 
@@ -34,9 +45,15 @@ from mindspeed_tft.recovery.dump import (
     uses_distributed_optimizer,
     write_shard,
 )
-from mindspeed_tft.recovery.snapshot import StepSnapshots
+from mindspeed_tft.recovery.rollback import rollback, transfer_shards
+from mindspeed_tft.recovery.snapshot import SnapshotUnavailableError, StepSnapshot, StepSnapshots
 from mindspeed_tft.replica.replica_map import ReplicaMap
-from mindspeed_tft.training.checkpointing import model_parallel_dir_name, this_rank_dir_name
+from mindspeed_tft.training.checkpointing import (
+    get_rng_state,
+    load_checkpoint,
+    model_parallel_dir_name,
+    this_rank_dir_name,
+)
 from mindspeed_tft.training.state import TrainingState
 
 log = logging.getLogger("mindspeed_tft.recovery")
@@ -49,22 +66,37 @@ class RecoveryActions:
 
     def __init__(
         self,
-        state: TrainingState,
+        plugin: Any,
         snapshots: StepSnapshots,
         replica_map: ReplicaMap,
         rank: int,
         keep_ports: list[int],
     ) -> None:
-        self.state = state
+        self.plugin = plugin
+        self.state: TrainingState | None = None
         self.snapshots = snapshots
         self.map = replica_map
         self.rank = rank
         self.keep_ports = keep_ports
+        self.attached = threading.Event()
+        self.received_snapshot: StepSnapshot | None = None
+        self.loaded_step: int | None = None
 
     def register(self, processor: Any) -> None:
         """Register every callback this class implements with `processor`."""
-        for name in ("stop", "dump", "rename"):
+        self.processor = processor
+        for name in ("stop", "clean", "repair", "rollback", "dump", "rename"):
             processor.register_callback(name, getattr(self, name))
+
+    def attach(self, state: TrainingState) -> None:
+        """The trainer's state exists (model, optimizer, data)."""
+        self.state = state
+        self.attached.set()
+
+    def _training_state(self) -> TrainingState:
+        if self.state is None:
+            raise RuntimeError(f"rank {self.rank} has no training state yet")
+        return self.state
 
     # -- stop -----------------------------------------------------------------------------
     def stop(self, payload: dict[str, Any]) -> dict[str, Any]:
@@ -73,9 +105,63 @@ class RecoveryActions:
         )
         return {"connections_closed": closed}
 
+    # -- repair ---------------------------------------------------------------------------
+    def clean(self, payload: dict[str, Any]) -> dict[str, Any]:
+        return {}
+
+    def repair(self, payload: dict[str, Any]) -> dict[str, Any]:
+        generation = int(payload["incident"])
+        rejoining = self.state is None
+        run = self.processor.run_in_training_thread
+        run(lambda: self.plugin.rebuild_process_groups(generation, survivor=not rejoining))
+        if rejoining and not self.attached.wait(self.processor.config.action_time_limit):
+            raise RuntimeError(f"rank {self.rank}: the trainer did not set up its model in time")
+        return run(lambda: self._restore(payload))
+
+    def _restore(self, payload: dict[str, Any]) -> dict[str, Any]:
+        state = self._training_state()
+        lock_step = int(payload["lock_step"])
+        self.received_snapshot = None
+        self.loaded_step = None
+        if payload.get("source") == "checkpoint":
+            root = state.args.save or state.args.load
+            if not root:
+                raise RuntimeError("no --save or --load directory: no checkpoint to repair from")
+            self.loaded_step = load_checkpoint(state, root)
+            if self.loaded_step == 0:
+                raise RuntimeError(f"no periodic checkpoint under {root} to repair from")
+            return {"step": self.loaded_step}
+        self.received_snapshot = transfer_shards(
+            state, self.snapshots, lock_step, payload.get("receive", []),
+            payload.get("send", []),
+        )
+        return {"received": len(payload.get("receive", [])),
+                "sent": len(payload.get("send", []))}
+
+    def rollback(self, payload: dict[str, Any]) -> dict[str, Any]:
+        return self.processor.run_in_training_thread(lambda: self._rollback(int(payload["step"])))
+
+    def _rollback(self, step: int) -> dict[str, Any]:
+        state = self._training_state()
+        if self.loaded_step is not None:
+            # the checkpoint load restored scheduler, samples and RNG of that iteration
+            snapshot = StepSnapshot(step, get_rng_state(), state.opt_param_scheduler.state_dict(),
+                                    state.args.consumed_train_samples)
+        else:
+            try:
+                snapshot = self.snapshots.at(step, state.opt_param_scheduler)
+            except SnapshotUnavailableError:
+                if self.received_snapshot is None or self.received_snapshot.iteration != step:
+                    raise
+                snapshot = self.received_snapshot
+        rollback(state, snapshot)
+        self.plugin.status.reset(step)
+        emit("rolled_back", self.rank, iteration=step)
+        return {"step": step}
+
     # -- dump -----------------------------------------------------------------------------
     def _checkpoint_root(self) -> str:
-        root = self.state.args.save
+        root = self._training_state().args.save
         if not root:
             raise DumpError("no --save directory: there is nowhere to write the dump")
         return root
@@ -86,9 +172,10 @@ class RecoveryActions:
         if not shards:
             return {"written": []}
         root = self._checkpoint_root()
+        state = self._training_state()
         my_shard = self.map.shard_of(self.rank)
         written = []
-        distributed = uses_distributed_optimizer(self.state)
+        distributed = uses_distributed_optimizer(state)
         for entry in shards:
             if int(entry["shard"]) != my_shard.index:
                 raise DumpError(
@@ -96,14 +183,14 @@ class RecoveryActions:
                 )
             if distributed:
                 written.append(
-                    write_shard(self.state, root, lock_step, self.map.chunk_size, my_shard.index)
+                    write_shard(state, root, lock_step, self.map.chunk_size, my_shard.index)
                 )
         result: dict[str, Any] = {"written": written}
         if my_shard.index == 0:
             if distributed:
                 self._wait_for_shards(root, lock_step)
-            snapshot = self.snapshots.at(lock_step, self.state.opt_param_scheduler)
-            result["assembled"] = assemble(self.state, root, snapshot, self.map.chunk_size)
+            snapshot = self.snapshots.at(lock_step, state.opt_param_scheduler)
+            result["assembled"] = assemble(state, root, snapshot, self.map.chunk_size)
         emit("dump_written", self.rank, iteration=lock_step, shard=str(my_shard),
              assembled="assembled" in result)
         log.info("rank %d: dump of iteration %d written (%s)", self.rank, lock_step, result)
@@ -122,7 +209,7 @@ class RecoveryActions:
     # -- rename ---------------------------------------------------------------------------
     def rename(self, payload: dict[str, Any]) -> dict[str, Any]:
         lock_step = int(payload["lock_step"])
-        args = self.state.args
+        args = self._training_state().args
         expected = [
             model_parallel_dir_name(tp, pp, args.pipeline_model_parallel_size)
             for tp in range(args.tensor_model_parallel_size)

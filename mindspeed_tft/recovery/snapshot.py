@@ -102,3 +102,58 @@ class StepSnapshots(TrainerHooks):
             scheduler_state=copy.deepcopy(scheduler.state_dict()),
             consumed_train_samples=previous.consumed_train_samples + self._samples_per_step,
         )
+
+
+def encode_snapshot(snapshot: StepSnapshot) -> bytes:
+    """The snapshot as msgpack bytes (for a restarted rank that has none of its own)."""
+    import msgpack
+    import numpy as np
+    import torch
+
+    rng = snapshot.rng_state
+    version, internal, gauss = rng["random_rng_state"]
+    np_state = rng["np_rng_state"]
+    record = {
+        "iteration": snapshot.iteration,
+        "consumed_train_samples": snapshot.consumed_train_samples,
+        "scheduler": snapshot.scheduler_state,
+        "random": [version, list(internal), gauss],
+        "numpy": [np_state[0], np.asarray(np_state[1], dtype=np.uint32).tobytes(),
+                  int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "torch": bytes(rng["torch_rng_state"].numpy().tobytes()),
+        "tracker": {name: bytes(state.numpy().tobytes())
+                    for name, state in rng["rng_tracker_states"].items()},
+    }
+    if "cuda_rng_state" in rng:
+        record["cuda"] = bytes(torch.as_tensor(rng["cuda_rng_state"]).cpu().numpy().tobytes())
+    return msgpack.packb(record, use_bin_type=True)
+
+
+def decode_snapshot(data: bytes) -> StepSnapshot:
+    """Inverse of `encode_snapshot`."""
+    import msgpack
+    import numpy as np
+    import torch
+
+    record = msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+    def byte_tensor(raw: bytes) -> torch.Tensor:
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).clone()
+
+    version, internal, gauss = record["random"]
+    name, keys, pos, has_gauss, cached = record["numpy"]
+    rng: dict[str, Any] = {
+        "random_rng_state": (version, tuple(internal), gauss),
+        "np_rng_state": (name, np.frombuffer(keys, dtype=np.uint32).copy(), pos, has_gauss,
+                         cached),
+        "torch_rng_state": byte_tensor(record["torch"]),
+        "rng_tracker_states": {k: byte_tensor(v) for k, v in record["tracker"].items()},
+    }
+    if "cuda" in record:
+        rng["cuda_rng_state"] = byte_tensor(record["cuda"])
+    return StepSnapshot(
+        iteration=record["iteration"],
+        rng_state=rng,
+        scheduler_state=record["scheduler"],
+        consumed_train_samples=record["consumed_train_samples"],
+    )

@@ -242,6 +242,9 @@ def load_checkpoint(state: Any, root: str | None = None) -> int:
         optimizer.load_state_dict(state_dict["optimizer"])
         if args.use_distributed_optimizer:
             optimizer.load_parameter_state(os.path.join(rank_dir, DISTRIB_OPTIM_FILENAME))
+        # megatron-core's scheduler advances by the saved step count: start from 0 (this also
+        # makes a reload into a live scheduler, a repair from the checkpoint, correct)
+        state.opt_param_scheduler.num_steps = 0
         state.opt_param_scheduler.load_state_dict(state_dict["opt_param_scheduler"])
     elif args.fp16 or args.bf16:
         optimizer.reload_model_params()

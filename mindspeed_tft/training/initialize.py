@@ -56,7 +56,6 @@ def initialize_distributed(args: argparse.Namespace) -> None:
     from megatron.core import parallel_state
 
     platform = detect_platform()
-    args.distributed_backend = distributed_backend(args.distributed_backend)
     if platform != CPU:
         getattr(torch, platform).set_device(args.local_rank)
     if not dist.is_initialized():
@@ -81,10 +80,13 @@ def initialize_megatron(
     extra_args_provider: Callable[[argparse.ArgumentParser], argparse.ArgumentParser] | None = None,
     extra_args_validator: Callable[[argparse.Namespace], argparse.Namespace] | None = None,
     argv: Sequence[str] | None = None,
+    init_distributed: bool = True,
 ) -> argparse.Namespace:
-    """Parse, validate and initialize everything a training process needs; returns args."""
-    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+    """Parse, validate and initialize everything a training process needs; returns args.
 
+    With `init_distributed=False` it stops before torch.distributed (args, platform and
+    tokenizer only): `initialize_distributed_state(args)` does the rest, or a worker reboot
+    joins the rebuilt process groups of a running job instead."""
     from mindspeed_tft.training.tokenizer import build_tokenizer
 
     platform = apply_platform_adaptor()
@@ -95,7 +97,18 @@ def initialize_megatron(
     if extra_args_validator is not None:
         args = extra_args_validator(args)
     args.platform = platform
+    args.distributed_backend = distributed_backend(args.distributed_backend)
     set_args(args)
+    set_tokenizer(build_tokenizer(args))
+    if init_distributed:
+        initialize_distributed_state(args)
+    return args
+
+
+def initialize_distributed_state(args: argparse.Namespace) -> None:
+    """torch.distributed, megatron-core's parallel state, RNG seeds, micro-batch counts."""
+    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+
     initialize_distributed(args)
     set_random_seed(args.seed)
     init_num_microbatches_calculator(
@@ -105,5 +118,3 @@ def initialize_megatron(
         args.micro_batch_size,
         args.data_parallel_size,
     )
-    set_tokenizer(build_tokenizer(args))
-    return args

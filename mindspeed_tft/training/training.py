@@ -22,14 +22,13 @@ import torch.distributed as dist
 
 from mindspeed_tft.events import emit
 from mindspeed_tft.training.checkpointing import load_checkpoint, save_checkpoint
-from mindspeed_tft.training.global_vars import get_args
 from mindspeed_tft.training.hooks import (
     HookList,
     TrainerHooks,
     install_update_bracket,
     set_update_listener,
 )
-from mindspeed_tft.training.initialize import initialize_megatron
+from mindspeed_tft.training.initialize import initialize_distributed_state, initialize_megatron
 from mindspeed_tft.training.state import TrainingState
 
 ModelProvider = Callable[[bool, bool], torch.nn.Module]
@@ -54,8 +53,11 @@ def is_last_rank() -> bool:
     return dist.get_rank() == dist.get_world_size() - 1
 
 
-def get_model(model_provider: ModelProvider, args: argparse.Namespace) -> list[torch.nn.Module]:
-    """Build this rank's model chunk and wrap it in megatron-core's DDP."""
+def get_model(
+    model_provider: ModelProvider, args: argparse.Namespace, broadcast_params: bool = True
+) -> list[torch.nn.Module]:
+    """Build this rank's model chunk and wrap it in megatron-core's DDP (its params are
+    broadcast from data-parallel rank 0 unless `broadcast_params` is False)."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -73,7 +75,8 @@ def get_model(model_provider: ModelProvider, args: argparse.Namespace) -> list[t
         check_for_nan_in_grad=False,
     )
     wrapped = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
-    wrapped.broadcast_params()
+    if broadcast_params:
+        wrapped.broadcast_params()
     return [wrapped]
 
 
@@ -138,13 +141,13 @@ def optimizer_config_from_args(args: argparse.Namespace) -> Any:
 
 
 def setup_model_and_optimizer(
-    model_provider: ModelProvider, args: argparse.Namespace
+    model_provider: ModelProvider, args: argparse.Namespace, broadcast_params: bool = True
 ) -> tuple[list[torch.nn.Module], Any, Any]:
     """Model chunks, optimizer and LR scheduler, as Megatron-LM sets them up."""
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import get_megatron_optimizer
 
-    model = get_model(model_provider, args)
+    model = get_model(model_provider, args, broadcast_params)
     config = model[0].config
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = model[0].no_sync if len(model) == 1 else [m.no_sync for m in model]
@@ -388,20 +391,31 @@ def pretrain(
     from mindspeed_tft.plugin import TFTPlugin, startup_notices
     from mindspeed_tft.training.data import build_data_iterator, get_train_valid_test_num_samples
 
-    initialize_megatron(extra_args_provider, extra_args_validator, argv)
-    args = get_args()
-    for notice in startup_notices(args):
-        print_rank_0(notice)
+    args = initialize_megatron(extra_args_provider, extra_args_validator, argv,
+                               init_distributed=False)
+    if args.rank == 0:
+        for notice in startup_notices(args):
+            print(notice, flush=True)
     install_update_bracket()
     plugin = TFTPlugin(args)
-    plugin.setup()
-    model, optimizer, scheduler = setup_model_and_optimizer(model_provider, args)
+    plugin.register()
+    num_samples = list(get_train_valid_test_num_samples(args))
+    if plugin.rejoining:
+        # A restarted worker: nothing collective before the repair brings it into the
+        # rebuilt process groups (datasets from the index cache the job already built).
+        train_ds, valid_ds, _test_ds = train_valid_test_datasets_provider(num_samples)
+        plugin.join_job()
+    else:
+        initialize_distributed_state(args)
+        plugin.setup()
+    model, optimizer, scheduler = setup_model_and_optimizer(
+        model_provider, args, broadcast_params=not plugin.rejoining
+    )
 
     from megatron.core import parallel_state as ps
 
-    train_ds, valid_ds, _test_ds = train_valid_test_datasets_provider(
-        list(get_train_valid_test_num_samples(args))
-    )
+    if not plugin.rejoining:
+        train_ds, valid_ds, _test_ds = train_valid_test_datasets_provider(num_samples)
     dp_rank = ps.get_data_parallel_rank()
     dp_size = ps.get_data_parallel_world_size()
 
@@ -419,7 +433,7 @@ def pretrain(
         opt_param_scheduler=scheduler,
         build_train_data_iterator=build_train_iterator,
     )
-    if args.load:
+    if args.load and not plugin.rejoining:  # a restarted worker gets its state from peers
         load_checkpoint(state)
     state.reset_train_data_iterator()
     if valid_ds is not None:

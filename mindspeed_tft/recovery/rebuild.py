@@ -1,0 +1,155 @@
+"""Rebuild every process group of a job in place (SPEC 9): the world, megatron-core's
+TP/PP/DP/CP/embedding groups and the replica groups, with the same ranks, on new connections.
+
+After a fault the groups are unusable: a peer died, or `collectives.abandon` shut their
+connections. Every rank of the job (survivors and restarted workers alike) calls
+`join_generation(args, generation)` with the same generation number (the controller's
+incident id): it initializes the default group on a fresh key space of the job's
+rendezvous store (`tft/generation/<n>/` under MASTER_ADDR:MASTER_PORT, the store the
+launcher hosts, so it outlives any worker) and builds megatron-core's parallel state and the
+replica groups again, in the same order on every rank. A survivor first calls
+`leave_generation()`, which remembers which groups existed (by ranks and backend) and
+destroys them, and afterwards `repoint_process_groups(...)`, which replaces every reference
+to an old group held by its DDP model chunks and optimizers with the new group of the same
+ranks and backend, so the model, its buffers and the optimizer state stay in memory
+untouched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from collections.abc import Iterable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("mindspeed_tft.recovery")
+
+GroupKey = tuple[tuple[int, ...], str]
+
+_MAX_DEPTH = 8
+
+
+def process_group_keys() -> dict[dist.ProcessGroup, GroupKey]:
+    """Every live process group of this process -> (its global ranks, its backend)."""
+    from torch.distributed.distributed_c10d import _world
+
+    keys: dict[dist.ProcessGroup, GroupKey] = {}
+    for group, ranks in list(_world.pg_group_ranks.items()):
+        try:
+            backend = str(dist.get_backend(group))
+        except (RuntimeError, ValueError):
+            continue
+        keys[group] = (tuple(sorted(ranks)), backend)
+    return keys
+
+
+def leave_generation() -> dict[dist.ProcessGroup, GroupKey]:
+    """Destroy every process group of this process; returns what existed, for re-pointing."""
+    from megatron.core import parallel_state
+
+    old = process_group_keys() if dist.is_initialized() else {}
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return old
+
+
+def _store_client(timeout: timedelta) -> dist.Store:
+    addr = os.environ.get("MASTER_ADDR")
+    port = os.environ.get("MASTER_PORT")
+    if not addr or not port:
+        raise RuntimeError(
+            "MASTER_ADDR and MASTER_PORT must name the job's rendezvous store to rebuild the "
+            f"process groups (got MASTER_ADDR={addr!r}, MASTER_PORT={port!r})"
+        )
+    return dist.TCPStore(addr, int(port), is_master=False, timeout=timeout,
+                         wait_for_workers=False)
+
+
+def join_generation(args: argparse.Namespace, generation: int) -> None:
+    """Initialize the default group and megatron-core's parallel state for `generation`
+    (collective: every rank of the job calls it with the same number)."""
+    from megatron.core import parallel_state
+
+    timeout = timedelta(minutes=args.distributed_timeout_minutes)
+    store = dist.PrefixStore(f"tft/generation/{generation}/", _store_client(timeout))
+    dist.init_process_group(
+        backend=args.distributed_backend,
+        store=store,
+        rank=args.rank,
+        world_size=args.world_size,
+        timeout=timeout,
+    )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        num_distributed_optimizer_instances=getattr(args, "num_distributed_optimizer_instances", 1),
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
+        create_gloo_process_groups=args.enable_gloo_process_groups,
+    )
+    log.info("rank %d joined process-group generation %d", args.rank, generation)
+
+
+def repoint_process_groups(
+    roots: Iterable[Any], old_keys: dict[dist.ProcessGroup, GroupKey]
+) -> int:
+    """Replace references to old groups under `roots` (model chunks, optimizers) by the new
+    groups with the same ranks and backend; returns how many references were replaced."""
+    new_by_key: dict[GroupKey, dist.ProcessGroup] = {}
+    for group, key in process_group_keys().items():
+        new_by_key.setdefault(key, group)
+    # An old group without a new twin (a group nobody rebuilt) stays referenced: using it
+    # fails loudly.
+    mapping = {id(old): new_by_key[key] for old, key in old_keys.items() if key in new_by_key}
+    replaced = 0
+    seen: set[int] = set()
+
+    def swapped(value: Any) -> dist.ProcessGroup | None:
+        if isinstance(value, dist.ProcessGroup):
+            return mapping.get(id(value))
+        return None
+
+    def visit(obj: Any, depth: int) -> None:
+        nonlocal replaced
+        if depth > _MAX_DEPTH or id(obj) in seen or isinstance(obj, torch.Tensor | str | bytes):
+            return
+        seen.add(id(obj))
+        if isinstance(obj, dict):
+            items: Iterable[tuple[Any, Any]] = list(obj.items())
+        elif isinstance(obj, list):
+            items = list(enumerate(obj))
+        elif isinstance(obj, tuple):
+            items = []
+            for value in obj:  # immutable: only what it holds can be re-pointed
+                visit(value, depth + 1)
+        elif (type(obj).__module__ or "").startswith(("megatron.", "mindspeed_tft.")) and hasattr(
+            obj, "__dict__"
+        ):
+            for name, value in list(vars(obj).items()):
+                new = swapped(value)
+                if new is not None:
+                    setattr(obj, name, new)
+                    replaced += 1
+                else:
+                    visit(value, depth + 1)
+            return
+        else:
+            return
+        for key, value in items:
+            new = swapped(value)
+            if new is not None:
+                obj[key] = new
+                replaced += 1
+            else:
+                visit(value, depth + 1)
+
+    for root in roots:
+        visit(root, 0)
+    return replaced

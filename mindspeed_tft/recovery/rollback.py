@@ -1,0 +1,101 @@
+"""Shard transfers and the rollback of every rank to the lock step (SPEC 5, 8, 9).
+
+After the process groups are rebuilt, `transfer_shards` copies optimizer shards (with the
+model params) from healthy holders to the ranks the controller named (restarted workers,
+ranks whose memory a fault damaged, ranks behind the lock step); each sender also sends its
+step snapshot (scheduler, consumed samples, RNG), which a restarted worker has none of.
+`rollback` then puts every rank at the lock step: model params from the fp32 main params
+(and, with the distributed optimizer, all-gathered in each replica chunk), LR scheduler,
+consumed samples and a data iterator rebuilt at that position, every RNG, cleared grads.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mindspeed_tft.recovery.snapshot import (
+    StepSnapshot,
+    StepSnapshots,
+    decode_snapshot,
+    encode_snapshot,
+    restore_scheduler,
+)
+from mindspeed_tft.replica.transfer import copy_shard
+from mindspeed_tft.training.checkpointing import set_rng_state
+from mindspeed_tft.training.state import TrainingState
+
+log = logging.getLogger("mindspeed_tft.recovery")
+
+
+def _send_bytes(data: bytes, dst: int) -> None:
+    dist.send(torch.tensor([len(data)], dtype=torch.int64), dst=dst)
+    dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst=dst)
+
+
+def _recv_bytes(src: int) -> bytes:
+    size = torch.empty(1, dtype=torch.int64)
+    dist.recv(size, src=src)
+    buffer = torch.empty(int(size[0]), dtype=torch.uint8)
+    dist.recv(buffer, src=src)
+    return bytes(buffer.numpy().tobytes())
+
+
+def transfer_shards(
+    state: TrainingState,
+    snapshots: StepSnapshots,
+    lock_step: int,
+    receive: list[dict[str, Any]],
+    send: list[dict[str, Any]],
+) -> StepSnapshot | None:
+    """Run this rank's part of the shard transfers; returns the snapshot received (if any).
+
+    Point-to-point on the (rebuilt) world group, digest-checked by `copy_shard`."""
+    me = dist.get_rank()
+    received: StepSnapshot | None = None
+    for entry in receive:
+        src = int(entry["from"])
+        digest = copy_shard(state.optimizer, state.model, src=src, dst=me)
+        received = decode_snapshot(_recv_bytes(src))
+        log.info("rank %d received %s shard %s from rank %d (sha256 %s)", me,
+                 entry["optimizer"], entry["shard"], src, digest[:16])
+    for entry in send:
+        dst = int(entry["to"])
+        copy_shard(state.optimizer, state.model, src=me, dst=dst)
+        _send_bytes(encode_snapshot(snapshots.at(lock_step, state.opt_param_scheduler)), dst)
+        log.info("rank %d sent %s shard %s to rank %d", me, entry["optimizer"], entry["shard"],
+                 dst)
+    return received
+
+
+def sync_model_params_from_main(state: TrainingState) -> None:
+    """Model params := the fp32 main params (the update's own copy), then all-gathered in
+    each chunk with the distributed optimizer (collective)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    chained = getattr(state.optimizer, "chained_optimizers", [state.optimizer])
+    distributed = False
+    for opt in chained:
+        if hasattr(opt, "_copy_main_params_to_model_params"):
+            opt._copy_main_params_to_model_params()
+        distributed |= isinstance(opt, DistributedOptimizer)
+    if distributed:
+        for chunk in state.model:
+            chunk.start_param_sync(force_sync=True)
+
+
+def rollback(state: TrainingState, snapshot: StepSnapshot) -> None:
+    """Put this rank at the snapshot's iteration (collective with the distributed
+    optimizer: the param all-gather)."""
+    sync_model_params_from_main(state)
+    restore_scheduler(state.opt_param_scheduler, snapshot.scheduler_state)
+    state.args.consumed_train_samples = snapshot.consumed_train_samples
+    state.iteration = snapshot.iteration
+    set_rng_state(snapshot.rng_state)
+    for chunk in state.model:
+        chunk.zero_grad_buffer()
+    state.optimizer.zero_grad()
+    state.reset_train_data_iterator()
