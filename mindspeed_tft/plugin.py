@@ -58,13 +58,32 @@ SIGTERM_EXIT_CODE = 143
 
 
 class FaultInjectionHooks(TrainerHooks):
-    """Fires the `TFT_INJECT` items of this rank at their step and phase."""
+    """Fires the `TFT_INJECT` items of this rank at their step and phase.
+
+    A `uce` item really corrupts the target memory (`memory_fault.corrupt_memory`); the UCE
+    error it raises then carries the region the damaged address belongs to, found the way a
+    device-reported address would be (`memory_fault.classify_address`)."""
 
     def __init__(self, injector: FaultInjector) -> None:
         self.injector = injector
 
     def on_phase(self, state: TrainingState, phase: str, step: int) -> None:
-        self.injector.fire(step, phase)
+        from mindspeed_tft.recovery.memory_fault import classify_address, corrupt_memory
+
+        hit: list[int] = []
+
+        def corrupt(target: str) -> None:
+            hit.append(corrupt_memory(state, target))
+
+        try:
+            self.injector.fire(step, phase, corrupt=corrupt)
+        except RuntimeError as error:
+            if hit:
+                error.tft_detail = {  # type: ignore[attr-defined]
+                    "target": classify_address(state, hit[0]),
+                    "address": hex(hit[0]),
+                }
+            raise
 
 
 class ProcessorHooks(TrainerHooks):
@@ -209,7 +228,8 @@ class TFTPlugin:
             self.replica_groups = ReplicaGroups(ReplicaLayout.from_args(self.args))
             self.replica_groups.build()
             install_replica_optimizer(self.replica_groups)
-            emit("replica_layout", dist.get_rank(), **self.replica_groups.layout_event())
+            emit("replica_layout", dist.get_rank(), pid=os.getpid(),
+                 **self.replica_groups.layout_event())
 
     def rebuild_process_groups(self, generation: int, survivor: bool) -> None:
         """Every process group again, with the restarted workers (training thread)."""

@@ -269,12 +269,13 @@ _logging_done = False
 
 
 def setup_logging(config: ControlConfig, *, force: bool = False) -> None:
-    """Send the `mindspeed_tft.control` logger to TTP_LOG_PATH (once per process)."""
+    """Send the plugin's loggers (`mindspeed_tft.*`: control plane, recovery) to
+    TTP_LOG_PATH (once per process)."""
     global _logging_done
     if _logging_done and not force:
         return
     _logging_done = True
-    logger = logging.getLogger("mindspeed_tft.control")
+    logger = logging.getLogger("mindspeed_tft")
     logger.setLevel(getattr(logging, config.log_level))
     fmt = logging.Formatter(
         "%(asctime)s %(levelname)s [pid %(process)d %(threadName)s] %(name)s: %(message)s"

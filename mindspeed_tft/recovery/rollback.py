@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mindspeed_tft.events import emit
 from mindspeed_tft.recovery.snapshot import (
     StepSnapshot,
     StepSnapshots,
@@ -60,6 +61,8 @@ def transfer_shards(
         src = int(entry["from"])
         digest = copy_shard(state.optimizer, state.model, src=src, dst=me)
         received = decode_snapshot(_recv_bytes(src))
+        emit("shard_received", me, source=src, optimizer=entry["optimizer"],
+             shard=entry["shard"], iteration=lock_step, sha256=digest)
         log.info("rank %d received %s shard %s from rank %d (sha256 %s)", me,
                  entry["optimizer"], entry["shard"], src, digest[:16])
     for entry in send:

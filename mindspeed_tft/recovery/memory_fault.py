@@ -1,0 +1,109 @@
+"""On-chip memory faults (UCE, SPEC 8): which memory a fault hit, and injecting one.
+
+A device reports an uncorrectable memory error with the address it hit. What the repair
+must do depends on what lives there: the optimizer state (fp32 main params and Adam
+moments) or the model params must be copied back from a replica holder; gradients and
+activations are recomputed by the step anyway. `classify_address` maps an address to one of
+these regions by the storage ranges of the training state's tensors: optimizer state, the
+DDP param buffers, the DDP grad buffers and the fp32 main grads; anything else is an
+activation (transient memory).
+
+`corrupt_memory(state, target)` is what fault injection (`TFT_INJECT` kind `uce`) does to a
+rank: it overwrites a slice of real memory of that region with garbage bytes, in place, and
+returns the address it hit, as a device would report it. The raised UCE error carries that
+address; the fault handler's report carries the region (`tft_detail`), which is how the
+controller knows whether the rank's data must be replaced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from mindspeed_tft.training.state import TrainingState
+
+OPTIMIZER = "optimizer"
+PARAM = "param"
+GRAD = "grad"
+ACTIVATION = "activation"
+TARGETS = (OPTIMIZER, PARAM, GRAD, ACTIVATION)
+
+_GARBAGE = 0xFF  # NaN in every float format
+
+
+def _megatron_optimizers(state: TrainingState) -> list[Any]:
+    return list(getattr(state.optimizer, "chained_optimizers", [state.optimizer]))
+
+
+def _optimizer_tensors(state: TrainingState) -> Iterator[torch.Tensor]:
+    for opt in _megatron_optimizers(state):
+        for group in opt.optimizer.param_groups:
+            for param in group["params"]:
+                yield param
+                for key in ("exp_avg", "exp_avg_sq"):
+                    tensor = opt.optimizer.state.get(param, {}).get(key)
+                    if tensor is not None:
+                        yield tensor
+
+
+def _main_grads(state: TrainingState) -> Iterator[torch.Tensor]:
+    for opt in _megatron_optimizers(state):
+        for group in opt.optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    yield param.grad
+
+
+def _buffers(state: TrainingState, attribute: str) -> Iterator[torch.Tensor]:
+    for chunk in state.model:
+        for buffer in [*getattr(chunk, "buffers", []), *getattr(chunk, "expert_parallel_buffers", [])]:
+            yield getattr(buffer, attribute)
+
+
+def _regions(state: TrainingState) -> Iterator[tuple[str, torch.Tensor]]:
+    for tensor in _optimizer_tensors(state):
+        yield OPTIMIZER, tensor
+    for tensor in _buffers(state, "param_data"):
+        yield PARAM, tensor
+    for tensor in _buffers(state, "grad_data"):
+        yield GRAD, tensor
+    for tensor in _main_grads(state):
+        yield GRAD, tensor
+
+
+def classify_address(state: TrainingState, address: int) -> str:
+    """The region of the training state that holds `address` (activation if none)."""
+    for region, tensor in _regions(state):
+        start = tensor.untyped_storage().data_ptr()
+        if start <= address < start + tensor.untyped_storage().nbytes():
+            return region
+    return ACTIVATION
+
+
+def _first(tensors: Iterator[torch.Tensor]) -> torch.Tensor | None:
+    return next((t for t in tensors if t.numel() > 0), None)
+
+
+def corrupt_memory(state: TrainingState, target: str) -> int:
+    """Overwrite a slice of `target` memory of this rank with garbage; returns its address.
+
+    The activation target corrupts a freshly allocated working tensor: activations live only
+    within a step."""
+    if target == OPTIMIZER:
+        tensor = _first(_optimizer_tensors(state))
+    elif target == PARAM:
+        tensor = _first(_buffers(state, "param_data"))
+    elif target == GRAD:
+        tensor = _first(_buffers(state, "grad_data"))
+    elif target == ACTIVATION:
+        tensor = torch.empty(4096, dtype=torch.float32)
+    else:
+        raise ValueError(f"unknown memory target {target!r}; allowed: {', '.join(TARGETS)}")
+    if tensor is None:
+        raise RuntimeError(f"this rank holds no {target} memory to corrupt")
+    raw = tensor.detach().view(-1).view(torch.uint8)
+    hit = raw[: min(raw.numel(), 4096)]
+    hit.fill_(_GARBAGE)
+    return hit.data_ptr()
