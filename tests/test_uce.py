@@ -1,0 +1,107 @@
+"""On-chip memory fault repair (UCE) on real multi-process jobs with injected faults.
+
+With `--enable-hbmfault-repair`, an injected UCE really corrupts the target memory of one
+rank (optimizer state, model params, grads or a working activation) and raises the UCE
+error; the rank whose optimizer state or params were hit gets its shard back from a replica
+holder, every rank rolls back to the lock step and the step is recomputed, in the same
+processes. A communication error takes the same retry path. Every loss of the job then
+equals the fault-free run's, bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.jobs import HA_ARGS, STANDARD, run_tiny_job
+
+pytestmark = pytest.mark.multiproc
+
+RETRY_ARGS = f"{HA_ARGS} --enable-hbmfault-repair"
+LAYOUTS = {
+    "dp4": ({"layout": "dp4", **STANDARD}, 7),
+    "tp2dp2": ({"layout": "tp2dp2", "dist_opt": False, "train_iters": 10,
+                "save_interval": 5}, 3),
+}
+COPIED = {"optimizer", "param"}  # the other targets hold nothing to copy back
+
+
+def _pids(job) -> dict[int, set[int]]:
+    pids: dict[int, set[int]] = {}
+    for event in job.named("replica_layout"):
+        pids.setdefault(event["rank"], set()).add(event["pid"])
+    return pids
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("fault", ["uce:optimizer", "uce:param", "uce:grad", "uce:activation",
+                                   "comm"])
+def test_repaired_in_place_and_bit_exact(layout, fault, reference_job, tmp_path):
+    config, step = LAYOUTS[layout]
+    reference = reference_job(ha_args=HA_ARGS, **config)
+    kind, _, target = fault.partition(":")
+    spec = f"{kind}:rank=2,step={step},phase=backward" + (f",target={target}" if target else "")
+    job = run_tiny_job(tmp_path, inject=spec, ha_args=RETRY_ARGS, **config)
+    assert job.returncode == 0, job.describe()
+
+    assert [e["strategy"] for e in job.named("strategy")] == ["retry"]
+    assert [e["state"] for e in job.named("state")] == [
+        "INIT", "NORMAL", "ABNORMAL", "ENV_CLEAR", "REPAIR", "NORMAL", "EXIT", "FINAL"]
+    detected = [e for e in job.named("fault_detected") if e["ranks"] == [2]]
+    assert detected[0]["kind"] == ("uce" if kind == "uce" else "comm")
+    received = job.named("shard_received")
+    if target in COPIED:
+        assert [(e["rank"], e["iteration"]) for e in received] == [(2, step)]
+        assert received[0]["source"] == 0  # rank 2's replica peer in both layouts
+    else:
+        assert received == []
+    assert sorted(e["rank"] for e in job.named("rolled_back")) == [0, 1, 2, 3]
+
+    # Same processes before and after the repair: one pid per rank.
+    pids = _pids(job)
+    assert sorted(pids) == [0, 1, 2, 3] and all(len(p) == 1 for p in pids.values())
+    # Every loss equals the fault-free run's; the replicas agree after every step.
+    assert job.losses() == reference.losses()
+    assert all(e["match"] for e in job.named("replica_check"))
+
+
+def test_uce_without_hbmfault_repair_dumps(tmp_path):
+    job = run_tiny_job(tmp_path, inject="uce:rank=1,step=7,phase=forward,target=optimizer",
+                       ha_args=HA_ARGS, **STANDARD)
+    assert job.returncode != 0
+    assert [e["strategy"] for e in job.named("strategy")] == ["dump"]
+    saved = job.named("dump_saved")
+    assert [e["iteration"] for e in saved] == [7]
+    # Rank 1's optimizer memory was hit: its shard is written by its replica holder, rank 3.
+    written = {e["rank"]: e["shard"] for e in job.named("dump_written")}
+    assert written == {0: "dense shard 0 of DP group 0", 3: "dense shard 1 of DP group 0"}
+
+
+def test_uce_with_no_replica_reloads_the_checkpoint_and_continues(reference_job, tmp_path):
+    """N = 1: nothing to copy from; every rank reloads the last periodic checkpoint
+    (iteration 5) in place and recomputes from there. The native optimizer's reference
+    is the job without high availability."""
+    reference = reference_job("dp4", **STANDARD)
+    job = run_tiny_job(
+        tmp_path, inject="uce:rank=2,step=7,phase=backward,target=optimizer",
+        ha_args="--enable-high-availability --enable-hbmfault-repair "
+                "--distributed-optimizer-no-replica",
+        **STANDARD,
+    )
+    assert job.returncode == 0, job.describe()
+    (strategy,) = job.named("strategy")
+    assert (strategy["strategy"], strategy["source"]) == ("load_checkpoint", "checkpoint")
+    assert [(e["rank"], e["iteration"]) for e in job.named("rolled_back")] and all(
+        e["iteration"] == 5 for e in job.named("rolled_back"))
+    iterations = [e["iteration"] for e in job.named("iteration")]
+    assert iterations == [*range(1, 8), *range(6, 21)]  # 6 and 7 recomputed
+    assert job.losses() == reference.losses()
+    assert all(len(p) == 1 for p in _pids(job).values())
+
+
+def test_uce_before_the_first_update_exits_with_a_clear_message(tmp_path):
+    job = run_tiny_job(tmp_path, inject="uce:rank=0,step=0,phase=forward,target=param",
+                       ha_args=RETRY_ARGS, **STANDARD)
+    assert job.returncode != 0
+    (exit_event,) = job.named("exit")
+    assert exit_event["code"] == 1
+    assert "no optimizer update completed yet (lock step 0)" in exit_event["reason"]
