@@ -128,6 +128,7 @@ class Processor:
         self._paused = False
         self._in_handler = False
         self._training = False
+        self._training_thread_id: int | None = None
         self._catch_up: int | None = None
         self._pending: Decision | None = None
         self._tasks: deque[_Task] = deque()
@@ -450,12 +451,26 @@ class Processor:
                 self._cond.wait(min(remaining, 0.5))
             if self._parked():
                 return True
+            if self._training:
+                self._log_training_stack("did not come back to the fault handler when stopped")
             return False if self._training else None
+
+    def _log_training_stack(self, why: str) -> None:
+        """Where the training thread is stuck (for the operator; logged, not sent)."""
+        import sys
+        import traceback
+
+        frame = sys._current_frames().get(self._training_thread_id or -1)
+        if frame is not None:
+            stack = "".join(traceback.format_stack(frame))
+            log.error("rank %d: training thread %s; it is at:\n%s", self.rank, why, stack)
 
     def mark_training(self, active: bool) -> None:
         """The handler says whether the training thread is inside the training function."""
         with self._cond:
             self._training = active
+            if active:
+                self._training_thread_id = threading.get_ident()
             self._cond.notify_all()
 
     def _do_pause(self, payload: dict[str, Any]) -> dict[str, Any]:

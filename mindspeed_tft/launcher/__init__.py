@@ -13,8 +13,9 @@
   (`spare.wait_for_assignment()` at the top of the trainer's `pretrain()`)
 """
 
+from .spare import wait_for_assignment
 from .torchrun_hook import install_torchrun_hook, torchrun_hook_installed
 
 install_torchrun_hook()
 
-__all__ = ["install_torchrun_hook", "torchrun_hook_installed"]
+__all__ = ["install_torchrun_hook", "torchrun_hook_installed", "wait_for_assignment"]

@@ -5,7 +5,8 @@ must do depends on what lives there: the optimizer state (fp32 main params and A
 moments) or the model params must be copied back from a replica holder; gradients and
 activations are recomputed by the step anyway. `classify_address` maps an address to one of
 these regions by the storage ranges of the training state's tensors: optimizer state, the
-DDP param buffers, the DDP grad buffers and the fp32 main grads; anything else is an
+model params (the DDP param buffers with the distributed optimizer), the DDP grad buffers
+and the fp32 main grads; anything else is an
 activation (transient memory).
 
 `corrupt_memory(state, target)` is what fault injection (`TFT_INJECT` kind `uce`) does to a
@@ -59,13 +60,25 @@ def _main_grads(state: TrainingState) -> Iterator[torch.Tensor]:
 def _buffers(state: TrainingState, attribute: str) -> Iterator[torch.Tensor]:
     for chunk in state.model:
         for buffer in [*getattr(chunk, "buffers", []), *getattr(chunk, "expert_parallel_buffers", [])]:
-            yield getattr(buffer, attribute)
+            tensor = getattr(buffer, attribute)
+            if tensor is not None:
+                yield tensor
+
+
+def _model_params(state: TrainingState) -> Iterator[torch.Tensor]:
+    """The DDP param buffers (distributed optimizer), else the params themselves."""
+    buffers = list(_buffers(state, "param_data"))
+    if buffers:
+        yield from buffers
+        return
+    for chunk in state.model:
+        yield from chunk.parameters()
 
 
 def _regions(state: TrainingState) -> Iterator[tuple[str, torch.Tensor]]:
     for tensor in _optimizer_tensors(state):
         yield OPTIMIZER, tensor
-    for tensor in _buffers(state, "param_data"):
+    for tensor in _model_params(state):
         yield PARAM, tensor
     for tensor in _buffers(state, "grad_data"):
         yield GRAD, tensor
@@ -94,7 +107,7 @@ def corrupt_memory(state: TrainingState, target: str) -> int:
     if target == OPTIMIZER:
         tensor = _first(_optimizer_tensors(state))
     elif target == PARAM:
-        tensor = _first(_buffers(state, "param_data"))
+        tensor = _first(_model_params(state))
     elif target == GRAD:
         tensor = _first(_buffers(state, "grad_data"))
     elif target == ACTIVATION:
