@@ -193,6 +193,10 @@ class TFTPlugin:
 
         config = ControlConfig.from_env()
         self.control_config = config
+        if self.args.distributed_backend == "gloo":
+            from mindspeed_tft.recovery.collectives import install_gloo_collectives
+
+            install_gloo_collectives()
         rank, world_size = self.args.rank, self.args.world_size
         if rank == 0 and os.environ.get(CONTROLLER_IN_LAUNCHER_ENV) != "1":
             self.controller = Controller(world_size, config,
@@ -233,6 +237,7 @@ class TFTPlugin:
 
     def rebuild_process_groups(self, generation: int, survivor: bool) -> None:
         """Every process group again, with the restarted workers (training thread)."""
+        from mindspeed_tft.recovery import collectives
         from mindspeed_tft.recovery.rebuild import (
             join_generation,
             leave_generation,
@@ -242,6 +247,7 @@ class TFTPlugin:
 
         old = leave_generation() if survivor else {}
         join_generation(self.args, generation)
+        collectives.reset()
         self.replica_groups = None
         self.setup()
         if survivor:

@@ -14,21 +14,75 @@ operation of a peer waiting on this rank, then fails with "Connection closed by 
 training threads land in the fault handler, where the error counts as a consequence of the
 stop. The process lives on: recovery rebuilds the process groups on new connections.
 
+Closed connections are not always enough: a gloo operation already queued when its
+connections break can wait forever (seen with a sequence-parallel all-reduce in the
+backward pass). So on gloo the waits themselves are made abandonable as well: `Work.wait()`
+without a timeout (what every synchronous collective and every `handle.wait()` calls) waits
+in slices of `POLL_SECONDS` and, once `abandon()` was called, raises `CollectivesAbandoned`
+("FORCE STOP ...", a consequence of the stop, SPEC 6) until `reset()`. A slice costs nothing
+when the operation completes within it: the wait returns as soon as the operation does.
+
 Linux: the connections are found through /proc/self/fd and /proc/self/net/tcp{,6}.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
 import socket
+import threading
 from collections.abc import Iterable
+from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
 log = logging.getLogger("mindspeed_tft.recovery")
 
 _LISTEN = "0A"
+POLL_SECONDS = 0.1
+
+_abandoned = threading.Event()
+_abandon_reason = ""
+_waits_installed = False
+
+
+class CollectivesAbandoned(RuntimeError):
+    """A collective was abandoned because the control plane stopped this rank."""
+
+
+def _abandonable_wait(original: Any) -> Any:
+    poll = timedelta(seconds=POLL_SECONDS)
+
+    @functools.wraps(original)
+    def wait(self: Any, timeout: timedelta | None = None) -> bool:
+        if timeout is not None and timeout != timedelta(0):
+            return original(self, timeout)
+        while True:
+            if _abandoned.is_set():
+                raise CollectivesAbandoned(f"FORCE STOP: collective abandoned ({_abandon_reason})")
+            try:
+                return original(self, poll)
+            except RuntimeError as error:
+                if "timed out" not in str(error).lower():
+                    raise
+
+    return wait
+
+
+def install_abandonable_waits() -> None:
+    """Make `Work.wait()` abandonable (idempotent; gloo)."""
+    global _waits_installed
+    if not _waits_installed:
+        dist.Work.wait = _abandonable_wait(dist.Work.wait)
+        _waits_installed = True
+
+
+def reset() -> None:
+    """Collectives may run again (the process groups were rebuilt)."""
+    _abandoned.clear()
 
 
 def _tcp_connections() -> dict[int, tuple[int, int, str]]:
@@ -94,6 +148,9 @@ def abandon(reason: str, keep_ports: Iterable[int]) -> int:
     `keep_ports`: the ports of connections that must survive (the rendezvous store, the
     controllers). Returns the number of connections shut down (0 on NCCL, whose
     communicators are aborted instead)."""
+    global _abandon_reason
+    _abandon_reason = reason
+    _abandoned.set()
     if dist.is_initialized() and dist.get_backend() == "nccl":
         dist.distributed_c10d._abort_process_group()
         log.warning("communicators aborted: %s", reason)
@@ -101,3 +158,129 @@ def abandon(reason: str, keep_ports: Iterable[int]) -> int:
     count = shutdown_connections(keep_ports)
     log.warning("%d process-group connections shut down: %s", count, reason)
     return count
+
+
+# --- gloo reduce-scatter as an all-reduce ------------------------------------------------------
+#
+# gloo's reduce-scatter completes only inside `wait()`, which ignores timeouts and, when a
+# peer's connection breaks while it is pending, can wait forever (seen on CPU: a training
+# thread stuck in the backward's sequence-parallel reduce-scatter after every connection of
+# its process was closed). An all-reduce waits properly and fails on a broken connection, and
+# gloo's reduce-scatter is an all-reduce underneath (their results are bit-identical). On gloo
+# the reduce-scatters megatron-core issues therefore run as an all-reduce of a copy of the
+# input, of which each rank keeps its slice. Inside megatron-core's grad and param sync,
+# torch's coalescing manager (which would batch them into a coalesced reduce-scatter) is
+# replaced by one that runs the operations as they come and waits for all of them.
+
+
+class _SlicedReduce:
+    """An all-reduce in flight whose slice becomes the reduce-scatter's output on wait."""
+
+    def __init__(self, work: Any, reduced: Any, output: Any, index: int) -> None:
+        self.work = work
+        self.reduced = reduced
+        self.output = output
+        self.index = index
+
+    def wait(self, timeout: Any = None) -> bool:
+        if self.work is not None:
+            self.work.wait(timeout)
+            self.work = None
+            size = self.output.numel()
+            piece = self.reduced.view(-1)[self.index * size : (self.index + 1) * size]
+            self.output.view(-1).copy_(piece)
+        return True
+
+    def is_completed(self) -> bool:
+        return self.work is None or self.work.is_completed()
+
+
+class _Collector:
+    """What megatron-core's sync code gets instead of a coalescing manager: `wait()` waits
+    for every operation started inside the `with` block."""
+
+    def __init__(self) -> None:
+        self.pending: list[Any] = []
+
+    def wait(self) -> None:
+        while self.pending:
+            self.pending.pop(0).wait()
+
+
+_collectors = threading.local()
+
+
+def _active_collector() -> _Collector | None:
+    stack = getattr(_collectors, "stack", None)
+    return stack[-1] if stack else None
+
+
+@contextlib.contextmanager
+def _collecting_manager(group: Any = None, device: Any = None, async_ops: bool = False):
+    collector = _Collector()
+    stack = _collectors.__dict__.setdefault("stack", [])
+    stack.append(collector)
+    try:
+        yield collector
+    finally:
+        stack.pop()
+    if not async_ops:
+        collector.wait()
+
+
+def _collected(fn: Any) -> Any:
+    """Hand the work of an async operation started inside `_collecting_manager` to it."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        work = fn(*args, **kwargs)
+        collector = _active_collector()
+        if collector is not None and work is not None:
+            collector.pending.append(work)
+        return work
+
+    return wrapper
+
+
+def _reduce_scatter_via_all_reduce(original_all_reduce: Any) -> Any:
+    def reduce_scatter(output: Any, input: Any, op: Any = dist.ReduceOp.SUM,
+                       group: Any = None, async_op: bool = False) -> Any:
+        reduced = input.detach().clone()
+        work = original_all_reduce(reduced, op=op, group=group, async_op=True)
+        pending = _SlicedReduce(work, reduced, output, dist.get_rank(group))
+        collector = _active_collector()
+        if collector is not None:
+            collector.pending.append(pending)
+            return pending if async_op else None
+        if async_op:
+            return pending
+        pending.wait()
+        return None
+
+    return reduce_scatter
+
+
+_gloo_installed = False
+
+
+def install_gloo_collectives() -> None:
+    """On gloo: reduce-scatters as all-reduces, collecting instead of coalescing managers in
+    megatron-core's sync (idempotent)."""
+    global _gloo_installed
+    if _gloo_installed:
+        return
+    from megatron.core.distributed import param_and_grad_buffer
+    from megatron.core.tensor_parallel import layers, mappings
+
+    all_reduce = _collected(dist.all_reduce)
+    reduce_scatter = _reduce_scatter_via_all_reduce(dist.all_reduce)
+    all_gather = _collected(dist.all_gather_into_tensor)
+    dist.all_reduce = all_reduce
+    dist.reduce_scatter_tensor = reduce_scatter
+    dist._reduce_scatter_base = reduce_scatter
+    for module in (param_and_grad_buffer, mappings, layers):
+        module.dist_reduce_scatter_func = reduce_scatter
+    param_and_grad_buffer.dist_all_gather_func = all_gather
+    param_and_grad_buffer._coalescing_manager = _collecting_manager
+    install_abandonable_waits()
+    _gloo_installed = True

@@ -1,0 +1,488 @@
+"""The launcher (`tft-run`, the torchrun hook): real launchers, real worker processes.
+
+The workers are `tests/programs/launcher_worker.py`: they record their environment and pid,
+then obey orders given through files (exit with a code, stop). Every wait has a deadline and
+every process a test starts is ended by the fixture that started it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.jobs import free_port, run_tiny_job
+
+REPO = Path(__file__).resolve().parent.parent
+WORKER = REPO / "tests" / "programs" / "launcher_worker.py"
+BIN = Path(sys.executable).parent
+ARF = ["--enable-high-availability", "--enable-worker-reboot"]
+#: variables that differ between two launches of the same job by design
+PER_LAUNCH = {"MASTER_PORT", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_RUN_ID"}
+
+
+def wait_for(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    """Poll `pred()` until it is truthy; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is not alive
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class Launch:
+    """One launcher process (tft-run or torchrun) and the files its workers write."""
+
+    def __init__(self, out: Path, launcher: list[str], launcher_args: list[str],
+                 worker_args: list[str], env: dict[str, str], log_name: str = "launcher.log"):
+        self.out = out
+        self.log = out / log_name
+        self.argv = [*launcher, *launcher_args, str(WORKER), "--out", str(out), *worker_args]
+        self._log_file = open(self.log, "a")  # noqa: SIM115 (closed in finish)
+        self.proc = subprocess.Popen(self.argv, cwd=out, env=env, stdout=self._log_file,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait(self, timeout: float = 60.0) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"launcher did not end within {timeout}s; log:\n"
+                                 + self.text()[-4000:]) from None
+
+    def finish(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        self._log_file.close()
+
+
+class Job:
+    """The launches of one test in one folder, and everything they started."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        out.mkdir(parents=True, exist_ok=True)
+        self.launches: list[Launch] = []
+        self.master_port = free_port()
+        self.env = base_env(out)
+
+    def launch(self, *, nproc: int = 2, worker_args: list[str] | None = None,
+               launcher: str = "tft-run", extra: list[str] | None = None,
+               env: dict[str, str] | None = None, log_name: str = "launcher.log") -> Launch:
+        cmd = [str(BIN / launcher)] if launcher in ("tft-run", "torchrun") else [launcher]
+        args = ["--nproc-per-node", str(nproc), "--master-port", str(self.master_port),
+                "--monitor-interval", "0.05", *(extra or [])]
+        launch = Launch(self.out, cmd, args, worker_args or [], {**self.env, **(env or {})},
+                        log_name)
+        self.launches.append(launch)
+        return launch
+
+    def starts(self) -> list[dict[str, Any]]:
+        found = []
+        for path in self.out.glob("start.*.json"):
+            try:
+                found.append(json.loads(path.read_text()))
+            except (OSError, ValueError):
+                continue
+        return sorted(found, key=lambda r: r["t_ready"])
+
+    def by_rank(self) -> dict[int, list[dict[str, Any]]]:
+        ranks: dict[int, list[dict[str, Any]]] = {}
+        for record in self.starts():
+            ranks.setdefault(record["rank"], []).append(record)
+        return ranks
+
+    def wait_starts(self, counts: dict[int, int], timeout: float = 60.0) -> dict[int, list]:
+        """Wait until each rank has been started `counts[rank]` times."""
+        def ready() -> dict[int, list] | None:
+            ranks = self.by_rank()
+            ok = all(len(ranks.get(r, [])) >= n for r, n in counts.items())
+            return ranks if ok else None
+        return wait_for(ready, timeout, f"worker starts {counts} (log: {self.launches[-1].log})")
+
+    def order(self, rank: int, code: int) -> None:
+        tmp = self.out / f".exit.{rank}.tmp"
+        tmp.write_text(str(code))
+        os.replace(tmp, self.out / f"exit.{rank}")
+
+    def stop(self) -> None:
+        (self.out / "stop").touch()
+
+    def cleanup(self) -> None:
+        for launch in self.launches:
+            launch.finish()
+        marker = str(self.out)
+        for entry in Path("/proc").iterdir():  # workers and spares live in their own sessions
+            if not entry.name.isdigit():
+                continue
+            try:
+                cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if marker in cmdline and int(entry.name) != os.getpid():
+                try:
+                    os.kill(int(entry.name), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+def base_env(out: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("TFT_", "TTP_", "TORCHELASTIC_", "HIGH_AVAILABILITY"))
+           and k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                         "TORCHRUN")}
+    env.update({
+        "PATH": str(BIN) + os.pathsep + env.get("PATH", ""),
+        "PYTHONPATH": str(REPO),
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",
+        "TTP_PORT": str(free_port()),
+        "TTP_LOG_PATH": str(out / "ttp_logs"),
+    })
+    return env
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> Iterator[Job]:
+    j = Job(tmp_path / "job")
+    try:
+        yield j
+    finally:
+        j.cleanup()
+
+
+def launcher_env(record: dict[str, Any]) -> dict[str, str]:
+    return {k: v for k, v in record["env"].items() if k not in PER_LAUNCH}
+
+
+# -- without high availability: torchrun ------------------------------------------------------
+def test_without_high_availability_tft_run_is_torchrun(tmp_path: Path) -> None:
+    jobs = {name: Job(tmp_path / name) for name in
+            ("torchrun_ok", "tft_ok", "torchrun_fail", "tft_fail")}
+    try:
+        for name, j in jobs.items():
+            if name.endswith("ok"):
+                j.stop()  # every worker exits 0 right after recording itself
+            j.launch(launcher="torchrun" if name.startswith("torchrun") else "tft-run",
+                     worker_args=["--max-seconds", "60"])
+        for name in ("torchrun_fail", "tft_fail"):
+            jobs[name].wait_starts({0: 1, 1: 1})
+            jobs[name].order(1, 3)  # rank 1 fails; the launcher stops rank 0
+        codes = {name: j.launches[0].wait() for name, j in jobs.items()}
+        assert codes["torchrun_ok"] == codes["tft_ok"] == 0, codes
+        assert codes["torchrun_fail"] == codes["tft_fail"] == 1, codes
+        ok = {name: {r: launcher_env(recs[0]) for r, recs in jobs[name].by_rank().items()}
+              for name in ("torchrun_ok", "tft_ok")}
+        assert sorted(ok["tft_ok"]) == [0, 1]
+        assert ok["tft_ok"] == ok["torchrun_ok"]
+        assert not any(k.startswith("TFT_") for env in ok["tft_ok"].values() for k in env)
+        for name in ("torchrun_fail", "tft_fail"):
+            j = jobs[name]
+            text = j.launches[0].text()
+            assert "exitcode  : 3" in text and "ChildFailedError" in text, text[-3000:]
+            (rank0,) = j.by_rank()[0]
+            assert not alive(rank0["pid"])  # stopped by the launcher, not by an order
+            assert "[tft-run]" not in text
+    finally:
+        for j in jobs.values():
+            j.cleanup()
+
+
+def test_bad_launcher_settings_are_refused_clearly(monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from mindspeed_tft.launcher.run import launch, parse_args
+
+    monkeypatch.delenv("HIGH_AVAILABILITY", raising=False)
+    script = [str(WORKER), "--out", "/nonexistent"]
+
+    def refused(argv: list[str], env: dict[str, str] | None = None) -> str:
+        with monkeypatch.context() as m:
+            for key, value in (env or {}).items():
+                m.setenv(key, value)
+            assert launch(parse_args(argv)) == 2  # before anything is started
+        return capsys.readouterr().err
+
+    assert "TFT_MAX_WORKER_RESTARTS='lots' is not a whole number >= 0" in refused(
+        [*script, *ARF], {"TFT_MAX_WORKER_RESTARTS": "lots"})
+    assert "--tft-spares-per-node 1 needs worker reboot" in refused(
+        ["--tft-spares-per-node", "1", *script, "--enable-high-availability"])
+    assert "HIGH_AVAILABILITY='reboot': unknown mode 'reboot'" in refused(
+        script, {"HIGH_AVAILABILITY": "reboot"})
+    assert "TTP_ADDR='nowhere' is not an IPv4 or IPv6 address" in refused(
+        [*script, *ARF], {"TTP_ADDR": "nowhere"})
+    with pytest.raises(SystemExit):
+        parse_args(["--tft-spares-per-node", "-1", *script])
+    assert "'-1' is not a whole number >= 0" in capsys.readouterr().err
+
+
+# -- worker reboot ----------------------------------------------------------------------------
+def test_worker_reboot_restarts_only_the_failed_worker(job: Job) -> None:
+    launch = job.launch(nproc=3, worker_args=ARF, env={"TFT_MAX_WORKER_RESTARTS": "2"})
+    first = job.wait_starts({0: 1, 1: 1, 2: 1})
+    pid0, pid1, pid2 = (first[r][0]["pid"] for r in (0, 1, 2))
+
+    killed = time.time()
+    os.kill(pid1, signal.SIGKILL)
+    ranks = job.wait_starts({1: 2})
+    again = ranks[1][1]
+    assert again["pid"] != pid1
+    env_before, env_after = first[1][0]["env"], again["env"]
+    assert env_after.pop("TFT_WORKER_RESTART_COUNT") == "1"
+    assert "TFT_WORKER_RESTART_COUNT" not in env_before
+    assert env_after == env_before  # same RANK, LOCAL_RANK, WORLD_SIZE, MASTER_*, TORCHELASTIC_*
+    assert env_after["RANK"] == "1" and env_after["LOCAL_RANK"] == "1"
+    assert env_after["WORLD_SIZE"] == "3"
+    assert alive(pid0) and alive(pid2)  # the others were not stopped
+    assert f"rank 1 (pid {pid1}) died (signal 9, SIGKILL); restarting it as rank 1 " \
+           "(restart 1/2)" in launch.text()
+    print(f"\ncold restart: death -> restarted worker ready {again['t_ready'] - killed:.2f}s")
+
+    job.order(1, 76)  # the reboot exit code (a hung rank ordered to restart)
+    ranks = job.wait_starts({1: 3})
+    assert ranks[1][2]["env"]["TFT_WORKER_RESTART_COUNT"] == "2"
+    assert "exited with code 76; restarting it as rank 1 (restart 2/2)" in launch.text()
+
+    os.kill(pid2, signal.SIGKILL)  # the budget is spent
+    wait_for(lambda: "are used up" in launch.text(), 20, "the budget message")
+    assert (f"rank 2 (pid {pid2}) died (signal 9, SIGKILL); not restarting it: the 2 "
+            "restart(s) allowed on this node (TFT_MAX_WORKER_RESTARTS=2) are used up"
+            in launch.text())
+    job.order(1, 1)  # a failure: not restarted
+    job.order(0, 0)  # done: not restarted
+    assert launch.wait() == 1  # torchrun's failure
+    text = launch.text()
+    assert "exited with code 1; not restarting it" in text
+    assert "ChildFailedError" in text and "exitcode  : -9" in text
+    counts = {r: len(recs) for r, recs in job.by_rank().items()}
+    assert counts == {0: 1, 1: 3, 2: 1}
+    assert alive(pid0) is False
+
+
+def test_dump_exit_code_ends_the_job_with_75(job: Job) -> None:
+    job.order(0, 75)  # the dying-gasp checkpoint was saved
+    job.order(1, 0)
+    launch = job.launch(env={"HIGH_AVAILABILITY": "recover"})  # ARF from the environment
+    assert launch.wait() == 75
+    text = launch.text()
+    assert "exited with code 75 (dying-gasp checkpoint saved); not restarting it" in text
+    assert "the job ended with a dying-gasp checkpoint" in text
+    assert {r: len(recs) for r, recs in job.by_rank().items()} == {0: 1, 1: 1}
+
+
+def test_controller_runs_in_node_0_launcher(job: Job) -> None:
+    events = job.out / "events.jsonl"
+    launch = job.launch(
+        worker_args=[*ARF, "--processor", "--tft-events-file", str(events)],
+        env={"TTP_HEARTBEAT_INTERVAL": "5", "TFT_MAX_WORKER_RESTARTS": "0"})
+
+    def read() -> list[dict[str, Any]]:
+        if not events.exists():
+            return []
+        return [json.loads(line) for line in events.read_text().splitlines() if line]
+
+    wait_for(lambda: any(e["event"] == "state" and e["state"] == "NORMAL" for e in read()),
+             60, "all ranks registered with the launcher's controller")
+    ranks = job.by_rank()
+    assert all(recs[0]["env"]["TFT_CONTROLLER_IN_LAUNCHER"] == "1" for recs in ranks.values())
+    assert "controller for 2 ranks listening on 127.0.0.1:" in launch.text()
+    killed = time.time()
+    os.kill(ranks[1][0]["pid"], signal.SIGKILL)
+    lost = wait_for(lambda: [e for e in read() if e["event"] == "fault_detected"], 10,
+                    "fault_detected")[0]
+    assert lost["kind"] == "lost" and lost["ranks"] == [1], lost
+    assert "reported by its launcher" in lost["message"]
+    # well under one heartbeat interval (5 s); heartbeats alone would take 15 s
+    assert lost["time"] - killed < 2.0, lost["time"] - killed
+    print(f"\nlauncher report: death -> fault_detected {lost['time'] - killed:.2f}s")
+    job.stop()
+    launch.wait()
+    assert any(e["event"] == "state" and e["state"] == "FINAL" for e in read())
+
+
+def test_report_process_exit_declares_the_rank_lost_at_once(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from mindspeed_tft.control import ControlConfig, Controller, Features, Processor
+
+    monkeypatch.setenv("TTP_LOG_PATH", str(tmp_path / "logs"))
+    config = ControlConfig(port=free_port(), heartbeat_interval=5.0, log_path=str(tmp_path))
+    ctrl = Controller(2, config, features=Features.from_names("dump,recover"))
+    ctrl.start()
+    processors = [Processor(r, 2, config, hard_exit=False) for r in (0, 1)]
+    try:
+        for p in processors:
+            p.start(timeout=20)
+        wait_for(lambda: ctrl.snapshot()["state"] == "NORMAL", 10, "NORMAL")
+        ctrl.report_process_exit(1, 0)  # a clean exit is no fault
+        ctrl.report_process_exit(5, -9)  # no such rank: ignored
+        assert ctrl.snapshot()["incident"] is None
+        started = time.monotonic()
+        ctrl.report_process_exit(1, -9)
+        snap = wait_for(lambda: (s := ctrl.snapshot())["incident"] and s, 5, "an incident")
+        assert time.monotonic() - started < 1.0
+        assert snap["incident"]["faults"] == {"1": "lost"}
+        assert snap["ranks"]["1"]["health"] == "lost"
+        ctrl.report_process_exit(1, -9)  # already lost: nothing more
+        assert ctrl.snapshot()["incident"]["faults"] == {"1": "lost"}
+    finally:
+        for p in processors:
+            p.close()
+        ctrl.stop()
+
+
+# -- the torchrun route -------------------------------------------------------------------------
+def test_patch_torchrun_script(job: Job, tmp_path: Path) -> None:
+    original = Path(shutil.which("torchrun", path=str(BIN)) or "")
+    assert original.is_file()
+    copy = tmp_path / "torchrun"
+    shutil.copy2(original, copy)
+    script = REPO / "scripts" / "patch_torchrun.sh"
+
+    def run(action: str) -> str:
+        done = subprocess.run(["bash", str(script), action], env={**job.env, "TORCHRUN": str(copy)},
+                              capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    assert run("apply") == f"patched: {copy}"
+    assert run("apply") == f"already patched: {copy}"
+    patched = copy.read_text()
+    assert patched.count("import mindspeed_tft.launcher") == 1
+    assert patched.index("import mindspeed_tft.launcher") < patched.index(
+        "from torch.distributed.run import main")
+    assert run("status") == f"patched: {copy}"
+
+    launch = job.launch(launcher=str(copy), worker_args=ARF)
+    first = job.wait_starts({0: 1, 1: 1})
+    os.kill(first[1][0]["pid"], signal.SIGKILL)
+    ranks = job.wait_starts({1: 2})
+    assert ranks[1][1]["env"]["RANK"] == "1"
+    assert ranks[1][1]["env"]["TFT_WORKER_RESTART_COUNT"] == "1"
+    assert alive(first[0][0]["pid"])
+    assert "restarting it as rank 1 (restart 1/8)" in launch.text()
+    job.stop()
+    assert launch.wait() == 0
+
+    assert run("revert") == f"reverted: {copy}"
+    assert run("revert") == f"not patched: {copy}"
+    assert copy.read_bytes() == original.read_bytes()
+
+
+# -- warm spares --------------------------------------------------------------------------------
+def test_spare_takes_over_a_failed_worker(job: Job) -> None:
+    launch = job.launch(worker_args=ARF, extra=["--tft-spares-per-node", "1"])
+    first = job.wait_starts({0: 1, 1: 1}, timeout=120)
+    def ready_spares() -> list[int]:
+        return [int(pid) for pid in re.findall(r"warm spare pid (\d+) is ready", launch.text())]
+
+    (spare_pid,) = wait_for(ready_spares, 120, "a ready spare")
+    assert spare_pid not in (first[0][0]["pid"], first[1][0]["pid"])
+
+    killed = time.time()
+    os.kill(first[0][0]["pid"], signal.SIGKILL)
+    ranks = job.wait_starts({0: 2})
+    taken = ranks[0][1]
+    spare_seconds = taken["t_ready"] - killed
+    assert taken["pid"] == spare_pid and taken["spare"] is True
+    assert taken["t_start"] < killed  # it was started (and imported everything) before
+    env = taken["env"]
+    assert env.pop("TFT_WORKER_RESTART_COUNT") == "1"
+    assert not any(k.startswith("TFT_SPARE") for k in env)
+    assert env == first[0][0]["env"]
+    assert f"handing rank 0 to warm spare pid {spare_pid}" in launch.text()
+
+    # the next failure comes before the new spare is ready: a cold restart
+    killed = time.time()
+    os.kill(first[1][0]["pid"], signal.SIGKILL)
+    ranks = job.wait_starts({1: 2}, timeout=120)
+    cold = ranks[1][1]
+    cold_seconds = cold["t_ready"] - killed
+    assert cold["spare"] is False
+    print(f"\ndeath -> replacement ready (a worker that imports torch): "
+          f"warm spare {spare_seconds:.2f}s, cold restart {cold_seconds:.2f}s")
+    assert spare_seconds < cold_seconds
+
+    (second,) = wait_for(lambda: [p for p in ready_spares() if p != spare_pid], 120,
+                         "a new spare, ready")
+    job.stop()
+    assert launch.wait() == 0
+    assert not alive(second)  # ended with the launcher
+
+
+# -- a replaced node ----------------------------------------------------------------------------
+def test_replacement_launcher_rejoins_a_running_job(job: Job) -> None:
+    def node(rank: int, log: str) -> Launch:
+        return job.launch(worker_args=[*ARF, "--store"], log_name=log, extra=[
+            "--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1"])
+
+    node0, node1 = node(0, "node0.log"), node(1, "node1.log")
+    first = job.wait_starts({r: 1 for r in range(4)})
+    assert [first[r][0]["env"]["GROUP_RANK"] for r in range(4)] == ["0", "0", "1", "1"]
+    # one controller, in node 0's launcher; every worker on every node knows it is there
+    assert "controller for 4 ranks" in node0.text() and "controller for" not in node1.text()
+    assert all(first[r][0]["env"]["TFT_CONTROLLER_IN_LAUNCHER"] == "1" for r in range(4))
+    os.killpg(node1.proc.pid, signal.SIGKILL)  # the node goes: its launcher and its workers
+    node1.proc.wait(10)
+    for r in (2, 3):
+        os.kill(first[r][0]["pid"], signal.SIGKILL)
+    wait_for(lambda: not alive(first[2][0]["pid"]) and not alive(first[3][0]["pid"]), 10,
+             "node 1's workers gone")
+
+    replacement = node(1, "node1-replacement.log")
+    ranks = job.wait_starts({2: 2, 3: 2})
+    for r in (2, 3):
+        before, after = first[r][0]["env"], ranks[r][1]["env"]
+        assert after.pop("TFT_WORKER_RESTART_COUNT") == "1"
+        assert {k: v for k, v in after.items() if k != "TORCHELASTIC_ERROR_FILE"} == {
+            k: v for k, v in before.items() if k != "TORCHELASTIC_ERROR_FILE"}
+        assert after["RANK"] == str(r) and after["WORLD_SIZE"] == "4"
+    assert "node 1 rejoins a running job" in replacement.text()
+    assert alive(first[0][0]["pid"]) and alive(first[1][0]["pid"])  # node 0 untouched
+
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", job.master_port, is_master=False, timeout=timedelta(seconds=10))
+    assert int(store.add("tftest/checkin/2", 0)) == 2  # both incarnations reached the store
+    job.stop()
+    assert node0.wait() == 0
+    assert replacement.wait() == 0
+
+
+# -- the real trainer ---------------------------------------------------------------------------
+def test_tiny_job_under_tft_run_with_the_controller_in_the_launcher(tmp_path: Path) -> None:
+    result = run_tiny_job(tmp_path / "tiny", train_iters=4, save_interval=4,
+                          ha_args="--enable-high-availability", launcher="tft-run")
+    assert result.returncode == 0, result.describe()
+    assert "[tft-run] controller for 4 ranks listening on" in result.output
+    assert result.named("state")[-1]["state"] == "FINAL"
+    assert [e["code"] for e in result.named("exit") if e["rank"] == -1] == [0]
+    assert sorted(result.losses()) == [1, 2, 3, 4]
