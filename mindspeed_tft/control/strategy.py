@@ -136,7 +136,13 @@ class StrategyPlanner:
 
     # -- choice ---------------------------------------------------------------------
     def choose(self, incident: Incident) -> Strategy | None:
-        return choose_strategy(incident.faults.values(), self.features)
+        """One strategy for the incident. When a process is lost or hung, the communication
+        errors of the other ranks are what its loss did to their collectives: they follow
+        the process fault's strategy and do not count on their own."""
+        kinds = list(incident.faults.values())
+        if any(kind in PROCESS_KINDS for kind in kinds):
+            kinds = [kind for kind in kinds if kind is not FaultKind.COMM]
+        return choose_strategy(kinds, self.features)
 
     def repair_source(self, strategy: Strategy) -> str:
         """Where repaired state comes from: replica holders or the last checkpoint."""

@@ -132,6 +132,11 @@ class TFTSubprocessContext(SubprocessContext):
                     error_file=self.error_files[local_rank])
                 if self._first_final_failure is None:
                     self._first_final_failure = time.monotonic()
+        if (agent.controller is not None and agent.controller.state.value == "FINAL"
+                and self._first_final_failure is None and self._running_local_ranks):
+            # the job's end was decided: workers get the exit grace, then they are stopped
+            self._first_final_failure = time.monotonic()
+            agent.failure_grace = agent.control_config.exit_grace + agent.control_config.lost_after
         if self._running_local_ranks and self._first_final_failure is not None and (
                 time.monotonic() - self._first_final_failure > agent.failure_grace):
             say(f"workers {sorted(self._running_local_ranks)} (local ranks) still run "
@@ -323,6 +328,12 @@ class TFTElasticAgent(LocalElasticAgent):
         say(f"started {self.options.spares_per_node} warm spare(s): pids "
             f"{[s.pid for s in self.pool.spares]}")
 
+    def job_ending(self) -> bool:
+        """The controller this launcher hosts decided to end the job (dump or exit)."""
+        if self.controller is None:
+            return False
+        return self.controller.state.value in ("DUMP", "EXIT", "FINAL")
+
     def on_worker_exit(self, context: TFTSubprocessContext, local_rank: int,
                        handler: SubprocessHandler, returncode: int) -> bool:
         """A worker ended: report it, and restart it when the policy says so (True)."""
@@ -336,6 +347,10 @@ class TFTElasticAgent(LocalElasticAgent):
             kind = " (dying-gasp checkpoint saved)" if returncode == self.dump_exit_code else ""
             say(f"{what}{kind}; not restarting it (only a worker killed by a signal or exiting "
                 f"with {self.reboot_exit_code} is restarted)")
+            return False
+        if self.job_ending():
+            say(f"{what}; not restarting it: the job is ending (the controller decided to "
+                "dump or exit)")
             return False
         limit = self.options.max_worker_restarts
         if self.restarts >= limit:

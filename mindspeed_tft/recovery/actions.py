@@ -48,6 +48,7 @@ from mindspeed_tft.recovery.dump import (
 from mindspeed_tft.recovery.rollback import rollback, transfer_shards
 from mindspeed_tft.recovery.snapshot import SnapshotUnavailableError, StepSnapshot, StepSnapshots
 from mindspeed_tft.replica.replica_map import ReplicaMap
+from mindspeed_tft.replica.transfer import export_shard
 from mindspeed_tft.training.checkpointing import (
     get_rng_state,
     load_checkpoint,
@@ -156,7 +157,10 @@ class RecoveryActions:
                 snapshot = self.received_snapshot
         rollback(state, snapshot)
         self.plugin.status.reset(step)
-        emit("rolled_back", self.rank, iteration=step)
+        shard = export_shard(state.optimizer, state.model)
+        emit("rolled_back", self.rank, iteration=step, shard=str(self.map.shard_of(self.rank)),
+             digest=shard.optimizer_digest(), lr=state.optimizer.param_groups[0]["lr"],
+             consumed_samples=state.args.consumed_train_samples)
         return {"step": step}
 
     # -- dump -----------------------------------------------------------------------------

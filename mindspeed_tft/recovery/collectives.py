@@ -53,6 +53,12 @@ class CollectivesAbandoned(RuntimeError):
     """A collective was abandoned because the control plane stopped this rank."""
 
 
+#: ids of the works of point-to-point operations in flight: a gloo send or receive whose
+#: wait times out closes its connection, so these wait without slices (a receive fails at
+#: once when `abandon` shuts the connections down)
+_p2p_works: set[int] = set()
+
+
 def _abandonable_wait(original: Any) -> Any:
     poll = timedelta(seconds=POLL_SECONDS)
 
@@ -60,6 +66,11 @@ def _abandonable_wait(original: Any) -> Any:
     def wait(self: Any, timeout: timedelta | None = None) -> bool:
         if timeout is not None and timeout != timedelta(0):
             return original(self, timeout)
+        if id(self) in _p2p_works:
+            try:
+                return original(self)
+            finally:
+                _p2p_works.discard(id(self))
         while True:
             if _abandoned.is_set():
                 raise CollectivesAbandoned(f"FORCE STOP: collective abandoned ({_abandon_reason})")
@@ -72,11 +83,42 @@ def _abandonable_wait(original: Any) -> Any:
     return wait
 
 
+def _marked_p2p(fn: Any) -> Any:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        result = fn(*args, **kwargs)
+        for work in result if isinstance(result, list) else [result]:
+            if work is not None:
+                _p2p_works.add(id(work))
+        return result
+
+    return wrapper
+
+
+def _blocking_p2p(nonblocking: Any, blocking: Any) -> Any:
+    """`send`/`recv` as `isend`/`irecv` + wait (so their waits are marked point-to-point)."""
+
+    @functools.wraps(blocking)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        work = nonblocking(*args, **kwargs)
+        if work is not None:
+            work.wait()
+        peer = args[1] if len(args) > 1 else kwargs.get("src", kwargs.get("dst"))
+        return peer
+
+    return wrapper
+
+
 def install_abandonable_waits() -> None:
     """Make `Work.wait()` abandonable (idempotent; gloo)."""
     global _waits_installed
     if not _waits_installed:
         dist.Work.wait = _abandonable_wait(dist.Work.wait)
+        dist.isend = _marked_p2p(dist.isend)
+        dist.irecv = _marked_p2p(dist.irecv)
+        dist.batch_isend_irecv = _marked_p2p(dist.batch_isend_irecv)
+        dist.send = _blocking_p2p(dist.isend, dist.send)
+        dist.recv = _blocking_p2p(dist.irecv, dist.recv)
         _waits_installed = True
 
 

@@ -29,22 +29,28 @@ import torch.distributed as dist
 
 log = logging.getLogger("mindspeed_tft.recovery")
 
-GroupKey = tuple[tuple[int, ...], str]
+#: (global ranks, backend, occurrence): megatron-core makes twins with the same ranks and
+#: backend (its gloo copies of the DP groups, gloo everywhere on CPU); every rank creates the
+#: groups in the same order, so the n-th twin of one generation is the n-th of the next.
+GroupKey = tuple[tuple[int, ...], str, int]
 
 _MAX_DEPTH = 8
 
 
 def process_group_keys() -> dict[dist.ProcessGroup, GroupKey]:
-    """Every live process group of this process -> (its global ranks, its backend)."""
+    """Every live process group of this process (in creation order) -> its key."""
     from torch.distributed.distributed_c10d import _world
 
     keys: dict[dist.ProcessGroup, GroupKey] = {}
+    seen: dict[tuple[tuple[int, ...], str], int] = {}
     for group, ranks in list(_world.pg_group_ranks.items()):
         try:
             backend = str(dist.get_backend(group))
         except (RuntimeError, ValueError):
             continue
-        keys[group] = (tuple(sorted(ranks)), backend)
+        twin = (tuple(sorted(ranks)), backend)
+        seen[twin] = seen.get(twin, -1) + 1
+        keys[group] = (*twin, seen[twin])
     return keys
 
 
@@ -102,9 +108,7 @@ def repoint_process_groups(
 ) -> int:
     """Replace references to old groups under `roots` (model chunks, optimizers) by the new
     groups with the same ranks and backend; returns how many references were replaced."""
-    new_by_key: dict[GroupKey, dist.ProcessGroup] = {}
-    for group, key in process_group_keys().items():
-        new_by_key.setdefault(key, group)
+    new_by_key = {key: group for group, key in process_group_keys().items()}
     # An old group without a new twin (a group nobody rebuilt) stays referenced: using it
     # fails loudly.
     mapping = {id(old): new_by_key[key] for old, key in old_keys.items() if key in new_by_key}

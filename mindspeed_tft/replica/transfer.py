@@ -75,10 +75,12 @@ def _inner_optimizers(optimizer: Any) -> list[Any]:
 
 
 def _main_params(optimizer: Any) -> Iterator[tuple[torch.Tensor, dict[str, Any]]]:
+    """(main param, its optimizer state dict) in param-group order; the state dict is the
+    optimizer's own (created empty for a param that has none yet, as torch does)."""
     for inner in _inner_optimizers(optimizer):
         for group in inner.param_groups:
             for param in group["params"]:
-                yield param, inner.state.get(param, {})
+                yield param, inner.state[param]
 
 
 def _model_params(model: list[torch.nn.Module]) -> list[torch.nn.Parameter]:
