@@ -113,10 +113,15 @@ def install_abandonable_waits() -> None:
     """Make `Work.wait()` abandonable (idempotent; gloo)."""
     global _waits_installed
     if not _waits_installed:
+        from torch.distributed import distributed_c10d as c10d
+
         dist.Work.wait = _abandonable_wait(dist.Work.wait)
-        dist.isend = _marked_p2p(dist.isend)
-        dist.irecv = _marked_p2p(dist.irecv)
-        dist.batch_isend_irecv = _marked_p2p(dist.batch_isend_irecv)
+        # torch checks P2POp's function against distributed_c10d's own isend/irecv: both
+        # names must be the marked ones
+        for name in ("isend", "irecv", "batch_isend_irecv"):
+            marked = _marked_p2p(getattr(c10d, name))
+            setattr(c10d, name, marked)
+            setattr(dist, name, marked)
         dist.send = _blocking_p2p(dist.isend, dist.send)
         dist.recv = _blocking_p2p(dist.irecv, dist.recv)
         _waits_installed = True
