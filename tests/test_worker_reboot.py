@@ -1,0 +1,177 @@
+"""Worker reboot (ARF) on real multi-process jobs under `tft-run`, with real faults.
+
+With `--enable-worker-reboot`, a killed (or hung) worker is restarted alone by its launcher;
+the survivors keep running (same PIDs), abandon their collectives, rebuild every process
+group with the new process, which receives its model params and optimizer shard from a
+replica holder; everyone rolls back to the lock step and training continues. Every loss of
+the job equals the fault-free run's, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.jobs import HA_ARGS, REPO, STANDARD, free_port, run_tiny_job
+
+pytestmark = pytest.mark.multiproc
+
+ARF_ARGS = f"{HA_ARGS} --enable-worker-reboot"
+LAYOUTS = {
+    "dp4": {"layout": "dp4", **STANDARD},
+    # d = 2: the bf16 optimizer is its own replica (N = d)
+    "tp2dp2": {"layout": "tp2dp2", "dist_opt": False, "train_iters": 10, "save_interval": 5},
+    "pp2dp2": {"layout": "pp2dp2", "dist_opt": False, "train_iters": 10, "save_interval": 5},
+}
+# (phase, the iteration the job rolls back to): a kill inside the update of step s leaves the
+# survivors' update done, so the lock step is s + 1
+PHASES = [("forward", 0), ("backward", 0), ("optimizer", 1)]
+
+
+def _pids(job) -> dict[int, list[int]]:
+    pids: dict[int, list[int]] = {}
+    for event in job.named("replica_layout"):
+        if event["pid"] not in pids.setdefault(event["rank"], []):
+            pids[event["rank"]].append(event["pid"])
+    return pids
+
+
+def _assert_repaired(job, reference, restarted: dict[int, int]) -> None:
+    """The job finished with the reference's losses; exactly `restarted` ranks (rank ->
+    restarts) got new processes and every other rank kept its one process."""
+    assert job.returncode == 0, job.describe()
+    assert job.losses() == reference.losses()
+    assert all(e["match"] for e in job.named("replica_check"))
+    pids = _pids(job)
+    assert sorted(pids) == [0, 1, 2, 3]
+    for rank, processes in pids.items():
+        assert len(processes) == 1 + restarted.get(rank, 0), (rank, processes)
+    restarts = job.named("worker_restarted")
+    assert sorted(e["rank"] for e in restarts) == sorted(
+        r for r, n in restarted.items() for _ in range(n))
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize(("phase", "behind"), PHASES)
+def test_killed_worker_is_replaced_and_training_is_bit_exact(
+    layout, phase, behind, reference_job, tmp_path
+):
+    config = LAYOUTS[layout]
+    step = 7 if layout == "dp4" else 3
+    reference = reference_job(ha_args=HA_ARGS, **config)
+    job = run_tiny_job(tmp_path, inject=f"kill:rank=1,step={step},phase={phase}",
+                       ha_args=ARF_ARGS, launcher="tft-run", **config)
+    _assert_repaired(job, reference, {1: 1})
+    assert [e["strategy"] for e in job.named("strategy")] == ["recover"]
+    (received,) = job.named("shard_received")
+    assert received["rank"] == 1 and received["iteration"] == step + behind
+    assert {e["iteration"] for e in job.named("rolled_back")} == {step + behind}
+    lost = [e for e in job.named("fault_detected") if e["kind"] == "lost"]
+    assert [e["ranks"] for e in lost] == [[1]]
+    assert "reported by its launcher" in lost[0]["message"]
+
+
+def test_hung_worker_is_detected_killed_and_replaced(reference_job, tmp_path):
+    config = LAYOUTS["dp4"]
+    reference = reference_job(ha_args=HA_ARGS, **config)
+    job = run_tiny_job(
+        tmp_path, inject="hang:rank=2,step=7,phase=forward", ha_args=ARF_ARGS,
+        launcher="tft-run", env={"TTP_HANG_TIMEOUT_MIN": "3", "TFT_INJECT_HANG_SECONDS": "600"},
+        **config,
+    )
+    _assert_repaired(job, reference, {2: 1})
+    hangs = [e for e in job.named("fault_detected") if e["kind"] == "hang"]
+    assert hangs and hangs[0]["ranks"] == [2]
+    (restart,) = job.named("worker_restarted")
+    assert restart["returncode"] == 76  # the controller's reboot order ended the hung process
+
+
+def test_two_faults_at_different_steps_are_both_repaired(reference_job, tmp_path):
+    config = LAYOUTS["dp4"]
+    reference = reference_job(ha_args=HA_ARGS, **config)
+    job = run_tiny_job(
+        tmp_path, inject="kill:rank=1,step=5,phase=backward;kill:rank=2,step=13,phase=forward",
+        ha_args=ARF_ARGS, launcher="tft-run", **config,
+    )
+    _assert_repaired(job, reference, {1: 1, 2: 1})
+    assert [e["strategy"] for e in job.named("strategy")] == ["recover", "recover"]
+    assert [e["lock_step"] for e in job.named("repaired")] == [5, 13]
+
+
+def test_no_replica_reloads_the_periodic_checkpoint(reference_job, tmp_path):
+    """N = 1: the restarted worker's shard has no other holder; every rank (survivors in
+    place) reloads the last periodic checkpoint and recomputes from there."""
+    reference = reference_job("dp4", **STANDARD)  # the native optimizer, HA off
+    job = run_tiny_job(
+        tmp_path, inject="kill:rank=3,step=8,phase=forward", launcher="tft-run",
+        ha_args="--enable-high-availability --enable-worker-reboot "
+                "--distributed-optimizer-no-replica",
+        **STANDARD,
+    )
+    assert job.returncode == 0, job.describe()
+    (strategy,) = job.named("strategy")
+    assert (strategy["strategy"], strategy["source"]) == ("recover", "checkpoint")
+    assert {e["iteration"] for e in job.named("rolled_back")} == {5}
+    assert [e["iteration"] for e in job.named("iteration")] == [*range(1, 9), *range(6, 21)]
+    assert job.losses() == reference.losses()
+    pids = _pids(job)
+    assert [len(pids[r]) for r in range(4)] == [1, 1, 1, 2]
+
+
+def _events(path) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _wait_event(path, predicate, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for event in _events(path):
+            if predicate(event):
+                return event
+        time.sleep(0.1)
+    raise AssertionError(f"no such event in {path} within {timeout} s")
+
+
+def test_kill_during_a_repair_ends_cleanly_never_hangs(tmp_path):
+    """Rank 1 is killed; while the job waits for its replacement to start (the repair is
+    under way), rank 3, the other holder of rank 1's shard, is killed too: the data of that
+    shard is gone, so the job ends with a clear message instead of hanging."""
+    run_dir = tmp_path / "job"
+    events = run_dir / "events.jsonl"
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
+               NPROC="4", TP="1", PP="1", TRAIN_ITERS="20", SAVE_INTERVAL="5",
+               RUN_DIR=str(run_dir), HA_ARGS=ARF_ARGS, LAUNCHER="tft-run",
+               MASTER_PORT=str(free_port()), TTP_PORT=str(free_port()),
+               TTP_HEARTBEAT_INTERVAL="0.5", TFT_INJECT="kill:rank=1,step=7,phase=forward",
+               TFT_INJECT_STATE_DIR=str(tmp_path / "inject"), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(["bash", str(REPO / "scripts" / "pretrain_tiny_cpu.sh")], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        layout = _wait_event(events, lambda e: e["event"] == "replica_layout" and e["rank"] == 3,
+                             120)
+        _wait_event(events, lambda e: e["event"] == "worker_restarted", 120)
+        os.kill(layout["pid"], signal.SIGKILL)
+        started = time.monotonic()
+        output, _ = proc.communicate(timeout=240)
+        elapsed = time.monotonic() - started
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode != 0
+    assert elapsed < 180  # within the action time limit, not a hang
+    (exit_event,) = [e for e in _events(events) if e["event"] == "exit"]
+    assert exit_event["code"] == 1
+    assert "no healthy holder for dense shard 1" in exit_event["reason"], exit_event
+    assert not (run_dir / "ckpt" / "iter_0000007").exists()
+    assert "exits with code 1" in output or "exitcode" in output
