@@ -175,3 +175,59 @@ def test_kill_during_a_repair_ends_cleanly_never_hangs(tmp_path):
     assert "no healthy holder for dense shard 1" in exit_event["reason"], exit_event
     assert not (run_dir / "ckpt" / "iter_0000007").exists()
     assert "exits with code 1" in output or "exitcode" in output
+
+
+def _launch_node(run_dir, node_rank: int, master_port: int, ttp_port: int):
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
+               NPROC="2", TP="1", PP="1", TRAIN_ITERS="20", SAVE_INTERVAL="5",
+               RUN_DIR=str(run_dir), HA_ARGS=ARF_ARGS, MASTER_PORT=str(master_port),
+               LAUNCHER=f"tft-run --nnodes 2 --node-rank {node_rank} --master-addr 127.0.0.1",
+               TTP_PORT=str(ttp_port), TTP_HEARTBEAT_INTERVAL="0.5", PYTHONUNBUFFERED="1",
+               TTP_LOG_PATH=str(run_dir / f"ttp_logs_node{node_rank}"))
+    env.pop("TFT_INJECT", None)
+    return subprocess.Popen(["bash", str(REPO / "scripts" / "pretrain_tiny_cpu.sh")], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def test_a_lost_node_is_replaced_by_a_new_launcher(reference_job, tmp_path):
+    """Two launchers (`--nnodes 2`, 2 ranks each). Node 1's launcher and its workers are
+    killed; a replacement launcher with the same node rank brings ranks 2 and 3 back, they
+    receive their shards from ranks 0 and 1, and the job finishes bit-exact."""
+    reference = reference_job(ha_args=HA_ARGS, **LAYOUTS["dp4"])
+    run_dir = tmp_path / "job"
+    run_dir.mkdir()
+    events = run_dir / "events.jsonl"
+    master_port, ttp_port = free_port(), free_port()
+    node0 = _launch_node(run_dir, 0, master_port, ttp_port)
+    node1 = _launch_node(run_dir, 1, master_port, ttp_port)
+    replacement = None
+    try:
+        _wait_event(events, lambda e: e["event"] == "iteration" and e["iteration"] >= 2, 180)
+        # the node dies: its launcher and its workers (they run in sessions of their own)
+        workers = {e["rank"]: e["pid"] for e in _events(events)
+                   if e["event"] == "replica_layout" and e["rank"] in (2, 3)}
+        os.killpg(node1.pid, signal.SIGKILL)
+        for pid in workers.values():
+            os.kill(pid, signal.SIGKILL)
+        node1.communicate()
+        _wait_event(events, lambda e: e["event"] == "strategy", 60)
+        replacement = _launch_node(run_dir, 1, master_port, ttp_port)
+        output0, _ = node0.communicate(timeout=300)
+        output1, _ = replacement.communicate(timeout=60)
+    finally:
+        for proc in (node0, node1, replacement):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+    assert node0.returncode == 0, output0[-3000:]
+    assert replacement.returncode == 0, output1[-3000:]
+    done = _events(events)
+    assert [e["strategy"] for e in done if e["event"] == "strategy"] == ["recover"]
+    lost = sorted(r for e in done if e["event"] == "fault_detected" and e["kind"] == "lost"
+                  for r in e["ranks"])
+    assert lost == [2, 3]
+    received = sorted(e["rank"] for e in done if e["event"] == "shard_received")
+    assert received == [2, 3]
+    losses = {e["iteration"]: e["loss"] for e in done if e["event"] == "iteration"}
+    assert losses == reference.losses()
