@@ -101,6 +101,19 @@ class _AppendingHandler(SubprocessHandler):
         return super()._popen(args, env)
 
 
+def _is_local_address(addr: str) -> bool:
+    """Whether `addr` is an address of this host (it can be bound here)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((addr, 0))
+        except OSError:
+            return False
+    return True
+
+
 class TFTSubprocessContext(SubprocessContext):
     """torch's process context for binaries, with the agent deciding what a worker's exit
     means (see the module docstring)."""
@@ -183,6 +196,7 @@ class TFTElasticAgent(LocalElasticAgent):
         cfg = self.control_config
         self.failure_grace = cfg.effective_decision_timeout() + cfg.exit_grace + cfg.lost_after
         self.controller: Any = None
+        self.backup_controller: Any = None
         self.pool: SparePool | None = None
         self.restarts = 0
         #: (monotonic time, rank, old pid, new pid, via) of every restart, for tests and logs
@@ -248,7 +262,10 @@ class TFTElasticAgent(LocalElasticAgent):
 
     # -- controller -----------------------------------------------------------------------
     def _start_controller(self, worker_group: WorkerGroup) -> None:
-        if not self.options.high_availability or worker_group.group_rank != 0:
+        if not self.options.high_availability:
+            return
+        if worker_group.group_rank != 0:
+            self._start_backup_controller(worker_group)
             return
         from mindspeed_tft.control import Controller, Features, setup_logging
 
@@ -262,7 +279,31 @@ class TFTElasticAgent(LocalElasticAgent):
         self.controller = controller
         say(f"controller for {world_size} ranks listening on {controller.endpoint}")
 
+    def _start_backup_controller(self, worker_group: WorkerGroup) -> None:
+        """Host a backup controller when `TTP_BACKUP_ADDRS` names an address of this host
+        (SPEC 4: up to 2 backups, on other nodes than the active controller's)."""
+        from mindspeed_tft.control import Controller, Features, setup_logging
+
+        for index, (addr, port) in enumerate(self.control_config.backups):
+            if self.backup_controller is not None or not _is_local_address(addr):
+                continue
+            setup_logging(self.control_config)
+            controller = Controller(worker_group.workers[0].world_size, self.control_config,
+                                    features=Features.from_args(self.options.tft_args),
+                                    role="backup", backup_index=index, bind_addr=addr,
+                                    port=port)
+            try:
+                controller.start()
+            except Exception as error:  # another launcher of this host serves it already
+                say(f"backup controller {index} not started on {addr}:{port}: {error}")
+                continue
+            self.backup_controller = controller
+            say(f"backup controller {index} listening on {controller.endpoint}")
+
     def _stop_controller(self, wait: float) -> None:
+        backup, self.backup_controller = self.backup_controller, None
+        if backup is not None:
+            backup.stop()
         controller, self.controller = self.controller, None
         if controller is None:
             return
