@@ -599,6 +599,8 @@ class Processor:
         while self._running:
             now = time.monotonic()
             wait = min(self.interval / 4, 0.25)
+            if not self._registered_here and now >= self._next_register:
+                wait = 0.0  # the (next) registration is due: send it without a poll first
             events = dict(poller.poll(int(wait * 1000)))
             now = time.monotonic()
             if self._wake_r in events:

@@ -70,6 +70,10 @@ class _Connection:
     buffer: bytes = b""
 
 
+#: seconds after a spare took over a rank before its replacement spare is started
+REFILL_DELAY_SECONDS = 10.0
+
+
 class SparePool:
     """`count` warm spares of `entrypoint args` (see the module docstring)."""
 
@@ -155,7 +159,9 @@ class SparePool:
         for spare in self.ready():
             if self._assign(spare, message, timeout):
                 self.spares.remove(spare)
-                self._top_up()
+                # The new spare's imports would compete for the CPUs with the repair the
+                # taken spare is joining: start it a little later.
+                self._refill_at = time.monotonic() + REFILL_DELAY_SECONDS
                 return spare
             self.say(f"spare pid {spare.pid} did not take its assignment; ending it")
             self._discard(spare)
@@ -171,8 +177,10 @@ class SparePool:
                                          stdout="", stderr="", local_rank_id=0)
         self.spares.append(Spare(spare_id, handler, time.monotonic()))
 
+    _refill_at = 0.0
+
     def _top_up(self) -> None:
-        if self._listener is None:
+        if self._listener is None or time.monotonic() < self._refill_at:
             return
         while len(self.spares) < self.count and self._early_deaths < self.max_early_deaths:
             self._spawn()

@@ -41,6 +41,7 @@ from mindspeed_tft.recovery.dump import (
     DumpError,
     assemble,
     publish,
+    shard_record,
     tmp_dir,
     uses_distributed_optimizer,
     write_shard,
@@ -180,21 +181,25 @@ class RecoveryActions:
         my_shard = self.map.shard_of(self.rank)
         written = []
         distributed = uses_distributed_optimizer(state)
+        assembler = my_shard.index == 0
+        own = None
         for entry in shards:
             if int(entry["shard"]) != my_shard.index:
                 raise DumpError(
                     f"rank {self.rank} holds {my_shard}, not dense shard {entry['shard']}"
                 )
-            if distributed:
+            if distributed and assembler:  # kept in memory for the assembly below
+                own = shard_record(state, lock_step, self.map.chunk_size, my_shard.index)
+            elif distributed:
                 written.append(
                     write_shard(state, root, lock_step, self.map.chunk_size, my_shard.index)
                 )
         result: dict[str, Any] = {"written": written}
-        if my_shard.index == 0:
+        if assembler:
             if distributed:
                 self._wait_for_shards(root, lock_step)
             snapshot = self.snapshots.at(lock_step, state.opt_param_scheduler)
-            result["assembled"] = assemble(state, root, snapshot, self.map.chunk_size)
+            result["assembled"] = assemble(state, root, snapshot, self.map.chunk_size, own)
         emit("dump_written", self.rank, iteration=lock_step, shard=str(my_shard),
              assembled="assembled" in result)
         log.info("rank %d: dump of iteration %d written (%s)", self.rank, lock_step, result)
@@ -202,7 +207,8 @@ class RecoveryActions:
 
     def _wait_for_shards(self, root: str, lock_step: int) -> None:
         directory = os.path.join(tmp_dir(root, lock_step), this_rank_dir_name(), SHARDS_DIRNAME)
-        wanted = [os.path.join(directory, f"shard_{i:03d}.pt") for i in range(self.map.chunk_size)]
+        wanted = [os.path.join(directory, f"shard_{i:03d}.pt")
+                  for i in range(1, self.map.chunk_size)]  # shard 0 is the assembler's own
         deadline = time.monotonic() + ASSEMBLE_WAIT_SECONDS
         while not all(os.path.isfile(path) for path in wanted):
             if time.monotonic() > deadline:

@@ -99,18 +99,19 @@ def write_shard(state: TrainingState, root: str, lock_step: int, chunk: int, ind
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"shard_{index:03d}.pt")
     partial = path + ".partial"
-    torch.save(
-        {"iteration": lock_step, "shard": index, "chunk_size": chunk,
-         "optimizers": local_shard_payload(state, chunk, index)},
-        partial,
-    )
+    torch.save(shard_record(state, lock_step, chunk, index), partial)
     os.replace(partial, path)
     return path
 
 
-def _read_shards(directory: str, chunk: int, lock_step: int) -> list[dict]:
+def _read_shards(
+    directory: str, chunk: int, lock_step: int, in_memory: dict[int, dict] | None = None
+) -> list[dict]:
     shards = []
     for index in range(chunk):
+        if in_memory and index in in_memory:
+            shards.append(in_memory[index])
+            continue
         path = os.path.join(directory, f"shard_{index:03d}.pt")
         if not os.path.isfile(path):
             raise DumpError(f"shard {index} of {directory} was not written: cannot assemble")
@@ -159,16 +160,27 @@ def _set_lock_step_bookkeeping(state: TrainingState, snapshot: StepSnapshot) -> 
     restore_scheduler(state.opt_param_scheduler, snapshot.scheduler_state)
 
 
-def assemble(state: TrainingState, root: str, snapshot: StepSnapshot, chunk: int) -> str:
+def shard_record(state: TrainingState, lock_step: int, chunk: int, index: int) -> dict:
+    """What `write_shard` writes, in memory (the assembler keeps its own shard)."""
+    return {"iteration": lock_step, "shard": index, "chunk_size": chunk,
+            "optimizers": local_shard_payload(state, chunk, index)}
+
+
+def assemble(
+    state: TrainingState, root: str, snapshot: StepSnapshot, chunk: int,
+    own_shard: dict | None = None,
+) -> str:
     """Stage 2: write this model-parallel position's checkpoint files of the lock step
-    (`chunk` shards per bucket with the distributed optimizer)."""
+    (`chunk` shards per bucket with the distributed optimizer; `own_shard`, the assembler's
+    own `shard_record`, is used from memory instead of its file)."""
     lock_step = snapshot.iteration
     rank_dir = os.path.join(tmp_dir(root, lock_step), this_rank_dir_name())
     os.makedirs(rank_dir, exist_ok=True)
     opts = _distributed_optimizers(state.optimizer)
     if opts:
         shards_dir = os.path.join(rank_dir, SHARDS_DIRNAME)
-        shards = _read_shards(shards_dir, chunk, lock_step)
+        in_memory = {own_shard["shard"]: own_shard} if own_shard is not None else None
+        shards = _read_shards(shards_dir, chunk, lock_step, in_memory)
         states = [_assemble_parameter_state(opt, i, shards) for i, opt in enumerate(opts)]
         torch.save(states[0] if len(states) == 1 else states,
                    os.path.join(rank_dir, DISTRIB_OPTIM_FILENAME))
@@ -176,7 +188,7 @@ def assemble(state: TrainingState, root: str, snapshot: StepSnapshot, chunk: int
     torch.save(checkpoint_state_dict(state, snapshot.rng_state),
                os.path.join(rank_dir, MODEL_FILENAME))
     if opts:
-        shutil.rmtree(os.path.join(rank_dir, SHARDS_DIRNAME))
+        shutil.rmtree(os.path.join(rank_dir, SHARDS_DIRNAME), ignore_errors=True)
     return rank_dir
 
 

@@ -26,11 +26,14 @@ import os
 import random
 import shutil
 import sys
+import time
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from mindspeed_tft.events import emit
 
 CHECKPOINT_VERSION = 3.0
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
@@ -180,6 +183,7 @@ def save_checkpoint(
     args = state.args
     root = root or args.save
     iteration = state.iteration
+    started = time.monotonic()
     tmp_dir = os.path.join(root, iteration_dir_name(iteration) + "_tmp")
     rank_dir = os.path.join(tmp_dir, this_rank_dir_name())
     if dist.get_rank() == 0:
@@ -203,6 +207,8 @@ def save_checkpoint(
     final = os.path.join(root, iteration_dir_name(iteration))
     if dist.get_rank() == 0:
         publish_checkpoint(root, iteration)
+        emit("checkpoint_saved", 0, iteration=iteration, path=final,
+             seconds=time.monotonic() - started)
     dist.barrier()
     return final
 

@@ -1,0 +1,392 @@
+"""Recovery time of a killed worker (ARF) and of an on-chip memory fault (UCE), against what a
+user has today (torchrun restarting the whole job from the last periodic checkpoint).
+
+What it measures, on the same 4-rank CPU job (`scripts/pretrain_tiny_cpu.sh`: the tiny
+preset, DP = 4, distributed optimizer, 2 optimizer replicas where high availability is on,
+mock data, `--iters` iterations, a periodic checkpoint every `--save-interval`), with one fault
+injected (`TFT_INJECT`) at step k = `--step` (k updates done, the fault hits step k + 1):
+
+- ARF, warm spare: `--enable-high-availability --enable-worker-reboot` under
+  `tft-run --tft-spares-per-node 1`; rank `--rank` is SIGKILLed (`kill`, phase `--phase`) and
+  its rank is handed to the warm spare process (`arf_s`);
+- ARF, cold: the same under plain `tft-run`: a new worker process is started (`arf_cold_s`);
+- baseline: high availability off under `torchrun --max-restarts 1`, with `--load` = `--save`:
+  torchrun stops every worker and starts them again, and they resume from the last periodic
+  checkpoint (the first launch finds no checkpoint and starts fresh). Torch 2.13's torchrun
+  only restarts a gloo job correctly with the c10d rendezvous and its own store
+  (`--rdzv-backend c10d`, `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`): with the default static
+  rendezvous, or a store shared with the agent, the restarted workers read the previous
+  attempt's gloo addresses and fail to connect (pytorch/pytorch#135712);
+- UCE: `--enable-high-availability --enable-hbmfault-repair` under torchrun, one job per
+  `--targets` memory (`uce:rank=--uce-rank,...,phase=backward,target=T`): repaired in place;
+- a fault-free reference job (`--enable-high-availability`, torchrun) for the losses.
+
+For each faulty job, from its events file (SPEC 11; unix times), the TTP log and torchrun's
+log lines (both stamped with the same clock):
+
+- detection: `fault_injected` -> the first `fault_detected` (baseline: torchrun's first log
+  line after the fault, when its agent noticed the dead worker and stopped the others);
+- recovery (the figure compared): `fault_injected` -> the `iteration` event of the first
+  iteration completed after the fault (the step the fault interrupted, done);
+- iterations recomputed: iterations whose `iteration` event is written twice (steps completed
+  before the fault and computed again after it; ARF/UCE: lock step lost beyond the step in
+  flight, expected 0; baseline: k - the last periodic checkpoint);
+- bit-exact: every loss of the job equals the reference's (ARF and UCE jobs);
+- step time (`step_s`): the median of the trainer's "elapsed time per iteration" of the UCE
+  jobs (first 3 iterations of a job dropped);
+- where the time went: the marks of each recovery (detection, launcher report, restart,
+  registration of the restarted rank, process-group rebuild, shard copy, rollback, first step).
+
+Output: a table, the breakdowns, the goals, and as the last line one JSON object
+`{"arf_s", "arf_cold_s", "baseline_s", "ratio" (arf_s / baseline_s), "arf_lost_iterations",
+"baseline_lost_iterations", "detect_s" (ARF, spare), "uce_s" (worst target), "step_s", ...}`.
+Goals: ratio <= 0.25, arf_lost_iterations == 0, arf_s <= 2.5, uce_s <= step_s + 1.
+
+    python bench/recovery.py             # 8 jobs, 30 iterations, fault at step 15, ~4 min
+    python bench/recovery.py --quick     # 20 iterations, fault at step 8, UCE optimizer only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _jobs import free_port  # noqa: E402
+from _timeline import Job, JobSpec, fmt_s, print_breakdown, run_spec  # noqa: E402
+
+REFERENCE_ARGS = "--enable-high-availability"
+ARF_ARGS = "--enable-high-availability --enable-worker-reboot"
+UCE_ARGS = "--enable-high-availability --enable-hbmfault-repair"
+TARGETS = ("optimizer", "param", "grad", "activation")
+SPARE_LAUNCHER = "tft-run --tft-spares-per-node 1"
+GOAL_RATIO, GOAL_ARF_S, GOAL_UCE_MARGIN_S = 0.25, 2.5, 1.0
+
+Marks = list[tuple[str, float | None]]
+
+
+@dataclass
+class Row:
+    """One faulty job, measured."""
+
+    case: str
+    launcher: str
+    job: Job
+    detect_s: float | None = None
+    recovered_s: float | None = None
+    recomputed: list[int] = field(default_factory=list)
+    resumed_from: str = "-"
+    step_s: float = float("nan")
+    bit_exact: bool | None = None
+    marks: Marks = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    error: str | None = None
+
+
+def _t(event: dict[str, Any] | None) -> float | None:
+    return None if event is None else event["time"]
+
+
+def _no_fault(row: Row) -> bool:
+    """Mark a job that left no fault to measure (it failed before) as failed."""
+    if row.job.first("fault_injected") is not None:
+        return False
+    row.error = f"exit code {row.job.returncode}, no fault_injected event (--keep: see output)"
+    return True
+
+
+def _common(row: Row, reference: dict[int, float] | None) -> float:
+    """Fill what every case measures the same way; returns the fault time."""
+    job = row.job
+    fault = job.fault()
+    t0 = fault["time"]
+    done = job.first_iteration_after_fault()
+    row.recovered_s = None if done is None else done["time"] - t0
+    row.recomputed = job.relogged()
+    row.step_s = job.step_s()
+    if reference is not None:
+        row.bit_exact = job.losses() == reference
+    if job.returncode != 0:
+        row.error = f"exit code {job.returncode}"
+    return t0
+
+
+def arf_row(case: str, launcher: str, job: Job, rank: int,
+            reference: dict[int, float] | None) -> Row:
+    row = Row(case, launcher, job)
+    if _no_fault(row):
+        return row
+    t0 = _common(row, reference)
+    row.detect_s = None if (e := job.first("fault_detected", t0)) is None else e["time"] - t0
+    strategy = job.first("strategy", t0)
+    if strategy is not None:
+        row.resumed_from = f"lock {strategy.get('lock_step')}"
+        if strategy.get("strategy") != "recover":
+            row.notes.append(f"strategy {strategy.get('strategy')}, not recover")
+    restarted = job.first("worker_restarted", t0)
+    if restarted is not None and "spare" in launcher:
+        if not restarted.get("spare"):
+            row.notes.append("the warm spare was not used (not ready?): a cold restart")
+    row.marks = [
+        ("fault detected (first fault_detected)", _t(job.first("fault_detected", t0))),
+        ("lost rank reported by its launcher", _t(job.first("fault_detected", t0, kind="lost"))),
+        ("worker restarted by the launcher", _t(restarted)),
+        ("strategy recover chosen", _t(strategy)),
+        (f"restarted rank {rank} connects to the controller",
+         job.ttp_first(rf"rank {rank} connects to controller", t0)),
+        (f"restarted rank {rank} registered", job.ttp_first(rf"rank {rank} registered \(.*restarted", t0)),
+        ("process groups rebuilt (last rank joined)",
+         job.ttp_last(r"joined process-group generation", t0)),
+        ("shard copied from its replica holder", _t(_last(job, "shard_received", t0))),
+        ("rolled back to the lock step (repaired)", _t(job.first("repaired", t0))),
+        ("first step after the fault completed", _t(job.first_iteration_after_fault())),
+    ]
+    return row
+
+
+def uce_row(target: str, job: Job, reference: dict[int, float] | None) -> Row:
+    row = Row(f"UCE {target}", "torchrun", job)
+    if _no_fault(row):
+        return row
+    t0 = _common(row, reference)
+    row.detect_s = None if (e := job.first("fault_detected", t0)) is None else e["time"] - t0
+    strategy = job.first("strategy", t0)
+    if strategy is not None:
+        row.resumed_from = f"lock {strategy.get('lock_step')}"
+        if strategy.get("strategy") != "retry":
+            row.notes.append(f"strategy {strategy.get('strategy')}, not retry")
+    row.marks = [
+        ("fault detected (first fault_detected)", _t(job.first("fault_detected", t0))),
+        ("strategy retry chosen", _t(strategy)),
+        ("process groups rebuilt (last rank joined)",
+         job.ttp_last(r"joined process-group generation", t0)),
+        ("shard copied from its replica holder", _t(_last(job, "shard_received", t0))),
+        ("rolled back to the lock step (repaired)", _t(job.first("repaired", t0))),
+        ("first step after the fault completed", _t(job.first_iteration_after_fault())),
+    ]
+    return row
+
+
+def baseline_row(launcher: str, job: Job, step: int) -> Row:
+    row = Row("baseline (restart all)", launcher, job)
+    if _no_fault(row):
+        return row
+    t0 = _common(row, None)
+    lines = [(t, msg) for t, msg in job.torchrun_lines() if t >= t0]
+    noticed = lines[0][0] if lines else None
+    stopped = next((t for t, msg in lines if "failed (exitcode" in msg), None)
+    row.detect_s = None if noticed is None else noticed - t0
+    loaded = job.loaded_iterations()
+    row.resumed_from = f"ckpt {loaded[-1]}" if loaded else "scratch"
+    after_stop = stopped if stopped is not None else t0
+    first_again = next((e for e in job.named("iteration") if e["time"] > after_stop), None)
+    caught_up = next((e for e in job.named("iteration")
+                      if e["time"] > after_stop and e["iteration"] == step), None)
+    row.marks = [
+        ("torchrun notices the dead worker, stops the others", noticed),
+        ("all workers stopped (torchrun: failed (exitcode ...))", stopped),
+        ("restarted job's first iteration (start, init, load ckpt, 1 step)", _t(first_again)),
+        (f"recomputed up to step {step} again", _t(caught_up)),
+        ("first step after the fault completed", _t(job.first_iteration_after_fault())),
+    ]
+    return row
+
+
+def _last(job: Job, name: str, after: float) -> dict[str, Any] | None:
+    found = [e for e in job.named(name) if e["time"] >= after]
+    return found[-1] if found else None
+
+
+def _median(values: list[float | None]) -> float | None:
+    kept = [v for v in values if v is not None]
+    return statistics.median(kept) if kept else None
+
+
+def _yes_no(value: bool | None) -> str:
+    return "-" if value is None else ("yes" if value else "NO")
+
+
+def print_table(rows: list[Row]) -> None:
+    head = (f"{'case':<24} {'detect s':>8} {'recover s':>9} {'recomputed':>10} "
+            f"{'resumed':>8} {'step s':>7} {'bit-exact':>9}  launcher")
+    print(head)
+    print("-" * (len(head) + 24))
+    for r in rows:
+        status = f"  FAILED ({r.error})" if r.error else ""
+        print(f"{r.case:<24} {fmt_s(r.detect_s, 8)} {fmt_s(r.recovered_s, 9)} "
+              f"{len(r.recomputed):>10} {r.resumed_from:>8} {r.step_s:7.3f} "
+              f"{_yes_no(r.bit_exact):>9}  {r.launcher}{status}")
+        for note in r.notes:
+            print(f"{'':<24} note: {note}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=30, help="iterations per job")
+    parser.add_argument("--step", type=int, default=15, help="fault step k (updates done)")
+    parser.add_argument("--save-interval", type=int, default=10, help="periodic checkpoint")
+    parser.add_argument("--rank", type=int, default=1, help="rank killed (ARF, baseline)")
+    parser.add_argument("--phase", default="forward", choices=("forward", "backward"),
+                        help="phase of the kill")
+    parser.add_argument("--uce-rank", type=int, default=2, help="rank of the UCE")
+    parser.add_argument("--targets", default=",".join(TARGETS),
+                        help="UCE targets, comma list (optimizer,param,grad,activation)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each ARF and baseline job (medians are reported)")
+    parser.add_argument("--quick", action="store_true",
+                        help="20 iterations, fault at step 8, save every 5, UCE optimizer only")
+    parser.add_argument("--heartbeat", type=float, default=None,
+                        help="TTP_HEARTBEAT_INTERVAL (s) of the HA jobs (default: unset, 2 s)")
+    parser.add_argument("--baseline-rdzv", default="c10d", choices=("c10d", "static"),
+                        help="baseline torchrun rendezvous (static fails to restart gloo "
+                        "jobs on torch 2.13)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per job")
+    parser.add_argument("--keep", type=Path, default=None, help="keep run dirs here")
+    opts = parser.parse_args(argv)
+    if opts.quick:
+        opts.iters, opts.step, opts.save_interval, opts.targets = 20, 8, 5, "optimizer"
+    targets = [t for t in opts.targets.split(",") if t]
+    if not 0 < opts.step < opts.iters - 1:
+        parser.error("--step must be between 1 and --iters - 2")
+    if bad := [t for t in targets if t not in TARGETS]:
+        parser.error(f"unknown UCE targets {bad}")
+
+    ha_env = {} if opts.heartbeat is None else {"TTP_HEARTBEAT_INTERVAL": str(opts.heartbeat)}
+    kill = f"kill:rank={opts.rank},step={opts.step},phase={opts.phase}"
+    base = {"train_iters": opts.iters, "save_interval": opts.save_interval}
+    work = opts.keep or Path(tempfile.mkdtemp(prefix="tft-bench-recovery-"))
+    work.mkdir(parents=True, exist_ok=True)
+
+    def run(spec: JobSpec) -> Job:
+        job = run_spec(spec, work, opts.timeout)
+        print(f"[recovery] {spec.name}: exit {job.returncode} in {job.seconds:.0f}s",
+              file=sys.stderr, flush=True)
+        if opts.keep is None:
+            shutil.rmtree(job.run_dir / "ckpt", ignore_errors=True)
+        return job
+
+    try:
+        ref = run(JobSpec("reference", ha_args=REFERENCE_ARGS, env=ha_env, **base))
+        if ref.returncode != 0:
+            raise RuntimeError(f"the fault-free reference job failed\n{ref.describe()}")
+        reference = ref.losses()
+        spare_rows, cold_rows, base_rows = [], [], []
+        for i in range(opts.repeats):
+            spare_rows.append(arf_row(
+                "ARF warm spare", SPARE_LAUNCHER,
+                run(JobSpec(f"arf_spare{i}", ha_args=ARF_ARGS, launcher=SPARE_LAUNCHER,
+                            inject=kill, env=ha_env, **base)), opts.rank, reference))
+            cold_rows.append(arf_row(
+                "ARF cold restart", "tft-run",
+                run(JobSpec(f"arf_cold{i}", ha_args=ARF_ARGS, launcher="tft-run",
+                            inject=kill, env=ha_env, **base)), opts.rank, reference))
+            if opts.baseline_rdzv == "c10d":
+                launcher = (f"{sys.executable} -m torch.distributed.run --max-restarts 1 "
+                            f"--rdzv-backend c10d --rdzv-endpoint 127.0.0.1:{free_port()}")
+                env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+                shown = "torchrun --max-restarts 1 (c10d rdzv)"
+            else:
+                launcher = f"{sys.executable} -m torch.distributed.run --max-restarts 1"
+                env, shown = {}, "torchrun --max-restarts 1"
+            base_rows.append(baseline_row(shown, run(JobSpec(
+                f"baseline{i}", launcher=launcher, inject=kill, load=True, env=env, **base)),
+                opts.step))
+        uce_rows = [uce_row(t, run(JobSpec(
+            f"uce_{t}", ha_args=UCE_ARGS, env=ha_env, **base,
+            inject=f"uce:rank={opts.uce_rank},step={opts.step},phase=backward,target={t}")),
+            reference) for t in targets]
+    finally:
+        if opts.keep is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+    rows = [*spare_rows, *cold_rows, *base_rows, *uce_rows]
+    print(f"fault: {kill} (UCE: rank {opts.uce_rank}, phase backward); {opts.iters} "
+          f"iterations, periodic checkpoint every {opts.save_interval}; fault-free step "
+          f"{ref.step_s():.3f} s (reference job)")
+    print_table(rows)
+    print()
+    for title, group in (("ARF warm spare", spare_rows), ("ARF cold restart", cold_rows),
+                         ("baseline", base_rows)):
+        r = group[0]
+        if not r.marks:
+            continue
+        print_breakdown(f"where the time goes, {title} (s since the fault, +delta):",
+                        r.job.fault()["time"], r.marks)
+    worst_uce = max((r for r in uce_rows if r.recovered_s is not None),
+                    key=lambda r: r.recovered_s or 0.0, default=None)
+    if worst_uce is not None:
+        print_breakdown(f"where the time goes, {worst_uce.case} (slowest UCE target):",
+                        worst_uce.job.fault()["time"], worst_uce.marks)
+    print()
+
+    arf_s = _median([r.recovered_s for r in spare_rows])
+    arf_cold_s = _median([r.recovered_s for r in cold_rows])
+    baseline_s = _median([r.recovered_s for r in base_rows])
+    ratio = None if arf_s is None or not baseline_s else arf_s / baseline_s
+    arf_lost = max(len(r.recomputed) for r in [*spare_rows, *cold_rows])
+    baseline_lost = max(len(r.recomputed) for r in base_rows)
+    uce_s = None if worst_uce is None else worst_uce.recovered_s
+    uce_step_s = [s for r in uce_rows for s in r.job.step_times_s()]
+    step_s = statistics.median(uce_step_s) if uce_step_s else ref.step_s()
+    bit_exact = all(r.bit_exact for r in [*spare_rows, *cold_rows, *uce_rows])
+    print(f"bit-exact: {'yes' if bit_exact else 'no'} (losses of every ARF and UCE job vs the "
+          "fault-free reference)")
+    goals = {
+        "ratio": ratio is not None and ratio <= GOAL_RATIO,
+        "arf_lost_iterations": arf_lost == 0,
+        "arf_s": arf_s is not None and arf_s <= GOAL_ARF_S,
+        "uce_s": uce_s is not None and uce_s <= step_s + GOAL_UCE_MARGIN_S,
+    }
+    print(f"goal ratio <= {GOAL_RATIO}: {_fmt(ratio)} {_met(goals['ratio'])}; "
+          f"goal arf_lost_iterations == 0: {arf_lost} {_met(goals['arf_lost_iterations'])}; "
+          f"goal arf_s <= {GOAL_ARF_S}: {_fmt(arf_s)} {_met(goals['arf_s'])}; "
+          f"goal uce_s <= step_s + {GOAL_UCE_MARGIN_S:g}: {_fmt(uce_s)} <= "
+          f"{step_s + GOAL_UCE_MARGIN_S:.3f} {_met(goals['uce_s'])}")
+    for r in rows:
+        if r.error:
+            print(f"{r.case} FAILED ({r.error}); its output:\n{r.job.describe(30)}")
+    print(json.dumps({
+        "arf_s": _round(arf_s),
+        "arf_cold_s": _round(arf_cold_s),
+        "baseline_s": _round(baseline_s),
+        "ratio": _round(ratio, 4),
+        "arf_lost_iterations": arf_lost,
+        "baseline_lost_iterations": baseline_lost,
+        "detect_s": _round(_median([r.detect_s for r in spare_rows])),
+        "uce_s": _round(uce_s),
+        "step_s": _round(step_s),
+        "arf_cold_lost_iterations": max(len(r.recomputed) for r in cold_rows),
+        "arf_cold_detect_s": _round(_median([r.detect_s for r in cold_rows])),
+        "baseline_detect_s": _round(_median([r.detect_s for r in base_rows])),
+        "uce": {r.case.split()[-1]: _round(r.recovered_s) for r in uce_rows},
+        "uce_lost_iterations": max((len(r.recomputed) for r in uce_rows), default=0),
+        "bit_exact": bit_exact,
+        "goals_met": goals,
+        "fault": {"rank": opts.rank, "step": opts.step, "phase": opts.phase},
+        "repeats": opts.repeats,
+    }))
+    return 0 if not any(r.error for r in rows) else 1
+
+
+def _round(value: float | None, digits: int = 3) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _met(ok: bool) -> str:
+    return "(met)" if ok else "(NOT met)"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
