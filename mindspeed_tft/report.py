@@ -62,6 +62,8 @@ def _describe(event: dict[str, Any]) -> str | None:
         return f"fault injected: {event['kind']}{target} at {where}"
     if name == "fault_detected":
         return f"fault detected: {event['kind']} on rank(s) {event['ranks']}: {event['message'][:90]}"
+    if name == "fault_withdrawn":
+        return f"fault withdrawn: {event['kind']} on rank(s) {event['ranks']}: {event['message'][:90]}"
     if name == "strategy":
         return f"decision: {event['strategy']} at lock step {event['lock_step']}"
     if name == "state":

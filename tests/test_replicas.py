@@ -110,8 +110,8 @@ def test_shard_copied_to_another_holder_equals_the_original(tmp_path):
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    reports = {r["rank"]: r for r in (json.loads(line) for line in proc.stdout.splitlines()
-                                      if line.startswith('{"rank"'))}
+    reports = {r["rank"]: r for r in (json.loads(path.read_text())
+                                      for path in tmp_path.glob("shard_copy_rank*.json"))}
     assert sorted(reports) == [0, 1, 2, 3]
     assert reports[3]["before"] == reports[1]["before"]  # replicas before the wipe
     assert reports[3]["wiped"] != reports[3]["before"]

@@ -137,6 +137,8 @@ class IncidentFlow:
         """A hung rank made progress again before the decision (false alarm for it)."""
         if self.host.sm.state is State.ABNORMAL and self.incident.faults.get(rank) is FaultKind.HANG:
             del self.incident.faults[rank]
+            emit("fault_withdrawn", CONTROLLER_RANK, ranks=[rank], kind=FaultKind.HANG.value,
+                 message="made progress again", incident=self.incident.id)
             log.info("rank %d makes progress again: hang report withdrawn", rank)
 
     def on_result(self, rank: int, payload: dict[str, Any]) -> None:
@@ -221,6 +223,9 @@ class IncidentFlow:
             del self.incident.faults[rank]
             if row.health is Health.HUNG:
                 row.health = Health.ALIVE
+            emit("fault_withdrawn", CONTROLLER_RANK, ranks=[rank], kind=FaultKind.HANG.value,
+                 message="training thread came back when stopped (blocked by others)",
+                 incident=self.incident.id)
             log.info("rank %d: training thread came back after stop; hang report withdrawn", rank)
         elif parked is False and rank not in self.incident.faults:
             row.health = Health.HUNG

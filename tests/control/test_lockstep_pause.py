@@ -19,6 +19,9 @@ def test_fault_before_the_first_update_exits_with_a_clear_reason(tmp_path: Path)
     try:
         job.start_controller()
         job.start_worker(0, steps=20)
+        # rank 1 fails at once: start it after rank 0 registered, or (on a loaded machine) its
+        # fault could arrive before every rank registered, which is an initialisation failure
+        wait_for(lambda: job.records(0), 20, what="rank 0 registered")
         job.start_worker(1, steps=20, fault="uce@1")
         assert job.controllers[0].wait(20) == 1
         assert job.states() == ["INIT", "NORMAL", "ABNORMAL", "DUMP", "EXIT", "FINAL"]
