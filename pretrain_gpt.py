@@ -13,13 +13,18 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-from megatron.core import parallel_state as ps
 
-from mindspeed_tft.arguments import add_tft_args, validate_tft_args
-from mindspeed_tft.training import pretrain
-from mindspeed_tft.training.data import build_train_valid_test_datasets
-from mindspeed_tft.training.global_vars import get_args, get_tokenizer
-from mindspeed_tft.training.model import gpt_model_provider
+from mindspeed_tft.platform import import_megatron_core
+
+import_megatron_core()  # first: on CPU, megatron-core's fused helpers stay eager
+
+from megatron.core import parallel_state as ps  # noqa: E402
+
+from mindspeed_tft.arguments import add_tft_args, validate_tft_args  # noqa: E402
+from mindspeed_tft.training import pretrain  # noqa: E402
+from mindspeed_tft.training.data import build_train_valid_test_datasets  # noqa: E402
+from mindspeed_tft.training.global_vars import get_args, get_tokenizer  # noqa: E402
+from mindspeed_tft.training.model import gpt_model_provider  # noqa: E402
 
 
 def model_provider(pre_process: bool = True, post_process: bool = True) -> torch.nn.Module:

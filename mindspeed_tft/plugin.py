@@ -241,6 +241,7 @@ class TFTPlugin:
         from mindspeed_tft.recovery.rebuild import (
             join_generation,
             leave_generation,
+            release_retired_groups,
             repoint_process_groups,
         )
         from mindspeed_tft.training.initialize import set_random_seed
@@ -254,6 +255,8 @@ class TFTPlugin:
             state = self.actions.state
             roots = [*state.model, state.optimizer] if state is not None else []
             replaced = repoint_process_groups(roots, old)
+            del old, roots
+            release_retired_groups()
             log.info("rank %d: %d process-group references re-pointed", self.args.rank,
                      replaced)
         else:

@@ -39,6 +39,24 @@ def _dump_event(result):
     return saved[0]
 
 
+def _assert_story_in_order(faulty, dump_iteration):
+    """The events file tells what happened, in order (SPEC 11)."""
+    story = [e for e in faulty.events if e["event"] in (
+        "fault_injected", "fault_detected", "state", "strategy", "dump_saved", "exit")]
+    names = [(e["event"], e.get("state") or e.get("strategy") or e.get("kind")) for e in story]
+    first = {name: names.index(name) for name in reversed(names)}
+    assert names[:2] == [("state", "INIT"), ("state", "NORMAL")]
+    assert names[2] == ("fault_injected", "kill")
+    assert names[3][0] == "fault_detected"
+    assert ("fault_detected", "lost") in names
+    assert first[("state", "ABNORMAL")] < first[("strategy", "dump")] < first[("state", "DUMP")]
+    assert first[("state", "DUMP")] < first[("dump_saved", None)] < first[("state", "EXIT")]
+    assert names[-3:] == [("state", "EXIT"), ("exit", None), ("state", "FINAL")]
+    assert story[-2]["code"] == DUMP_EXIT_CODE
+    assert [e["strategy"] for e in faulty.named("strategy")] == ["dump"]
+    assert faulty.named("strategy")[0]["lock_step"] == dump_iteration
+
+
 def _assert_resumes_like_the_reference(reference, faulty, config, tmp_path, iteration):
     resumed = run_tiny_job(tmp_path / "resumed", load_dir=faulty.checkpoint_dir, **config)
     assert resumed.returncode == 0, resumed.describe()
@@ -75,26 +93,8 @@ def test_fault_produces_a_dump_that_resumes_bit_exact(
     assert {r: codes[r] for r in survivors} == dict.fromkeys(survivors, DUMP_EXIT_CODE)
     if kind == "kill":
         assert codes[rank] == -9
+        _assert_story_in_order(faulty, dump_iteration)
     _assert_resumes_like_the_reference(reference, faulty, config, tmp_path, dump_iteration)
-
-
-def test_events_tell_the_story_in_order(reference_job, tmp_path):
-    config = LAYOUTS["dp4"]
-    faulty = run_tiny_job(tmp_path, inject="kill:rank=2,step=9,phase=backward", **config)
-    story = [e for e in faulty.events if e["event"] in (
-        "fault_injected", "fault_detected", "state", "strategy", "dump_saved", "exit")]
-    names = [(e["event"], e.get("state") or e.get("strategy") or e.get("kind")) for e in story]
-    first = {name: names.index(name) for name in reversed(names)}
-    assert names[:2] == [("state", "INIT"), ("state", "NORMAL")]
-    assert names[2] == ("fault_injected", "kill")
-    assert names[3][0] == "fault_detected"
-    assert ("fault_detected", "lost") in names
-    assert first[("state", "ABNORMAL")] < first[("strategy", "dump")] < first[("state", "DUMP")]
-    assert first[("state", "DUMP")] < first[("dump_saved", None)] < first[("state", "EXIT")]
-    assert names[-3:] == [("state", "EXIT"), ("exit", None), ("state", "FINAL")]
-    assert story[-2]["code"] == DUMP_EXIT_CODE
-    assert [e["strategy"] for e in faulty.named("strategy")] == ["dump"]
-    assert faulty.named("strategy")[0]["lock_step"] == 9
 
 
 def test_both_holders_of_a_shard_lost_fails_clearly_and_publishes_nothing(tmp_path):

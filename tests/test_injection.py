@@ -68,11 +68,11 @@ def test_hang_after_step_blocks_the_rank(tmp_path):
         tmp_path,
         inject="hang:rank=3,step=1,phase=after",
         train_iters=4,
-        env={"TFT_INJECT_HANG_SECONDS": "6"},
+        env={"TFT_INJECT_HANG_SECONDS": "3"},
     )
     assert result.returncode != 0
     event = _injected(result, rank=3, kind="hang", step=1, phase="after")
-    assert "TFT_INJECT hang: rank 3 step 1 phase after was not stopped within 6" in result.output
+    assert "TFT_INJECT hang: rank 3 step 1 phase after was not stopped within 3" in result.output
     # Rank 3 logs the loss: it finished step 1 (iteration 2) and then stopped making progress.
     assert _last_iteration(result) == 2
     assert max(e["time"] for e in result.events) >= event["time"]

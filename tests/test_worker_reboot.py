@@ -82,7 +82,8 @@ def test_hung_worker_is_detected_killed_and_replaced(reference_job, tmp_path):
     reference = reference_job(ha_args=HA_ARGS, **config)
     job = run_tiny_job(
         tmp_path, inject="hang:rank=2,step=7,phase=forward", ha_args=ARF_ARGS,
-        launcher="tft-run", env={"TTP_HANG_TIMEOUT_MIN": "3", "TFT_INJECT_HANG_SECONDS": "600"},
+        launcher="tft-run", env={"TTP_HANG_TIMEOUT_MIN": "3", "TTP_PARK_TIMEOUT": "3", "TTP_EXIT_GRACE": "1",
+             "TFT_INJECT_HANG_SECONDS": "600"},
         **config,
     )
     _assert_repaired(job, reference, {2: 1})

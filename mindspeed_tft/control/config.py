@@ -17,6 +17,8 @@ files and logging. `ControlConfig.from_env()` builds it from the environment:
 | `TTP_HANG_TIMEOUT_MIN` | floor of the hang timeout in seconds, 0.1..86400 | 60 | fallback + warning |
 | `TTP_HANG_TIMEOUT_FACTOR` | hang timeout = factor x slowest recent step, 1..1000 | 5 | fallback + warning |
 | `TTP_HANG_INITIAL_TIMEOUT` | hang timeout before the first step, 1..86400 | 1800 | fallback + warning |
+| `TTP_PARK_TIMEOUT` | seconds a stopped rank's training thread has to come back before it is hung, 0.5..900 | 30 | fallback + warning |
+| `TTP_EXIT_GRACE` | seconds an exit order gives the training thread before the process ends, 0.5..600 | 10 | fallback + warning |
 | `TTP_BACKUP_ADDRS` | up to 2 backup controllers, `ip:port,[v6]:port` | none | error |
 | `TTP_CURVE_SERVER_KEY` | server certificate (secret on controllers, public on processors) | off | error |
 | `TTP_CURVE_CLIENT_KEY` | client secret certificate | none | error |
@@ -234,6 +236,8 @@ class ControlConfig:
             "register_timeout": _number(env, "TTP_REGISTER_TIMEOUT", 600, 1, 86400, warnings),
             "hang_timeout_min": _number(env, "TTP_HANG_TIMEOUT_MIN", 60, 0.1, 86400, warnings),
             "hang_timeout_factor": _number(env, "TTP_HANG_TIMEOUT_FACTOR", 5, 1, 1000, warnings),
+            "park_timeout": _number(env, "TTP_PARK_TIMEOUT", 30, 0.5, 900, warnings),
+            "exit_grace": _number(env, "TTP_EXIT_GRACE", 10, 0.5, 600, warnings),
             "hang_initial_timeout": _number(env, "TTP_HANG_INITIAL_TIMEOUT", 1800, 1, 86400,
                                             warnings),
             "curve_server_key": _path(env, "TTP_CURVE_SERVER_KEY"),

@@ -323,6 +323,7 @@ class Processor:
         yet but must run the repair's first steps (joining the process groups)."""
         deadline = time.monotonic() + timeout
         with self._cond:
+            self._training_thread_id = threading.get_ident()
             while not until():
                 if self._tasks:
                     self._run_task_locked()
@@ -346,6 +347,7 @@ class Processor:
             self._tasks.append(task)
             self._cond.notify_all()
         if not task.done.wait(limit):
+            self._log_training_stack(f"did not finish a task within {limit:g}s")
             raise ProcessorError(f"rank {self.rank}: the training thread did not run the task "
                                  f"within {limit:g}s")
         if task.error is not None:

@@ -6,14 +6,20 @@ torch.distributed backend (hccl, nccl, gloo). `apply_platform_adaptor()` install
 the platform needs before megatron-core is used: on CPU the redirections of `cpu_adaptor`,
 on NPU `torch_npu`'s own transfer of `torch.cuda` calls, on CUDA nothing; and, wherever
 megatron-core falls back to torch's own Adam, the checkpoint fix of `native_adam`.
+`import_megatron_core()` is the first import of megatron-core in a process (entry points call
+it before anything else imports it): on CPU its fused helpers stay eager (see there).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 import logging
 import os
+import sys
+from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -40,6 +46,36 @@ def detect_platform() -> str:
     if torch.cuda.is_available():
         return CUDA
     return CPU
+
+
+def _eager(model: Any = None, **_options: Any) -> Any:
+    """`torch.compile` that compiles nothing: the function itself (or, called with options
+    only, a decorator that returns it)."""
+    return model if model is not None else (lambda fn: fn)
+
+
+def import_megatron_core() -> ModuleType:
+    """Import megatron-core; on CPU with its `jit_fuser` eager instead of `torch.compile`.
+
+    megatron-core 0.12.1 decorates its fused helpers (bias-GeLU, SwiGLU, ...) with
+    `torch.compile` when it is imported, which pulls in TorchDynamo and Inductor: about 2.4 s
+    of the 4 s a CPU rank spends importing, for kernels that CPU runs do not call (their
+    fused-kernel flags are turned off with a notice) and that Inductor could only build with a
+    C++ toolchain. On CPU the import therefore runs with `torch.compile` standing in as the
+    identity, so `megatron.core.jit.jit_fuser` keeps functions eager; `torch.compile` itself
+    is restored right after. On NPU and CUDA this is a plain import. Call it before anything
+    else imports megatron-core; later calls just return the module.
+    """
+    if "megatron.core" in sys.modules or detect_platform() != CPU:
+        return importlib.import_module("megatron.core")
+    original = torch.compile
+    torch.compile = _eager  # type: ignore[assignment]
+    try:
+        module = importlib.import_module("megatron.core")
+        importlib.import_module("megatron.core.jit")
+    finally:
+        torch.compile = original  # type: ignore[assignment]
+    return module
 
 
 def distributed_backend(requested: str | None = None) -> str:

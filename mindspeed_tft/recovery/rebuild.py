@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import threading
 from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
@@ -35,6 +36,12 @@ log = logging.getLogger("mindspeed_tft.recovery")
 GroupKey = tuple[tuple[int, ...], str, int]
 
 _MAX_DEPTH = 8
+
+#: Groups of past generations, never let go in the training thread: the last reference to a
+#: gloo group runs its destructor, which joins the group's worker threads once their queued
+#: work is done, and after a fault that work may wait on a dead peer until the group's
+#: timeout (minutes). `release_retired_groups` drops them in a daemon thread instead.
+_retired: list[dist.ProcessGroup] = []
 
 
 def process_group_keys() -> dict[dist.ProcessGroup, GroupKey]:
@@ -59,10 +66,26 @@ def leave_generation() -> dict[dist.ProcessGroup, GroupKey]:
     from megatron.core import parallel_state
 
     old = process_group_keys() if dist.is_initialized() else {}
+    _retired.extend(old)
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
     return old
+
+
+def release_retired_groups() -> None:
+    """Drop the groups of past generations from a daemon thread (call once nothing else
+    refers to them: after `repoint_process_groups`, with the caller's own mapping deleted),
+    so a destructor that waits for stuck work blocks only that thread."""
+    groups = list(_retired)
+    _retired.clear()
+    if not groups:
+        return
+
+    def release() -> None:
+        groups.clear()
+
+    threading.Thread(target=release, name="tft-release-groups", daemon=True).start()
 
 
 def _store_client(timeout: timedelta) -> dist.Store:

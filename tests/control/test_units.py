@@ -152,6 +152,12 @@ def test_config_fallbacks_warn() -> None:
                                 "TTP_LOG_STDOUT": "1", "TTP_BACKUP_ADDRS": "10.0.0.2:8000,[::1]:9"})
     assert (c.action_time_limit, c.log_level, c.log_stdout) == (60.0, "DEBUG", True)
     assert c.backups == [("10.0.0.2", 8000), ("::1", 9)] and c.warnings == []
+    c = ControlConfig.from_env({"TTP_PARK_TIMEOUT": "2.5", "TTP_EXIT_GRACE": "1"})
+    assert (c.park_timeout, c.exit_grace, c.warnings) == (2.5, 1.0, [])
+    c = ControlConfig.from_env({"TTP_PARK_TIMEOUT": "0", "TTP_EXIT_GRACE": "soon"})
+    assert (c.park_timeout, c.exit_grace) == (30.0, 10.0)
+    assert any("TTP_PARK_TIMEOUT='0'" in w and "[0.5, 900]" in w for w in c.warnings)
+    assert any("TTP_EXIT_GRACE='soon'" in w for w in c.warnings)
     # code (tests) may ask for limits the environment may not
     assert ControlConfig(action_time_limit=1.5).action_time_limit == 1.5
     with pytest.raises(ControlConfigError):
