@@ -476,6 +476,9 @@ class Processor:
             self._cond.notify_all()
 
     def _do_pause(self, payload: dict[str, Any]) -> dict[str, Any]:
+        # the whole job is held: a rank blocked in a collective behind a held peer makes no
+        # progress either, and is not hung (`_do_resume` watches again)
+        self.watchdog.pause()
         held = self._hold(stop=False)
         if "pause" in self._callbacks:
             return {**(self._call("pause", payload) or {}), **held}
