@@ -132,8 +132,11 @@ def run_tiny_job(
             "TFT_INJECT_STATE_DIR": str(run_dir / "inject-state"),
             "PYTHONUNBUFFERED": "1",
             "TTP_PORT": str(free_port()),
-            # A lost rank is declared after 0.5 s x (3 + 1): quick, still real heartbeats.
+            # A lost rank is declared after 0.5 s x 6 of silence: quick, still real heartbeats,
+            # and with room for 8 ranks starting up on 2 cores (a rank's heartbeat thread was
+            # seen starved for 2.4 s there)
             "TTP_HEARTBEAT_INTERVAL": "0.5",
+            "TTP_HEARTBEAT_MISSES": "6",
             "TTP_LOG_PATH": str(run_dir / "logs"),
         }
     )

@@ -147,6 +147,26 @@ def _wait_event(path, predicate, timeout: float) -> dict:
     raise AssertionError(f"no such event in {path} within {timeout} s")
 
 
+def _end(proc, events) -> None:
+    """Kill a launcher still running and every worker process the events file names
+    (workers run in sessions of their own, as under torchrun, and would keep the output pipe
+    open); every wait is bounded."""
+    if proc is None or proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGKILL)
+    pids = {e["pid"] for e in _events(events) if e["event"] == "replica_layout"}
+    pids |= {e["new_pid"] for e in _events(events) if e["event"] == "worker_restarted"}
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass
+
+
 def test_kill_during_a_repair_ends_cleanly_never_hangs(tmp_path):
     """Rank 1 is killed; while the job waits for its replacement to start (the repair is
     under way), rank 3, the other holder of rank 1's shard, is killed too: the data of that
@@ -157,7 +177,7 @@ def test_kill_during_a_repair_ends_cleanly_never_hangs(tmp_path):
                NPROC="4", TP="1", PP="1", TRAIN_ITERS="20", SAVE_INTERVAL="5",
                RUN_DIR=str(run_dir), HA_ARGS=ARF_ARGS, LAUNCHER="tft-run",
                MASTER_PORT=str(free_port()), TTP_PORT=str(free_port()),
-               TTP_HEARTBEAT_INTERVAL="0.5", TFT_INJECT="kill:rank=1,step=7,phase=forward",
+               TTP_HEARTBEAT_INTERVAL="0.5", TTP_HEARTBEAT_MISSES="6", TFT_INJECT="kill:rank=1,step=7,phase=forward",
                TFT_INJECT_STATE_DIR=str(tmp_path / "inject"), PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(["bash", str(REPO / "scripts" / "pretrain_tiny_cpu.sh")], cwd=REPO,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -171,9 +191,7 @@ def test_kill_during_a_repair_ends_cleanly_never_hangs(tmp_path):
         output, _ = proc.communicate(timeout=240)
         elapsed = time.monotonic() - started
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+        _end(proc, events)
     assert proc.returncode != 0
     assert elapsed < 180  # within the action time limit, not a hang
     (exit_event,) = [e for e in _events(events) if e["event"] == "exit"]
@@ -188,7 +206,7 @@ def _launch_node(run_dir, node_rank: int, master_port: int, ttp_port: int):
                NPROC="2", TP="1", PP="1", TRAIN_ITERS="20", SAVE_INTERVAL="5",
                RUN_DIR=str(run_dir), HA_ARGS=ARF_ARGS, MASTER_PORT=str(master_port),
                LAUNCHER=f"tft-run --nnodes 2 --node-rank {node_rank} --master-addr 127.0.0.1",
-               TTP_PORT=str(ttp_port), TTP_HEARTBEAT_INTERVAL="0.5", PYTHONUNBUFFERED="1",
+               TTP_PORT=str(ttp_port), TTP_HEARTBEAT_INTERVAL="0.5", TTP_HEARTBEAT_MISSES="6", PYTHONUNBUFFERED="1",
                TTP_LOG_PATH=str(run_dir / f"ttp_logs_node{node_rank}"))
     env.pop("TFT_INJECT", None)
     return subprocess.Popen(["bash", str(REPO / "scripts" / "pretrain_tiny_cpu.sh")], cwd=REPO,
@@ -223,9 +241,7 @@ def test_a_lost_node_is_replaced_by_a_new_launcher(reference_job, tmp_path):
         output1, _ = replacement.communicate(timeout=60)
     finally:
         for proc in (node0, node1, replacement):
-            if proc is not None and proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.communicate()
+            _end(proc, events)
     assert node0.returncode == 0, output0[-3000:]
     assert replacement.returncode == 0, output1[-3000:]
     done = _events(events)

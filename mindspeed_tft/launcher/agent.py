@@ -122,6 +122,7 @@ class TFTSubprocessContext(SubprocessContext):
         super().__init__(**kwargs)
         self.agent = agent
         self._first_final_failure: float | None = None
+        self._final_since: float | None = None
 
     def _poll(self) -> RunProcsResult | None:
         agent = self.agent
@@ -145,15 +146,21 @@ class TFTSubprocessContext(SubprocessContext):
                     error_file=self.error_files[local_rank])
                 if self._first_final_failure is None:
                     self._first_final_failure = time.monotonic()
+        now = time.monotonic()
         if (agent.controller is not None and agent.controller.state.value == "FINAL"
-                and self._first_final_failure is None and self._running_local_ranks):
+                and self._final_since is None and self._running_local_ranks):
             # the job's end was decided: workers get the exit grace, then they are stopped
-            self._first_final_failure = time.monotonic()
-            agent.failure_grace = agent.control_config.exit_grace + agent.control_config.lost_after
-        if self._running_local_ranks and self._first_final_failure is not None and (
-                time.monotonic() - self._first_final_failure > agent.failure_grace):
-            say(f"workers {sorted(self._running_local_ranks)} (local ranks) still run "
-                f"{agent.failure_grace:g}s after a worker failed for good; stopping them")
+            # (also a worker restarted while the controller was deciding, which waits for a
+            # repair that will not come)
+            self._final_since = now
+        final_grace = agent.control_config.exit_grace + agent.control_config.lost_after
+        if self._running_local_ranks and (
+                (self._first_final_failure is not None
+                 and now - self._first_final_failure > agent.failure_grace)
+                or (self._final_since is not None and now - self._final_since > final_grace)):
+            say(f"workers {sorted(self._running_local_ranks)} (local ranks) still run after "
+                "the job ended (a worker failed for good, or the controller is final); "
+                "stopping them")
             self.close()
             self._capture_process_failures(set())
             self._running_local_ranks.clear()
