@@ -103,7 +103,7 @@ def _store_client(timeout: timedelta) -> dist.Store:
 def join_generation(args: argparse.Namespace, generation: int) -> None:
     """Initialize the default group and megatron-core's parallel state for `generation`
     (collective: every rank of the job calls it with the same number)."""
-    from megatron.core import parallel_state
+    from mindspeed_tft.training.initialize import initialize_model_parallel
 
     timeout = timedelta(minutes=args.distributed_timeout_minutes)
     store = dist.PrefixStore(f"tft/generation/{generation}/", _store_client(timeout))
@@ -114,15 +114,7 @@ def join_generation(args: argparse.Namespace, generation: int) -> None:
         world_size=args.world_size,
         timeout=timeout,
     )
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        context_parallel_size=args.context_parallel_size,
-        expert_model_parallel_size=args.expert_model_parallel_size,
-        num_distributed_optimizer_instances=getattr(args, "num_distributed_optimizer_instances", 1),
-        distributed_timeout_minutes=args.distributed_timeout_minutes,
-        create_gloo_process_groups=args.enable_gloo_process_groups,
-    )
+    initialize_model_parallel(args)
     log.info("rank %d joined process-group generation %d", args.rank, generation)
 
 

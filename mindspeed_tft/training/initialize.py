@@ -53,8 +53,6 @@ def set_random_seed(seed: int) -> None:
 
 def initialize_distributed(args: argparse.Namespace) -> None:
     """Default process group and megatron-core parallel state for `args`."""
-    from megatron.core import parallel_state
-
     platform = detect_platform()
     if platform != CPU:
         getattr(torch, platform).set_device(args.local_rank)
@@ -65,6 +63,14 @@ def initialize_distributed(args: argparse.Namespace) -> None:
             rank=args.rank,
             timeout=timedelta(minutes=args.distributed_timeout_minutes),
         )
+    initialize_model_parallel(args)
+
+
+def initialize_model_parallel(args: argparse.Namespace) -> None:
+    """megatron-core's TP/PP/DP/CP/EP groups for `args` on the default group (also used
+    when the groups are rebuilt after a fault)."""
+    from megatron.core import parallel_state
+
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
