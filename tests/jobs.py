@@ -15,6 +15,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -180,3 +182,34 @@ def checkpoint_at(source_root: Path, iteration: int, destination: Path) -> Path:
     shutil.copytree(source_root / name, destination / name)
     (destination / "latest_checkpointed_iteration.txt").write_text(str(iteration))
     return destination
+
+
+def wait_for(pred: Callable[[], Any], timeout: float, what: str = "condition",
+             interval: float = 0.02) -> Any:
+    """Poll `pred()` until it returns something truthy and return that; AssertionError
+    naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def read_events_if_any(path: Path | str) -> list[dict[str, Any]]:
+    """The events of a file that may not exist yet (then none)."""
+    from mindspeed_tft.events import read_events
+
+    try:
+        return read_events(str(path))
+    except FileNotFoundError:
+        return []
+
+
+def wait_event(path: Path | str, pred: Callable[[dict[str, Any]], bool], timeout: float,
+               what: str = "event") -> dict[str, Any]:
+    """The first event of the file at `path` for which `pred` holds, waiting up to `timeout`."""
+    return wait_for(lambda: next((e for e in read_events_if_any(path) if pred(e)), None),
+                    timeout, f"{what} in {path}", interval=0.1)

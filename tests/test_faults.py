@@ -25,6 +25,7 @@ from mindspeed_tft.faults import (
     parse_fault_spec,
     parse_hang_seconds,
 )
+from tests.jobs import wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -438,17 +439,12 @@ def test_raising_kinds_in_subprocess(tmp_path, spec, last_line, corrupted):
     ]
 
 
-def wait_for(predicate, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def test_hang_in_subprocess_keeps_other_threads_running(tmp_path):
     proc = start_loop(tmp_path, "hang:rank=0,step=1,phase=optimizer")
     try:
-        wait_for(lambda: (tmp_path / "events.jsonl").exists())
+        wait_for(lambda: (tmp_path / "events.jsonl").exists(), 20, "the events file")
         beat = tmp_path / "progress.beat"
         time.sleep(0.3)
         ticks_before = beat.read_text().count("tick")

@@ -15,13 +15,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.jobs import free_port, run_tiny_job
+from tests.jobs import free_port, run_tiny_job, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "tests" / "programs" / "launcher_worker.py"
@@ -31,16 +31,6 @@ ARF = ["--enable-high-availability", "--enable-worker-reboot"]
 PER_LAUNCH = {"MASTER_PORT", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_RUN_ID"}
 
 
-def wait_for(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    """Poll `pred()` until it is truthy; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 def alive(pid: int) -> bool:

@@ -9,7 +9,6 @@ the job equals the fault-free run's, bit for bit.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -18,7 +17,15 @@ import time
 
 import pytest
 
-from tests.jobs import HA_ARGS, REPO, STANDARD, free_port, run_tiny_job
+from tests.jobs import (
+    HA_ARGS,
+    REPO,
+    STANDARD,
+    free_port,
+    read_events_if_any,
+    run_tiny_job,
+    wait_event,
+)
 
 pytestmark = pytest.mark.multiproc
 
@@ -130,23 +137,6 @@ def test_no_replica_reloads_the_periodic_checkpoint(reference_job, tmp_path):
     assert [len(pids[r]) for r in range(4)] == [1, 1, 1, 2]
 
 
-def _events(path) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def _wait_event(path, predicate, timeout: float) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for event in _events(path):
-            if predicate(event):
-                return event
-        time.sleep(0.1)
-    raise AssertionError(f"no such event in {path} within {timeout} s")
-
-
 def _end(proc, events) -> None:
     """Kill a launcher still running and every worker process the events file names
     (workers run in sessions of their own, as under torchrun, and would keep the output pipe
@@ -154,8 +144,8 @@ def _end(proc, events) -> None:
     if proc is None or proc.poll() is not None:
         return
     os.killpg(proc.pid, signal.SIGKILL)
-    pids = {e["pid"] for e in _events(events) if e["event"] == "replica_layout"}
-    pids |= {e["new_pid"] for e in _events(events) if e["event"] == "worker_restarted"}
+    pids = {e["pid"] for e in read_events_if_any(events) if e["event"] == "replica_layout"}
+    pids |= {e["new_pid"] for e in read_events_if_any(events) if e["event"] == "worker_restarted"}
     for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -183,9 +173,9 @@ def test_kill_during_a_repair_ends_cleanly_never_hangs(tmp_path):
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
-        layout = _wait_event(events, lambda e: e["event"] == "replica_layout" and e["rank"] == 3,
+        layout = wait_event(events, lambda e: e["event"] == "replica_layout" and e["rank"] == 3,
                              120)
-        _wait_event(events, lambda e: e["event"] == "worker_restarted", 120)
+        wait_event(events, lambda e: e["event"] == "worker_restarted", 120)
         os.kill(layout["pid"], signal.SIGKILL)
         started = time.monotonic()
         output, _ = proc.communicate(timeout=240)
@@ -194,7 +184,7 @@ def test_kill_during_a_repair_ends_cleanly_never_hangs(tmp_path):
         _end(proc, events)
     assert proc.returncode != 0
     assert elapsed < 180  # within the action time limit, not a hang
-    (exit_event,) = [e for e in _events(events) if e["event"] == "exit"]
+    (exit_event,) = [e for e in read_events_if_any(events) if e["event"] == "exit"]
     assert exit_event["code"] == 1
     assert "no healthy holder for dense shard 1" in exit_event["reason"], exit_event
     assert not (run_dir / "ckpt" / "iter_0000007").exists()
@@ -227,15 +217,15 @@ def test_a_lost_node_is_replaced_by_a_new_launcher(reference_job, tmp_path):
     node1 = _launch_node(run_dir, 1, master_port, ttp_port)
     replacement = None
     try:
-        _wait_event(events, lambda e: e["event"] == "iteration" and e["iteration"] >= 2, 180)
+        wait_event(events, lambda e: e["event"] == "iteration" and e["iteration"] >= 2, 180)
         # the node dies: its launcher and its workers (they run in sessions of their own)
-        workers = {e["rank"]: e["pid"] for e in _events(events)
+        workers = {e["rank"]: e["pid"] for e in read_events_if_any(events)
                    if e["event"] == "replica_layout" and e["rank"] in (2, 3)}
         os.killpg(node1.pid, signal.SIGKILL)
         for pid in workers.values():
             os.kill(pid, signal.SIGKILL)
         node1.communicate()
-        _wait_event(events, lambda e: e["event"] == "strategy", 60)
+        wait_event(events, lambda e: e["event"] == "strategy", 60)
         replacement = _launch_node(run_dir, 1, master_port, ttp_port)
         output0, _ = node0.communicate(timeout=300)
         output1, _ = replacement.communicate(timeout=60)
@@ -244,7 +234,7 @@ def test_a_lost_node_is_replaced_by_a_new_launcher(reference_job, tmp_path):
             _end(proc, events)
     assert node0.returncode == 0, output0[-3000:]
     assert replacement.returncode == 0, output1[-3000:]
-    done = _events(events)
+    done = read_events_if_any(events)
     assert [e["strategy"] for e in done if e["event"] == "strategy"] == ["recover"]
     lost = sorted(r for e in done if e["event"] == "fault_detected" and e["kind"] == "lost"
                   for r in e["ranks"])

@@ -19,11 +19,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from mindspeed_tft.events import read_events
+from tests.jobs import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 PRELOAD = ["mindspeed_tft.control", "mindspeed_tft.control.controller",
@@ -97,16 +97,6 @@ def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def wait_for(pred: Any, timeout: float, interval: float = 0.02, what: str = "condition") -> Any:
-    """Poll `pred()` until it returns something truthy; AssertionError after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 class Job:
