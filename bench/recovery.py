@@ -119,18 +119,26 @@ def _common(row: Row, reference: dict[int, float] | None) -> float:
     return t0
 
 
+def _repair_decision(row: Row, t0: float, expected: str) -> dict[str, Any] | None:
+    """Detection time, lock step and a note when the controller chose another strategy than
+    `expected` (ARF and UCE rows); returns the strategy event."""
+    job = row.job
+    row.detect_s = None if (e := job.first("fault_detected", t0)) is None else e["time"] - t0
+    strategy = job.first("strategy", t0)
+    if strategy is not None:
+        row.resumed_from = f"lock {strategy.get('lock_step')}"
+        if strategy.get("strategy") != expected:
+            row.notes.append(f"strategy {strategy.get('strategy')}, not {expected}")
+    return strategy
+
+
 def arf_row(case: str, launcher: str, job: Job, rank: int,
             reference: dict[int, float] | None) -> Row:
     row = Row(case, launcher, job)
     if _no_fault(row):
         return row
     t0 = _common(row, reference)
-    row.detect_s = None if (e := job.first("fault_detected", t0)) is None else e["time"] - t0
-    strategy = job.first("strategy", t0)
-    if strategy is not None:
-        row.resumed_from = f"lock {strategy.get('lock_step')}"
-        if strategy.get("strategy") != "recover":
-            row.notes.append(f"strategy {strategy.get('strategy')}, not recover")
+    strategy = _repair_decision(row, t0, "recover")
     restarted = job.first("worker_restarted", t0)
     if restarted is not None and "spare" in launcher:
         if not restarted.get("spare"):
@@ -157,12 +165,7 @@ def uce_row(target: str, job: Job, reference: dict[int, float] | None) -> Row:
     if _no_fault(row):
         return row
     t0 = _common(row, reference)
-    row.detect_s = None if (e := job.first("fault_detected", t0)) is None else e["time"] - t0
-    strategy = job.first("strategy", t0)
-    if strategy is not None:
-        row.resumed_from = f"lock {strategy.get('lock_step')}"
-        if strategy.get("strategy") != "retry":
-            row.notes.append(f"strategy {strategy.get('strategy')}, not retry")
+    strategy = _repair_decision(row, t0, "retry")
     row.marks = [
         ("fault detected (first fault_detected)", _t(job.first("fault_detected", t0))),
         ("strategy retry chosen", _t(strategy)),
