@@ -18,9 +18,12 @@ untouched.
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
 import os
+import sys
 import threading
+import time
 from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
@@ -42,6 +45,12 @@ _MAX_DEPTH = 8
 #: work is done, and after a fault that work may wait on a dead peer until the group's
 #: timeout (minutes). `release_retired_groups` drops them in a daemon thread instead.
 _retired: list[dist.ProcessGroup] = []
+
+#: the daemon threads releasing retired groups (see `_leave_while_releasing`)
+_release_threads: list[threading.Thread] = []
+
+#: how long, at interpreter exit, a release still in progress is waited for
+RELEASE_EXIT_GRACE_SECONDS = 1.0
 
 
 def process_group_keys() -> dict[dist.ProcessGroup, GroupKey]:
@@ -85,7 +94,33 @@ def release_retired_groups() -> None:
     def release() -> None:
         groups.clear()
 
-    threading.Thread(target=release, name="tft-release-groups", daemon=True).start()
+    if not _release_threads:
+        atexit.register(_leave_while_releasing)
+    thread = threading.Thread(target=release, name="tft-release-groups", daemon=True)
+    _release_threads.append(thread)
+    thread.start()
+
+
+def _leave_while_releasing() -> None:
+    """atexit: if an old group's destructor is still waiting for its stuck work (it ends only
+    when the peers' processes exit and close their connections), end the process now
+    instead of tearing the interpreter down. Python 3.11 stops a daemon thread that wants
+    the GIL back during finalization with pthread_exit, and that unwinding through the
+    group's C++ destructor aborts the process ("terminate called without an active
+    exception", SIGABRT) after training finished. Runs before finalization begins; the exit
+    code is 1 after an uncaught exception and 0 otherwise (decided exit codes never get
+    here: they leave through os._exit)."""
+    deadline = time.monotonic() + RELEASE_EXIT_GRACE_SECONDS
+    for thread in _release_threads:
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    if not any(thread.is_alive() for thread in _release_threads):
+        return
+    code = 1 if getattr(sys, "last_value", None) is not None else 0
+    print("[mindspeed-tft] process groups retired by a repair are still waiting for "
+          "peers that left; exiting without interpreter teardown", file=sys.stderr,
+          flush=True)
+    sys.stdout.flush()
+    os._exit(code)
 
 
 def _store_client(timeout: timedelta) -> dist.Store:
