@@ -96,9 +96,14 @@ def test_hung_worker_is_detected_killed_and_replaced(reference_job, tmp_path):
     _assert_repaired(job, reference, {2: 1})
     # the survivors, blocked in collectives behind rank 2, may be reported too; their reports
     # are withdrawn when their training threads come back on stop, so the decision names rank 2
-    hangs = {r for e in job.named("fault_detected") if e["kind"] == "hang" for r in e["ranks"]}
-    withdrawn = {r for e in job.named("fault_withdrawn") for r in e["ranks"]}
+    # (and a survivor whose collective fails because a stopped peer shut its connections
+    # reports a comm error: withdrawn as a consequence of the stop)
+    def ranks(name: str, kind: str) -> set[int]:
+        return {r for e in job.named(name) if e["kind"] == kind for r in e["ranks"]}
+
+    hangs, withdrawn = ranks("fault_detected", "hang"), ranks("fault_withdrawn", "hang")
     assert 2 in hangs and 2 not in withdrawn and hangs - {2} == withdrawn
+    assert ranks("fault_detected", "comm") == ranks("fault_withdrawn", "comm")
     (strategy,) = job.named("strategy")
     assert strategy["strategy"] == "recover" and strategy["faults"] == {"2": "hang"}
     (restart,) = job.named("worker_restarted")

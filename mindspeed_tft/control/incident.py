@@ -19,7 +19,9 @@ limit, `TTP_NORMAL_ACTION_TIME_LIMIT`), whichever comes first:
 A failed or timed-out clean/repair/rollback falls back to DUMP; a failed dump, an
 impossible dump (a shard without a healthy holder) or a lock step of 0 exit with a clear
 reason. A new fault during ENV_CLEAR or REPAIR is a cascading fault and goes to DUMP; faults
-arriving while still ABNORMAL join the incident before the decision. No phase waits longer
+arriving while still ABNORMAL join the incident before the decision, except a communication
+error of a rank the stop was already sent to: stopped ranks shut their connections, so their
+peers' collectives fail before their own stop arrives (withdrawn at once). No phase waits longer
 than its deadline, so nothing hangs.
 """
 
@@ -63,6 +65,9 @@ class Incident:
     awaiting: set[int] = field(default_factory=set)
     #: ranks whose training thread came back to the handler when stopped (so: not hung)
     parked: set[int] = field(default_factory=set)
+    #: ranks the stop was sent to: they shut their connections, so from then on a
+    #: communication error of one of them is a consequence of the stop, not a fault
+    stopped: set[int] = field(default_factory=set)
     rollback_step: int | None = None
 
 
@@ -113,6 +118,7 @@ class IncidentFlow:
         self._record(rank, kind, message)
         self.host.sm.to(State.ABNORMAL, f"{kind} on rank {rank}")
         targets = [r.rank for r in self.host.table.connected() if not r.fresh]
+        self.incident.stopped.update(targets)
         self._start_phase("stop", targets, self.host.planner.stop_payload(self.incident, self.host.table))
 
     def add_fault(self, rank: int, kind: FaultKind, message: str) -> None:
@@ -122,6 +128,17 @@ class IncidentFlow:
             log.info("rank %d: late hang report ignored (its training thread came back)", rank)
             return
         state = self.host.sm.state
+        if (kind is FaultKind.COMM and state is State.ABNORMAL and rank in inc.stopped
+                and rank not in inc.faults):
+            # a stopped peer shut its connections before this rank's own stop arrived
+            self._record(rank, kind, message)
+            del inc.faults[rank]
+            inc.messages.pop(rank, None)
+            emit("fault_withdrawn", CONTROLLER_RANK, ranks=[rank], kind=kind.value,
+                 message="communication error after the stop was sent: a consequence of the "
+                         "stop (stopped peers shut their connections)", incident=inc.id)
+            log.info("rank %d: communication error after stop counted as its consequence", rank)
+            return
         old = inc.faults.get(rank)
         expected = (old in PROCESS_KINDS and kind is FaultKind.LOST) or (
             old is not None and _KIND_RANK.get(kind, 0) <= _KIND_RANK.get(old, 0))
