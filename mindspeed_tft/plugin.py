@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch.distributed as dist
 
@@ -146,11 +146,16 @@ class _Termination:
             raise ForceStop("FORCE STOP: terminated while a fault is handled")
         print("[mindspeed-tft] SIGTERM: no fault to handle; exiting", flush=True)
         processor.stop(SIGTERM_EXIT_CODE)
-        _hard_exit(SIGTERM_EXIT_CODE)
+        exit_without_teardown(SIGTERM_EXIT_CODE)
 
 
-def _hard_exit(code: int) -> None:
-    """Exit now: atexit handlers could block on broken process groups."""
+def exit_without_teardown(code: int) -> NoReturn:
+    """End this training process now with `code`, after flushing its output, without
+    interpreter teardown. Used for every decided exit (atexit handlers could block on
+    broken process groups) and by `pretrain_gpt.py` once training finished: the teardown
+    frees process groups and their C++ threads at whatever moment the interpreter gets to
+    them, and was seen (rarely) to abort a finished process with SIGABRT ("terminate called
+    without an active exception"), which turns a finished job into a failed one."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -296,7 +301,7 @@ class TFTPlugin:
             return train_fn()
         from mindspeed_tft.control import run_with_fault_tolerance
 
-        return run_with_fault_tolerance(train_fn, self.processor, exit_fn=_hard_exit)
+        return run_with_fault_tolerance(train_fn, self.processor, exit_fn=exit_without_teardown)
 
     def finish(self) -> None:
         """Training ended normally: leave the control plane."""

@@ -133,6 +133,8 @@ def run_tiny_job(
             "MASTER_PORT": str(free_port()),
             "TFT_INJECT_STATE_DIR": str(run_dir / "inject-state"),
             "PYTHONUNBUFFERED": "1",
+            # a process killed by a fatal signal (SIGABRT, SIGSEGV) prints its Python stacks
+            "PYTHONFAULTHANDLER": "1",
             "TTP_PORT": str(free_port()),
             # A lost rank is declared after 0.5 s x 6 of silence: quick, still real heartbeats,
             # and with room for 8 ranks starting up on 2 cores (a rank's heartbeat thread was
