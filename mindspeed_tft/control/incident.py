@@ -51,7 +51,6 @@ class Incident:
     id: int
     started: float
     faults: dict[int, FaultKind] = field(default_factory=dict)
-    messages: dict[int, str] = field(default_factory=dict)
     #: what the reporting ranks said beyond the kind (e.g. which memory a UCE hit)
     details: dict[int, dict[str, Any]] = field(default_factory=dict)
     strategy: Strategy | None = None
@@ -132,12 +131,8 @@ class IncidentFlow:
                 and rank not in inc.faults):
             # a stopped peer shut its connections before this rank's own stop arrived
             self._record(rank, kind, message)
-            del inc.faults[rank]
-            inc.messages.pop(rank, None)
-            emit("fault_withdrawn", CONTROLLER_RANK, ranks=[rank], kind=kind.value,
-                 message="communication error after the stop was sent: a consequence of the "
-                         "stop (stopped peers shut their connections)", incident=inc.id)
-            log.info("rank %d: communication error after stop counted as its consequence", rank)
+            self._withdraw(rank, "communication error after the stop was sent: a consequence "
+                                 "of the stop (stopped peers shut their connections)")
             return
         old = inc.faults.get(rank)
         expected = (old in PROCESS_KINDS and kind is FaultKind.LOST) or (
@@ -153,10 +148,7 @@ class IncidentFlow:
     def clear_fault(self, rank: int) -> None:
         """A hung rank made progress again before the decision (false alarm for it)."""
         if self.host.sm.state is State.ABNORMAL and self.incident.faults.get(rank) is FaultKind.HANG:
-            del self.incident.faults[rank]
-            emit("fault_withdrawn", CONTROLLER_RANK, ranks=[rank], kind=FaultKind.HANG.value,
-                 message="made progress again", incident=self.incident.id)
-            log.info("rank %d makes progress again: hang report withdrawn", rank)
+            self._withdraw(rank, "made progress again")
 
     def on_result(self, rank: int, payload: dict[str, Any]) -> None:
         phase = self.phase
@@ -220,13 +212,20 @@ class IncidentFlow:
         old = inc.faults.get(rank)
         if old is None or _KIND_RANK.get(kind, -1) > _KIND_RANK.get(old, -1):
             inc.faults[rank] = kind
-            inc.messages[rank] = message[:500]
             row = self.host.table.get(rank)
             if kind in PROCESS_KINDS and row is not None and not row.fresh:
                 inc.lost_steps[rank] = row.step
             emit("fault_detected", CONTROLLER_RANK, ranks=[rank], kind=kind.value,
                  message=message[:500], incident=inc.id)
             log.warning("fault on rank %d: %s (%s)", rank, kind, message[:200])
+
+    def _withdraw(self, rank: int, why: str) -> None:
+        """The fault recorded for `rank` was not one (`fault_withdrawn` event)."""
+        inc = self.incident
+        kind = inc.faults.pop(rank)
+        emit("fault_withdrawn", CONTROLLER_RANK, ranks=[rank], kind=kind.value, message=why,
+             incident=inc.id)
+        log.info("rank %d: %s report withdrawn: %s", rank, kind, why)
 
     def _note_status(self, rank: int, result: dict[str, Any]) -> None:
         row = self.host.table.get(rank)
@@ -237,13 +236,9 @@ class IncidentFlow:
             self.incident.parked.add(rank)
         if parked is True and self.incident.faults.get(rank) is FaultKind.HANG:
             # its training thread came back when stopped: it was blocked by others, not hung
-            del self.incident.faults[rank]
             if row.health is Health.HUNG:
                 row.health = Health.ALIVE
-            emit("fault_withdrawn", CONTROLLER_RANK, ranks=[rank], kind=FaultKind.HANG.value,
-                 message="training thread came back when stopped (blocked by others)",
-                 incident=self.incident.id)
-            log.info("rank %d: training thread came back after stop; hang report withdrawn", rank)
+            self._withdraw(rank, "training thread came back when stopped (blocked by others)")
         elif parked is False and rank not in self.incident.faults:
             row.health = Health.HUNG
             self._record(rank, FaultKind.HANG, "training thread did not come back when stopped")
