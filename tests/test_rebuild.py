@@ -12,13 +12,15 @@ REPO = Path(__file__).resolve().parent.parent
 PROGRAM = REPO / "tests" / "programs" / "retired_group_exit.py"
 
 
-def test_exit_while_a_retired_group_is_released_does_not_abort():
+def test_exit_while_a_retired_group_is_released_does_not_abort(tmp_path):
     """Training ended while a repair's old group still waited on its stuck work: the process
     exits with 0 (no SIGABRT from a daemon thread unwound in a C++ destructor)."""
     port = str(free_port())
-    peer = subprocess.Popen([sys.executable, str(PROGRAM), "1", port], cwd=REPO)
+    peer = subprocess.Popen([sys.executable, str(PROGRAM), "1", port, str(tmp_path)],
+                            cwd=REPO)
     try:
-        rank0 = subprocess.run([sys.executable, str(PROGRAM), "0", port], cwd=REPO,
+        rank0 = subprocess.run([sys.executable, str(PROGRAM), "0", port, str(tmp_path)],
+                               cwd=REPO,
                                capture_output=True, text=True, timeout=60)
     finally:
         peer.wait(timeout=30)
