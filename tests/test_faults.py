@@ -439,8 +439,6 @@ def test_raising_kinds_in_subprocess(tmp_path, spec, last_line, corrupted):
     ]
 
 
-
-
 def test_hang_in_subprocess_keeps_other_threads_running(tmp_path):
     proc = start_loop(tmp_path, "hang:rank=0,step=1,phase=optimizer")
     try:

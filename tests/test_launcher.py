@@ -31,8 +31,6 @@ ARF = ["--enable-high-availability", "--enable-worker-reboot"]
 PER_LAUNCH = {"MASTER_PORT", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_RUN_ID"}
 
 
-
-
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -97,8 +97,6 @@ def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-
-
 class Job:
     """One controller (plus optional backups) and `world` worker processes."""
 
