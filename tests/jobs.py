@@ -9,7 +9,6 @@ timeout the whole process group is killed and the test fails with the output so 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -96,7 +95,7 @@ def free_port() -> int:
     raise RuntimeError("no free port in 20000..32000")
 
 
-def run_tiny_job(
+def tiny_job_env(
     run_dir: Path,
     *,
     layout: str = "dp4",
@@ -106,16 +105,11 @@ def run_tiny_job(
     inject: str | None = None,
     ha_args: str = "",
     dist_opt: bool = True,
-    extra_args: list[str] | None = None,
     env: dict[str, str] | None = None,
     launcher: str = "torchrun",
-    timeout: float = 300.0,
-) -> JobResult:
-    """Run the tiny CPU job once and collect its result."""
-    run_dir = Path(run_dir)
-    if run_dir.exists():
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True)
+) -> dict[str, str]:
+    """The environment of `scripts/pretrain_tiny_cpu.sh` for one test job in `run_dir`
+    (`env` last, so it overrides anything)."""
     job_env = dict(os.environ)
     job_env.pop("TFT_INJECT", None)
     job_env.pop("HIGH_AVAILABILITY", None)
@@ -131,7 +125,7 @@ def run_tiny_job(
             "DIST_OPT_ARGS": "--use-distributed-optimizer" if dist_opt else "",
             "LAUNCHER": launcher,
             "MASTER_PORT": str(free_port()),
-            "TFT_INJECT_STATE_DIR": str(run_dir / "inject-state"),
+            "TFT_INJECT_STATE_DIR": str(Path(run_dir) / "inject-state"),
             "PYTHONUNBUFFERED": "1",
             # a process killed by a fatal signal (SIGABRT, SIGSEGV) prints its Python stacks
             "PYTHONFAULTHANDLER": "1",
@@ -141,7 +135,7 @@ def run_tiny_job(
             # seen starved for 2.4 s there)
             "TTP_HEARTBEAT_INTERVAL": "0.5",
             "TTP_HEARTBEAT_MISSES": "6",
-            "TTP_LOG_PATH": str(run_dir / "logs"),
+            "TTP_LOG_PATH": str(Path(run_dir) / "logs"),
         }
     )
     if load_dir is not None:
@@ -150,9 +144,14 @@ def run_tiny_job(
         job_env["TFT_INJECT"] = inject
     if env:
         job_env.update(env)
-    cmd = ["bash", str(TINY_SCRIPT), *(extra_args or [])]
-    proc = subprocess.Popen(
-        cmd,
+    return job_env
+
+
+def start_tiny_job(job_env: dict[str, str], extra_args: list[str] | None = None) -> subprocess.Popen:
+    """Start `scripts/pretrain_tiny_cpu.sh` (its launcher in a session of its own; output
+    piped, text)."""
+    return subprocess.Popen(
+        ["bash", str(TINY_SCRIPT), *(extra_args or [])],
         cwd=REPO,
         env=job_env,
         stdout=subprocess.PIPE,
@@ -160,6 +159,21 @@ def run_tiny_job(
         text=True,
         start_new_session=True,
     )
+
+
+def run_tiny_job(
+    run_dir: Path,
+    *,
+    extra_args: list[str] | None = None,
+    timeout: float = 300.0,
+    **options: Any,
+) -> JobResult:
+    """Run the tiny CPU job once and collect its result (`options`: see `tiny_job_env`)."""
+    run_dir = Path(run_dir)
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    proc = start_tiny_job(tiny_job_env(run_dir, **options), extra_args)
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -170,11 +184,7 @@ def run_tiny_job(
             + "\n".join(output.splitlines()[-60:])
         ) from None
     (run_dir / "output.log").write_text(output)
-    events_file = run_dir / "events.jsonl"
-    events = []
-    if events_file.exists():
-        events = [json.loads(line) for line in events_file.read_text().splitlines() if line]
-    return JobResult(proc.returncode, output, run_dir, events)
+    return JobResult(proc.returncode, output, run_dir, read_events_if_any(run_dir / "events.jsonl"))
 
 
 def checkpoint_at(source_root: Path, iteration: int, destination: Path) -> Path:

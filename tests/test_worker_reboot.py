@@ -12,18 +12,18 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
 from tests.jobs import (
     HA_ARGS,
-    REPO,
     STANDARD,
     free_port,
     read_events_if_any,
     run_tiny_job,
+    start_tiny_job,
+    tiny_job_env,
     wait_event,
 )
 
@@ -168,15 +168,9 @@ def test_kill_during_a_repair_ends_cleanly_never_hangs(tmp_path):
     shard is gone, so the job ends with a clear message instead of hanging."""
     run_dir = tmp_path / "job"
     events = run_dir / "events.jsonl"
-    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
-               NPROC="4", TP="1", PP="1", TRAIN_ITERS="20", SAVE_INTERVAL="5",
-               RUN_DIR=str(run_dir), HA_ARGS=ARF_ARGS, LAUNCHER="tft-run",
-               MASTER_PORT=str(free_port()), TTP_PORT=str(free_port()),
-               TTP_HEARTBEAT_INTERVAL="0.5", TTP_HEARTBEAT_MISSES="6", TFT_INJECT="kill:rank=1,step=7,phase=forward",
-               TFT_INJECT_STATE_DIR=str(tmp_path / "inject"), PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(["bash", str(REPO / "scripts" / "pretrain_tiny_cpu.sh")], cwd=REPO,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = start_tiny_job(tiny_job_env(
+        run_dir, train_iters=20, save_interval=5, ha_args=ARF_ARGS, launcher="tft-run",
+        inject="kill:rank=1,step=7,phase=forward"))
     try:
         layout = wait_event(events, lambda e: e["event"] == "replica_layout" and e["rank"] == 3,
                              120)
@@ -197,16 +191,11 @@ def test_kill_during_a_repair_ends_cleanly_never_hangs(tmp_path):
 
 
 def _launch_node(run_dir, node_rank: int, master_port: int, ttp_port: int):
-    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
-               NPROC="2", TP="1", PP="1", TRAIN_ITERS="20", SAVE_INTERVAL="5",
-               RUN_DIR=str(run_dir), HA_ARGS=ARF_ARGS, MASTER_PORT=str(master_port),
-               LAUNCHER=f"tft-run --nnodes 2 --node-rank {node_rank} --master-addr 127.0.0.1",
-               TTP_PORT=str(ttp_port), TTP_HEARTBEAT_INTERVAL="0.5", TTP_HEARTBEAT_MISSES="6", PYTHONUNBUFFERED="1",
-               TTP_LOG_PATH=str(run_dir / f"ttp_logs_node{node_rank}"))
-    env.pop("TFT_INJECT", None)
-    return subprocess.Popen(["bash", str(REPO / "scripts" / "pretrain_tiny_cpu.sh")], cwd=REPO,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    return start_tiny_job(tiny_job_env(
+        run_dir, train_iters=20, save_interval=5, ha_args=ARF_ARGS,
+        launcher=f"tft-run --nnodes 2 --node-rank {node_rank} --master-addr 127.0.0.1",
+        env={"NPROC": "2", "MASTER_PORT": str(master_port), "TTP_PORT": str(ttp_port),
+             "TTP_LOG_PATH": str(run_dir / f"ttp_logs_node{node_rank}")}))
 
 
 def test_a_lost_node_is_replaced_by_a_new_launcher(reference_job, tmp_path):
