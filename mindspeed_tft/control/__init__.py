@@ -21,7 +21,7 @@ every rank runs `p = Processor(rank, world_size, replica=...)`, registers callba
 from .classify import FaultKind, ForceStop, classify_error
 from .config import ControlConfig, ControlConfigError, setup_logging
 from .controller import Controller
-from .handler import fault_tolerant, run_with_fault_tolerance
+from .handler import run_with_fault_tolerance
 from .processor import Decision, Processor, ProcessorError
 from .states import TRANSITIONS, State
 from .strategy import Features, PlanError, Strategy, StrategyPlanner, choose_strategy
@@ -43,7 +43,6 @@ __all__ = [
     "StrategyPlanner",
     "choose_strategy",
     "classify_error",
-    "fault_tolerant",
     "run_with_fault_tolerance",
     "setup_logging",
 ]

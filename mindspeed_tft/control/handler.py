@@ -87,13 +87,3 @@ def run_with_fault_tolerance(train_fn: Callable[[], T], processor: Processor, *,
         if on_resume is not None:
             on_resume(decision)
 
-
-def fault_tolerant(processor: Processor, **kwargs: Any) -> Callable[[Callable[[], T]], Callable[[], T]]:
-    """Decorator form: `@fault_tolerant(processor)` on a no-argument training function."""
-    def wrap(fn: Callable[[], T]) -> Callable[[], T]:
-        def run() -> T:
-            return run_with_fault_tolerance(fn, processor, **kwargs)
-        run.__name__ = getattr(fn, "__name__", "train")
-        run.__doc__ = fn.__doc__
-        return run
-    return wrap
