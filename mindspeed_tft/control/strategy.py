@@ -19,6 +19,8 @@ it (subclass and pass to `Controller(planner=...)`) for richer UCE and ARF plans
 already picks dump holders per SPEC 7 and repair sources from the replica layout the ranks
 registered: `{optimizer name: {dp_index, dp_size, replica_num, shard, holders}}` where
 `holders` lists the global ranks holding the same shard in DP-index order (i, i + d/N, ...).
+The planner reads an incident through `IncidentFacts` (`incident.Incident` is one), so this
+module does not depend on the incident flow that uses it.
 """
 
 from __future__ import annotations
@@ -26,13 +28,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .classify import FaultKind
 from .ranktable import CONNECTED, RankInfo, RankTable
-
-if TYPE_CHECKING:
-    from .incident import Incident
 
 
 class Strategy(str, Enum):
@@ -116,6 +115,20 @@ def choose_strategy(kinds: Iterable[FaultKind], features: Features) -> Strategy 
     return chosen
 
 
+class IncidentFacts(Protocol):
+    """What the planner knows of an incident (it writes `rollback_step` only)."""
+
+    id: int
+    faults: dict[int, FaultKind]
+    details: dict[int, dict[str, Any]]
+    strategy: Strategy | None
+    lock_step: int
+    source: str
+    lost_steps: dict[int, int]
+    new_ranks: set[int]
+    rollback_step: int | None
+
+
 class PlanError(RuntimeError):
     """A repair or dump that cannot be done (the message says why, naming the shard)."""
 
@@ -135,7 +148,7 @@ class StrategyPlanner:
         self.features = features
 
     # -- choice ---------------------------------------------------------------------
-    def choose(self, incident: Incident) -> Strategy | None:
+    def choose(self, incident: IncidentFacts) -> Strategy | None:
         """One strategy for the incident. When a process is lost or hung, the communication
         errors of the other ranks are what its loss did to their collectives: they follow
         the process fault's strategy and do not count on their own."""
@@ -150,13 +163,13 @@ class StrategyPlanner:
             return "checkpoint"
         return "replica"
 
-    def lock_step(self, incident: Incident, table: RankTable) -> int:
+    def lock_step(self, incident: IncidentFacts, table: RankTable) -> int:
         """The highest step any rank reported (fresh, restarted processes excluded)."""
         steps = [r.step for r in table.all() if not r.fresh]
         steps += incident.lost_steps.values()  # last steps of processes that are gone
         return max(steps, default=0)
 
-    def faulty(self, incident: Incident) -> set[int]:
+    def faulty(self, incident: IncidentFacts) -> set[int]:
         """Ranks whose data is not to be trusted (a UCE in grads or activations spares it)."""
         out = set()
         for r, k in incident.faults.items():
@@ -173,16 +186,16 @@ class StrategyPlanner:
                 and not row.fresh and row.status == "updated" and row.step == lock_step)
 
     # -- payloads ---------------------------------------------------------------------
-    def stop_payload(self, incident: Incident, table: RankTable) -> dict[str, Any]:
+    def stop_payload(self, incident: IncidentFacts, table: RankTable) -> dict[str, Any]:
         """Stop orders carry the provisional lock step: a rank behind it may catch up."""
         return {"incident": incident.id, "lock_step": self.lock_step(incident, table),
                 "faults": {str(r): k.value for r, k in incident.faults.items()}}
 
-    def clean_payload(self, incident: Incident) -> dict[str, Any]:
+    def clean_payload(self, incident: IncidentFacts) -> dict[str, Any]:
         return {"incident": incident.id, "strategy": str(incident.strategy),
                 "lock_step": incident.lock_step, "faulty": sorted(self.faulty(incident))}
 
-    def repair_payloads(self, incident: Incident, table: RankTable,
+    def repair_payloads(self, incident: IncidentFacts, table: RankTable,
                         targets: Iterable[int]) -> dict[int, dict[str, Any]]:
         """Per-rank repair orders: who receives which shard from whom (replica source),
         or everyone reloads the last checkpoint (checkpoint source)."""
@@ -215,7 +228,7 @@ class StrategyPlanner:
                     out[src]["send"].append({"optimizer": name, "shard": shard, "to": r})
         return out
 
-    def rollback_payload(self, incident: Incident,
+    def rollback_payload(self, incident: IncidentFacts,
                          repair_results: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
         """Everyone back to the lock step (or to the step a checkpoint load reported)."""
         step = incident.lock_step
@@ -227,7 +240,7 @@ class StrategyPlanner:
         incident.rollback_step = step
         return {"incident": incident.id, "step": step, "strategy": str(incident.strategy)}
 
-    def dump_holders(self, incident: Incident, table: RankTable) -> dict[tuple[str, int, tuple[int, ...]], int]:
+    def dump_holders(self, incident: IncidentFacts, table: RankTable) -> dict[tuple[str, int, tuple[int, ...]], int]:
         """SPEC 7: for every shard the first healthy holder; PlanError names a shard without one."""
         lock = incident.lock_step
         faulty = self.faulty(incident)
@@ -248,7 +261,7 @@ class StrategyPlanner:
                 chosen[key] = pick
         return chosen
 
-    def dump_payloads(self, incident: Incident, table: RankTable,
+    def dump_payloads(self, incident: IncidentFacts, table: RankTable,
                       targets: Iterable[int]) -> tuple[dict[int, dict[str, Any]], int]:
         """Per-rank dump orders and the rank that renames the finished dump."""
         chosen = self.dump_holders(incident, table)
@@ -276,5 +289,5 @@ class StrategyPlanner:
             parts.append(f"rank {r} {row.health}{bad}{fresh} step {row.step} {row.status}")
         return ", ".join(parts)
 
-    def rename_payload(self, incident: Incident) -> dict[str, Any]:
+    def rename_payload(self, incident: IncidentFacts) -> dict[str, Any]:
         return {"incident": incident.id, "lock_step": incident.lock_step}
