@@ -14,84 +14,169 @@ charge, and with half the ranks gone none is. On taking charge it keeps the sync
 (an incident under way is handled again from the start) and declares lost the ranks that do
 not show up within one timeout.
 
-`BackupSync` holds this logic; `Controller` mixes it in (the attributes it uses belong to
-the controller).
+Every controller holds one `BackupSync` (`controller.backups`): on the active controller it
+keeps the backups that joined in sync; on a backup it owns the upstream link to the active
+controller and decides when to take charge. It shares the controller's rank table, state
+machine and drop counter, and reaches the rest of the controller only through `BackupHost`.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import zmq
 
 from ..events import CONTROLLER_RANK, emit
 from .classify import FaultKind
-from .config import parse_hostport
-from .protocol import CONTROLLER, Message, MsgType, ProtocolError, decode, encode
-from .ranktable import CONNECTED, Health
-from .states import INCIDENT_STATES, State
+from .config import ControlConfig, parse_hostport
+from .protocol import CONTROLLER, DropCounter, Message, MsgType, ProtocolError, decode, encode
+from .ranktable import CONNECTED, Health, RankInfo, RankTable
+from .states import INCIDENT_STATES, State, StateMachine
 from .strategy import Features
-from .transport import hostport
-
-if TYPE_CHECKING:
-    from .controller import Controller
+from .transport import CurveKeys, connect_dealer, hostport, new_routing_id
 
 log = logging.getLogger("mindspeed_tft.control.backup")
 
+_SYNC_MAX_BYTES = 256 << 20
+
+
+class BackupHost(Protocol):
+    """What `BackupSync` needs from its controller (all from the controller's loop thread)."""
+
+    role: str
+    epoch: int
+    features: Features
+
+    @property
+    def endpoint(self) -> str: ...
+    def incident_lock_step(self) -> int | None: ...
+    def adopt(self, epoch: int, features: Features) -> None: ...
+    def become_active(self) -> None: ...
+    def next_seq(self) -> int: ...
+    def raw_send(self, identity: bytes, frame: bytes) -> None: ...
+    def mark_dirty(self) -> None: ...
+    def broadcast(self, name: str, payload: dict[str, Any]) -> None: ...
+    def send_registered(self, row: RankInfo) -> None: ...
+    def fault(self, rank: int, kind: FaultKind, message: str) -> None: ...
+
 
 class BackupSync:
-    """The backup half of a controller (mixed into `Controller`)."""
+    """The backup half of a controller (see the module docstring)."""
 
-    def _on_backup(self: Controller, identity: bytes, msg: Message) -> None:
+    def __init__(self, host: BackupHost, *, config: ControlConfig, table: RankTable,
+                 sm: StateMachine, drops: DropCounter, world_size: int,
+                 backup_index: int) -> None:
+        self.host = host
+        self.config = config
+        self.table = table
+        self.sm = sm
+        self.drops = drops
+        self.world_size = world_size
+        self.backup_index = backup_index
+        #: addresses a backup may announce (`TTP_BACKUP_ADDRS`)
+        self.allowed = {hostport(a, p) for a, p in config.backups}
+        #: on the active controller: the backups that joined, by connection
+        self.peers: dict[bytes, dict[str, Any]] = {}
+        #: on a backup: the link to the active controller (None once in charge)
+        self.upstream: zmq.Socket | None = None
+        self._last_sync = 0.0
+        self._next_hello = 0.0
+        self._next_sync = 0.0
+
+    # -- both roles -----------------------------------------------------------------------
+    def addresses(self) -> list[str]:
+        """The backup addresses processors may fail over to."""
+        return sorted(self.allowed)
+
+    def joined(self) -> list[str]:
+        """Endpoints of the backups that joined this (active) controller."""
+        return sorted(b["endpoint"] for b in self.peers.values())
+
+    def close(self) -> None:
+        if self.upstream is not None:
+            try:
+                self.upstream.setsockopt(zmq.LINGER, 2000)
+                self.upstream.close()
+            except zmq.ZMQError:
+                pass
+        self.upstream = None
+
+    # -- active controller ------------------------------------------------------------------
+    def on_backup(self, identity: bytes, msg: Message, now: float) -> None:
+        """A backup announced itself (or said it is still there)."""
         ep = msg.payload["endpoint"]
         try:
             key = hostport(*parse_hostport(ep, "backup endpoint"))
         except ValueError:
             key = ""
-        if key not in self._allowed_backups:
+        if key not in self.allowed:
             self.drops.drop("backup_unknown", ep[:80])
-            self._snapshot_dirty = True
+            self.host.mark_dirty()
             return
-        new = identity not in self._backups
-        self._backups[identity] = {"endpoint": key, "index": msg.payload["index"],
-                                   "last_seen": self._now}
+        new = identity not in self.peers
+        self.peers[identity] = {"endpoint": key, "index": msg.payload["index"],
+                                "last_seen": now}
         if new:
             log.info("backup controller %s joined", key)
-            self._sync_backups(self._now)
+            self.sync(now)
 
-    def _sync_payload(self: Controller) -> dict[str, Any]:
+    def sync_soon(self) -> None:
+        """Sync the backups at the next tick (after a transition)."""
+        self._next_sync = 0.0
+
+    def tick_active(self, now: float) -> None:
+        if self.peers and now >= self._next_sync:
+            self.sync(now)
+
+    def sync(self, now: float) -> None:
+        """Send every live backup the full state; forget the silent ones."""
+        self._next_sync = now + self.config.heartbeat_interval
+        for ident in [i for i, b in self.peers.items()
+                      if now - b["last_seen"] > self.config.lost_after]:
+            log.warning("backup controller %s went silent", self.peers.pop(ident)["endpoint"])
+        if not self.peers:
+            return
+        frame = encode(MsgType.SYNC, CONTROLLER, self.host.next_seq(), self._sync_payload(),
+                       check=False)
+        for ident in self.peers:
+            self.host.raw_send(ident, frame)
+
+    def _sync_payload(self) -> dict[str, Any]:
+        host = self.host
         return {
-            "state": self.sm.state.value, "epoch": self.epoch, "world_size": self.world_size,
-            "features": self.features.to_dict(),
+            "state": self.sm.state.value, "epoch": host.epoch, "world_size": self.world_size,
+            "features": host.features.to_dict(),
             "ranks": [[r.rank, r.step, r.status, r.health.value, r.replica]
                       for r in self.table.all()],
-            "backups": sorted(self._allowed_backups),
-            "lock_step": self.flow.incident.lock_step if self.flow is not None else None,
+            "backups": self.addresses(),
+            "lock_step": host.incident_lock_step(),
         }
 
-    def _sync_backups(self: Controller, now: float) -> None:
-        self._next_sync = now + self.config.heartbeat_interval
-        for ident in [i for i, b in self._backups.items()
-                      if now - b["last_seen"] > self.config.lost_after]:
-            log.warning("backup controller %s went silent", self._backups.pop(ident)["endpoint"])
-        if not self._backups:
-            return
-        frame = encode(MsgType.SYNC, CONTROLLER, self._next_seq(), self._sync_payload(),
-                       check=False)
-        for ident in self._backups:
-            self._raw_send(ident, frame)
+    # -- backup controller ------------------------------------------------------------------
+    def connect(self, ctx: zmq.Context, curve: CurveKeys | None, now: float) -> None:
+        """Connect to the active controller (a backup, when it starts)."""
+        client_keys = None
+        if curve is not None:
+            if curve.client_secret is None:
+                raise ValueError("a CURVE backup controller needs TTP_CURVE_CLIENT_KEY too")
+            client_keys = curve
+        self.upstream = connect_dealer(
+            ctx, self.config.processor_addr, self.config.port, routing_id=new_routing_id(),
+            max_bytes=_SYNC_MAX_BYTES, curve=client_keys)
+        self._last_sync = now
 
-    def _on_upstream(self: Controller, frames: list[bytes]) -> None:
+    def on_upstream(self, frames: list[bytes], now: float) -> None:
+        """A frame from the active controller: only `sync` is expected."""
         if len(frames) != 1:
             self.drops.drop("frames", "upstream")
             return
         try:
-            msg = decode(frames[0], 256 << 20)
+            msg = decode(frames[0], _SYNC_MAX_BYTES)
         except ProtocolError as e:
             self.drops.drop(e.reason, "upstream " + e.detail)
             return
-        if msg.type != MsgType.SYNC or msg.sender != CONTROLLER or self.role != "backup":
+        if msg.type != MsgType.SYNC or msg.sender != CONTROLLER or self.host.role != "backup":
             self.drops.drop("unexpected_type", "upstream " + msg.type)
             return
         p = msg.payload
@@ -104,57 +189,84 @@ class BackupSync:
         if p["world_size"] != self.world_size:
             self.drops.drop("schema", f"sync for world size {p['world_size']}")
             return
-        self._last_sync = self._now
-        self.epoch = p["epoch"]
-        self.features = Features(**{k: bool(v) for k, v in p["features"].items()
-                                    if k in Features.__dataclass_fields__})
-        self.planner.features = self.features
+        self._last_sync = now
+        self.host.adopt(p["epoch"], Features(**{k: bool(v) for k, v in p["features"].items()
+                                                if k in Features.__dataclass_fields__}))
+        self._adopt_rows(rows, now)
+        if state is not self.sm.state:
+            self.sm.force(state, "synced from the active controller")
+        self.host.mark_dirty()
+
+    def _adopt_rows(self, rows: list[tuple[int, int, str, Health, Any]], now: float) -> None:
         for rank, step, status, health, replica in rows:
             if not 0 <= rank < self.world_size:
                 continue
             row = self.table.get(rank)
             if row is None:
-                row = self.table.register(rank, b"", "", 0, self._now - self.config.lost_after,
+                row = self.table.register(rank, b"", "", 0, now - self.config.lost_after,
                                           replica, step, status)
             row.step, row.status, row.replica = step, status, replica
             if health in (Health.DONE, Health.LOST, Health.EXITING) or not row.identity:
                 row.health = health
-        if state is not self.sm.state:
-            self.sm.force(state, "synced from the active controller")
-        self._snapshot_dirty = True
 
-    def _active_alive(self: Controller) -> bool:
-        return self._now - self._last_sync <= self.config.lost_after
+    def active_alive(self, now: float) -> bool:
+        """Did the active controller sync within the heartbeat timeout?"""
+        return now - self._last_sync <= self.config.lost_after
 
-    def _standby_tick(self: Controller, now: float) -> None:
-        if self._upstream is not None and now >= self._next_hello:
+    def standby_tick(self, now: float) -> None:
+        """Say hello upstream; take charge when the active controller is gone."""
+        if self.upstream is not None and now >= self._next_hello:
             self._next_hello = now + self.config.heartbeat_interval
-            frame = encode(MsgType.BACKUP, CONTROLLER, self._next_seq(),
-                           {"endpoint": self.endpoint, "index": self.backup_index})
+            frame = encode(MsgType.BACKUP, CONTROLLER, self.host.next_seq(),
+                           {"endpoint": self.host.endpoint, "index": self.backup_index})
             try:
-                self._upstream.send(frame, zmq.NOBLOCK)
+                self.upstream.send(frame, zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-        if self._active_alive():
+        if self.active_alive(now):
             return
         live = sum(1 for r in self.table.all()
                    if r.identity and now - r.last_seen <= self.config.lost_after)
         if 2 * live > self.world_size:
             self._take_over(now, live)
 
-    def _take_over(self: Controller, now: float, live: int) -> None:
+    def _take_over(self, now: float, live: int) -> None:
         log.warning("backup %d takes charge: active controller silent, %d of %d ranks here",
                     self.backup_index, live, self.world_size)
-        self.role = "active"
-        self.epoch += 1
-        self.sm.emit_events = True
-        self._ack_frame = None
-        if self._upstream is not None:
-            self._upstream.close(0)
-            self._upstream = None
-        emit("controller_takeover", CONTROLLER_RANK, endpoint=self.endpoint, epoch=self.epoch,
+        host = self.host
+        host.become_active()
+        if self.upstream is not None:
+            self.upstream.close(0)
+            self.upstream = None
+        emit("controller_takeover", CONTROLLER_RANK, endpoint=host.endpoint, epoch=host.epoch,
              live=live, backup_index=self.backup_index)
         synced = self.sm.state
+        faulty = self._survey(now)
+        if synced in (State.EXIT, State.FINAL):
+            self.sm.force(State.EXIT, "took over a job that was exiting")
+            host.broadcast("exit", {"code": self.config.failure_exit_code,
+                                    "reason": "controller failover during exit"})
+            self.sm.to(State.FINAL, "took over a job that was exiting")
+            return
+        if synced in INCIDENT_STATES:
+            self.sm.force(State.NORMAL, "took over during an incident: handling it again")
+        else:
+            self.sm.force(synced, "backup controller took charge")
+        for row in self.table.all():
+            if row.identity and row.health in CONNECTED:
+                host.send_registered(row)
+        for rank, kind in faulty:
+            if self.sm.state is State.INIT:
+                break
+            host.fault(rank, kind, "known at failover")
+        if (synced in INCIDENT_STATES and host.incident_lock_step() is None
+                and self.sm.state is State.NORMAL):
+            host.fault(min(r.rank for r in self.table.all()), FaultKind.UNKNOWN,
+                       "the active controller was lost during an incident")
+
+    def _survey(self, now: float) -> list[tuple[int, FaultKind]]:
+        """The faults known from the synced table; rows of absent ranks get one timeout to
+        fail over here, the others are alive again unless they were faulty."""
         faulty: list[tuple[int, FaultKind]] = []
         for row in self.table.all():
             if not row.identity or now - row.last_seen > self.config.lost_after:
@@ -168,23 +280,4 @@ class BackupSync:
                 row.health = Health.ALIVE
         faulty += [(row.rank, FaultKind.LOST) for row in self.table.all()
                    if row.health is Health.LOST]
-        if synced in (State.EXIT, State.FINAL):
-            self.sm.force(State.EXIT, "took over a job that was exiting")
-            self._broadcast("exit", {"code": self.config.failure_exit_code,
-                                     "reason": "controller failover during exit"})
-            self.sm.to(State.FINAL, "took over a job that was exiting")
-            return
-        if synced in INCIDENT_STATES:
-            self.sm.force(State.NORMAL, "took over during an incident: handling it again")
-        else:
-            self.sm.force(synced, "backup controller took charge")
-        for row in self.table.all():
-            if row.identity and row.health in CONNECTED:
-                self._send_registered(row)
-        for rank, kind in faulty:
-            if self.sm.state is State.INIT:
-                break
-            self._fault(rank, kind, "known at failover")
-        if synced in INCIDENT_STATES and self.flow is None and self.sm.state is State.NORMAL:
-            self._fault(min(r.rank for r in self.table.all()), FaultKind.UNKNOWN,
-                        "the active controller was lost during an incident")
+        return faulty

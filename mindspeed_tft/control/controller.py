@@ -12,8 +12,10 @@ Where it runs: a background thread of rank 0's training process under plain torc
 
     python -m mindspeed_tft.control.controller --world-size 8 [--port 8000] ...
 
-Backups (`role="backup"`, see `backup`) stay in sync with the active controller and take
-charge when it disappears, but only with more than half of the ranks alive.
+Backups (`role="backup"`) stay in sync with the active controller and take charge when it
+disappears, but only with more than half of the ranks alive: every controller holds a
+`backup.BackupSync` for that (`self.backups`), which reaches back into the controller only
+through the `BackupHost` methods below.
 """
 
 from __future__ import annotations
@@ -47,9 +49,7 @@ from .transport import (
     CurveKeys,
     bind_router,
     bound_port,
-    connect_dealer,
     hostport,
-    new_routing_id,
     raise_fd_limit,
     start_authenticator,
 )
@@ -60,7 +60,7 @@ _DRAIN_BATCH = 4096
 _BATCH_WAIT = 0.01  # seconds; heartbeats wait at most this long to be read (not during incidents)
 
 
-class Controller(BackupSync):
+class Controller:
     """The control plane's brain (see the module docstring).
 
     world_size: number of training ranks. config: addresses, timing, CURVE (default
@@ -101,7 +101,6 @@ class Controller(BackupSync):
         self._monitor: zmq.Socket | None = None
         #: counts of connection events (handshake failures, disconnects) from the monitor
         self.connections: dict[str, int] = {}
-        self._upstream: zmq.Socket | None = None
         self._auth: Any = None
         self._curve: CurveKeys | None = None
         self._thread: threading.Thread | None = None
@@ -114,11 +113,9 @@ class Controller(BackupSync):
         self._ack_frame: bytes | None = None
         self._started = 0.0
         self._now = time.monotonic()
-        self._backups: dict[bytes, dict[str, Any]] = {}
-        self._allowed_backups = {hostport(a, p) for a, p in self.config.backups}
-        self._last_sync = 0.0
-        self._next_hello = 0.0
-        self._next_sync = 0.0
+        self.backups = BackupSync(self, config=self.config, table=self.table, sm=self.sm,
+                                  drops=self.drops, world_size=world_size,
+                                  backup_index=backup_index)
         self._snapshot_path: str | None = None
         self._snapshot_dirty = True
         self._next_snapshot = 0.0
@@ -248,15 +245,7 @@ class Controller(BackupSync):
         self._monitor = self._router.get_monitor_socket(MONITOR_EVENTS)
         self._started = self._now = time.monotonic()
         if self.role == "backup":
-            client_keys = None
-            if self._curve is not None:
-                if self._curve.client_secret is None:
-                    raise ValueError("a CURVE backup controller needs TTP_CURVE_CLIENT_KEY too")
-                client_keys = self._curve
-            self._upstream = connect_dealer(
-                self._ctx, cfg.processor_addr, cfg.port, routing_id=new_routing_id(),
-                max_bytes=256 << 20, curve=client_keys)
-            self._last_sync = self._now
+            self.backups.connect(self._ctx, self._curve, self._now)
         log.info("%s controller for %d ranks listening on %s", self.role, self.world_size,
                  self.endpoint)
         if self.role == "active":
@@ -271,14 +260,14 @@ class Controller(BackupSync):
                 pass
             self._monitor.close(0)
             self._monitor = None
-        for sock in (self._router, self._upstream):
-            if sock is not None:
-                try:
-                    sock.setsockopt(zmq.LINGER, 2000)  # let queued exit orders leave
-                    sock.close()
-                except zmq.ZMQError:
-                    pass
-        self._router = self._upstream = None
+        if self._router is not None:
+            try:
+                self._router.setsockopt(zmq.LINGER, 2000)  # let queued exit orders leave
+                self._router.close()
+            except zmq.ZMQError:
+                pass
+        self._router = None
+        self.backups.close()
         if self._auth is not None:
             try:
                 self._auth.stop()
@@ -302,8 +291,9 @@ class Controller(BackupSync):
         poller.register(self._wake_r, zmq.POLLIN)
         if self._monitor is not None:
             poller.register(self._monitor, zmq.POLLIN)
-        if self._upstream is not None:
-            poller.register(self._upstream, zmq.POLLIN)
+        upstream = self.backups.upstream
+        if upstream is not None:
+            poller.register(upstream, zmq.POLLIN)
         tick = min(0.25, self.config.heartbeat_interval / 4)
         next_tick = time.monotonic()
         while not self._stopping:
@@ -316,8 +306,9 @@ class Controller(BackupSync):
             drained = 0
             if self._router in events:
                 drained = self._drain(self._router, self._on_frames)
-            if self._upstream is not None and self._upstream in events:
-                self._drain(self._upstream, self._on_upstream)
+            if self.backups.upstream is not None and self.backups.upstream in events:
+                self._drain(self.backups.upstream,
+                            lambda frames: self.backups.on_upstream(frames, self._now))
             if self._monitor is not None and self._monitor in events:
                 self._drain(self._monitor, self._on_monitor)
             if self._now >= next_tick:
@@ -354,12 +345,12 @@ class Controller(BackupSync):
                 cmd[2].set()
             elif name == "pause" and self.sm.state is State.NORMAL and self.role == "active":
                 self.sm.to(State.PAUSE, "operator pause")
-                self._broadcast("pause", {"reason": "operator pause"})
+                self.broadcast("pause", {"reason": "operator pause"})
             elif name == "process_exit":
                 self._on_process_exit(cmd[1], cmd[2])
             elif name == "resume" and self.sm.state is State.PAUSE:
                 self.sm.to(State.NORMAL, "operator resume")
-                self._broadcast("resume", {"step": -1, "strategy": "none", "false_alarm": True,
+                self.broadcast("resume", {"step": -1, "strategy": "none", "false_alarm": True,
                                            "incident": 0})
 
     def _tick(self, now: float) -> None:
@@ -373,10 +364,9 @@ class Controller(BackupSync):
                            if (row := self.table.get(r)) is None or not row.connected]
                 self._fail_init(f"ranks {missing[:32]} did not register within "
                                 f"{self.config.register_timeout:g}s")
-            if self._backups and now >= self._next_sync:
-                self._sync_backups(now)
+            self.backups.tick_active(now)
         else:
-            self._standby_tick(now)
+            self.backups.standby_tick(now)
         self._write_snapshot()
 
     # -- frames from processors -------------------------------------------------------------
@@ -403,7 +393,7 @@ class Controller(BackupSync):
         elif t == MsgType.BYE:
             self._on_bye(identity, msg)
         elif t == MsgType.BACKUP and self.role == "active":
-            self._on_backup(identity, msg)
+            self.backups.on_backup(identity, msg, self._now)
         else:
             self.drops.drop("unexpected_type", t)
             self._snapshot_dirty = True
@@ -451,7 +441,7 @@ class Controller(BackupSync):
                                   self.config.action_time_limit)
                 row.health = Health.EXITING
                 return
-        if self.role == "backup" and self._active_alive():
+        if self.role == "backup" and self.backups.active_alive(self._now):
             self._send(identity, MsgType.REDIRECT, {"reason": "the active controller is alive"})
             return
         if not msg.payload.get("ack", True):
@@ -459,9 +449,9 @@ class Controller(BackupSync):
         frame = self._ack_frame
         if frame is None:
             frame = self._ack_frame = encode(
-                MsgType.ACK, CONTROLLER, self._next_seq(),
+                MsgType.ACK, CONTROLLER, self.next_seq(),
                 {"state": self.sm.state.value, "epoch": self.epoch, "role": self._role_name()})
-        self._raw_send(identity, frame)
+        self.raw_send(identity, frame)
 
     def _on_register(self, identity: bytes, msg: Message) -> None:
         p, rank, now = msg.payload, msg.sender, self._now
@@ -482,7 +472,7 @@ class Controller(BackupSync):
             row.last_seen = now
             if row.health is Health.LOST and (self.sm.state is State.INIT or self.role == "backup"):
                 row.health = Health.ALIVE
-            self._send_registered(row)
+            self.send_registered(row)
             if self.sm.state is State.INIT and self.role == "active":
                 self._missing.discard(rank)
                 if not self._missing:
@@ -507,7 +497,7 @@ class Controller(BackupSync):
         self._snapshot_dirty = True
         log.info("rank %d registered (pid %s on %s%s)", rank, p["pid"], p["host"],
                  ", restarted" if fresh else (", failover" if failover else ""))
-        self._send_registered(info)
+        self.send_registered(info)
         if self.role != "active":
             return
         if state is State.INIT:
@@ -530,12 +520,12 @@ class Controller(BackupSync):
             return now - row.last_seen > self.config.lost_after
         return row.health not in CONNECTED
 
-    def _send_registered(self, row: RankInfo) -> None:
-        lock = self.flow.incident.lock_step if self.flow is not None else None
+    def send_registered(self, row: RankInfo) -> None:
+        lock = self.incident_lock_step()
         self._send(row.identity, MsgType.REGISTERED, {
             "epoch": self.epoch, "state": self.sm.state.value,
             "interval": self.config.heartbeat_interval, "misses": self.config.heartbeat_misses,
-            "backups": sorted(self._allowed_backups), "rejoin": row.fresh,
+            "backups": self.backups.addresses(), "rejoin": row.fresh,
             "lock_step": lock, "role": self._role_name()})
 
     def _on_report(self, identity: bytes, msg: Message) -> None:
@@ -559,7 +549,7 @@ class Controller(BackupSync):
             return  # a report that crossed the stop: its training thread did come back
         row.health = Health.HUNG if kind is FaultKind.HANG else Health.FAULTY
         self._snapshot_dirty = True
-        self._fault(row.rank, kind, p["message"], p.get("detail"))
+        self.fault(row.rank, kind, p["message"], p.get("detail"))
 
     def _on_result(self, identity: bytes, msg: Message) -> None:
         row = self._bound(identity, msg)
@@ -602,8 +592,9 @@ class Controller(BackupSync):
             log.warning("connection event #%d: %s", n, name)
 
     # -- faults -----------------------------------------------------------------------------
-    def _fault(self, rank: int, kind: FaultKind, message: str,
-               detail: dict[str, Any] | None = None) -> None:
+    def fault(self, rank: int, kind: FaultKind, message: str,
+              detail: dict[str, Any] | None = None) -> None:
+        """A fault on `rank`: starts an incident, joins the one under way, or ends INIT."""
         state = self.sm.state
         if detail and self.flow is not None:
             self.flow.incident.details[rank] = detail
@@ -625,7 +616,7 @@ class Controller(BackupSync):
         code = self.config.failure_exit_code
         self.exit_code = code
         emit("exit", CONTROLLER_RANK, code=code, reason=reason)
-        self._broadcast("exit", {"code": code, "reason": reason})
+        self.broadcast("exit", {"code": code, "reason": reason})
         self.sm.to(State.FINAL, reason)
 
     def _supervise(self, now: float) -> None:
@@ -642,7 +633,7 @@ class Controller(BackupSync):
             log.warning("rank %d %s during registration", row.rank, during_init)
             self._missing.add(row.rank)
             return
-        self._fault(row.rank, FaultKind.LOST, message)
+        self.fault(row.rank, FaultKind.LOST, message)
 
     def _on_process_exit(self, rank: int, returncode: int) -> None:
         if self.role != "active" or returncode == 0:
@@ -677,13 +668,13 @@ class Controller(BackupSync):
     def send_action_many(self, ranks: list[int], action_id: int, name: str,
                          payload: dict[str, Any], timeout: float) -> None:
         """The same order to many ranks (encoded once)."""
-        frame = encode(MsgType.ACTION, CONTROLLER, self._next_seq(),
+        frame = encode(MsgType.ACTION, CONTROLLER, self.next_seq(),
                        {"id": action_id, "name": name, "timeout": float(timeout),
                         "payload": payload})
         for rank in ranks:
             row = self.table.get(rank)
             if row is not None and row.identity:
-                self._raw_send(row.identity, frame)
+                self.raw_send(row.identity, frame)
 
     def _send_action(self, rank: int, action_id: int, name: str, payload: dict[str, Any],
                      timeout: float) -> None:
@@ -700,21 +691,43 @@ class Controller(BackupSync):
             self.exit_code = flow.exit_code
         self._snapshot_dirty = True
 
+    # -- BackupHost (the rest: next_seq, raw_send, broadcast, send_registered, fault) ------
+    def incident_lock_step(self) -> int | None:
+        """The lock step of the incident under way; None when there is none."""
+        return self.flow.incident.lock_step if self.flow is not None else None
+
+    def adopt(self, epoch: int, features: Features) -> None:
+        """A backup takes the active controller's epoch and features (sync)."""
+        self.epoch = epoch
+        self.features = features
+        self.planner.features = features
+
+    def become_active(self) -> None:
+        """A backup takes charge: a new epoch, and its transitions are events from now on."""
+        self.role = "active"
+        self.epoch += 1
+        self.sm.emit_events = True
+        self._ack_frame = None
+
+    def mark_dirty(self) -> None:
+        """Something a snapshot shows changed."""
+        self._snapshot_dirty = True
+
     # -- sending ----------------------------------------------------------------------------
-    def _next_seq(self) -> int:
+    def next_seq(self) -> int:
         self._seq += 1
         return self._seq
 
     def _send(self, identity: bytes, mtype: str, payload: dict[str, Any]) -> None:
-        self._raw_send(identity, encode(mtype, CONTROLLER, self._next_seq(), payload))
+        self.raw_send(identity, encode(mtype, CONTROLLER, self.next_seq(), payload))
 
-    def _raw_send(self, identity: bytes, frame: bytes) -> None:
+    def raw_send(self, identity: bytes, frame: bytes) -> None:
         try:
             self._router.send_multipart([identity, frame], zmq.NOBLOCK)  # type: ignore[union-attr]
         except zmq.ZMQError:
             self.send_errors += 1
 
-    def _broadcast(self, name: str, payload: dict[str, Any]) -> None:
+    def broadcast(self, name: str, payload: dict[str, Any]) -> None:
         self.send_action_many([r.rank for r in self.table.connected()], self._new_action_id(),
                               name, payload, self.config.action_time_limit)
 
@@ -724,7 +737,7 @@ class Controller(BackupSync):
     def _on_transition(self, old: State, new: State, reason: str) -> None:
         self._ack_frame = None
         self._snapshot_dirty = True
-        self._next_sync = 0.0  # sync backups at the next tick
+        self.backups.sync_soon()
 
     # -- snapshots ------------------------------------------------------------------------
     def _snapshot(self) -> dict[str, Any]:
@@ -738,7 +751,7 @@ class Controller(BackupSync):
             "dropped": dict(self.drops.counts),
             "dropped_total": self.drops.total,
             "connections": dict(self.connections),
-            "backups": sorted(b["endpoint"] for b in self._backups.values()),
+            "backups": self.backups.joined(),
             "incident": None if self.flow is None else {
                 "id": self.flow.incident.id,
                 "faults": {str(r): k.value for r, k in self.flow.incident.faults.items()},
