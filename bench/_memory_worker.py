@@ -134,24 +134,21 @@ def main() -> None:
     from megatron.core import parallel_state as ps
 
     import pretrain_gpt
+    from mindspeed_tft import patches
     from mindspeed_tft.arguments import add_tft_args, validate_tft_args
     from mindspeed_tft.plugin import TFTPlugin
+    from mindspeed_tft.plugin.hooks import HookList, set_update_listener
+    from mindspeed_tft.plugin.state import TrainingState
     from mindspeed_tft.training.data import build_data_iterator, get_train_valid_test_num_samples
     from mindspeed_tft.training.global_vars import get_args
-    from mindspeed_tft.training.hooks import (
-        HookList,
-        install_update_bracket,
-        set_update_listener,
-    )
-    from mindspeed_tft.training.initialize import initialize_megatron
-    from mindspeed_tft.training.state import TrainingState
+    from mindspeed_tft.training.initialize import initialize_megatron, initialize_model_parallel
     from mindspeed_tft.training.training import setup_model_and_optimizer, train_step
 
     out_dir = Path(os.environ["BENCH_MEMORY_OUT"])
     initialize_megatron(add_tft_args, validate_tft_args, sys.argv[1:])
     args = get_args()
-    install_update_bracket()
-    plugin = TFTPlugin(args)
+    patches.install("update-bracket")
+    plugin = TFTPlugin(args, initialize_model_parallel)
     plugin.setup()
     model, optimizer, scheduler = setup_model_and_optimizer(pretrain_gpt.model_provider, args)
     train_ds, _valid_ds, _test_ds = pretrain_gpt.train_valid_test_datasets_provider(
@@ -171,6 +168,8 @@ def main() -> None:
         optimizer=optimizer,
         opt_param_scheduler=scheduler,
         build_train_data_iterator=build_train_iterator,
+        checkpoint_state_dict=lambda rng_state: {},
+        load_checkpoint=lambda root: 0,
     )
     state.reset_train_data_iterator()
     # As pretrain() does: register with the control plane (HA), then train under the

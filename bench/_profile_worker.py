@@ -75,7 +75,7 @@ def install() -> None:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     import mindspeed_tft.training.training as training
-    from mindspeed_tft.training.hooks import HookList
+    from mindspeed_tft.plugin.hooks import HookList
 
     for name in ("start_grad_sync", "finish_grad_sync"):
         _patch_method(_ParamAndGradBucketGroup, name, "grad_sync")

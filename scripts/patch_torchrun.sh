@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Adds (apply) or removes (revert) `import mindspeed_tft.launcher` in the installed torchrun
+# Adds (apply) or removes (revert) `import mindspeed_tft.torchrun_adaptor` in the installed torchrun
 # script, the reference SDK's documented way of enabling worker reboot under plain torchrun:
 # with it, torchrun restarts only failed workers when the training command turns worker reboot
 # on (--enable-high-availability --enable-worker-reboot, or HIGH_AVAILABILITY=recover), and
@@ -11,7 +11,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 PATCH_FILE="${ROOT}/patches/torchrun.patch"
-MARKER="import mindspeed_tft.launcher"
+MARKER="import mindspeed_tft.torchrun_adaptor"
 
 die() { echo "patch_torchrun: error: $*" >&2; exit 2; }
 

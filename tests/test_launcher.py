@@ -362,8 +362,8 @@ def test_patch_torchrun_script(job: Job, tmp_path: Path) -> None:
     assert run("apply") == f"patched: {copy}"
     assert run("apply") == f"already patched: {copy}"
     patched = copy.read_text()
-    assert patched.count("import mindspeed_tft.launcher") == 1
-    assert patched.index("import mindspeed_tft.launcher") < patched.index(
+    assert patched.count("import mindspeed_tft.torchrun_adaptor") == 1
+    assert patched.index("import mindspeed_tft.torchrun_adaptor") < patched.index(
         "from torch.distributed.run import main")
     assert run("status") == f"patched: {copy}"
 

@@ -1,9 +1,10 @@
 """The launcher of mindspeed-tft: worker reboot (ARF) at the process level (SPEC 9, 11).
 
 - `run`: `tft-run`, a drop-in for torchrun (`mindspeed_tft.launcher.run:main`)
-- `torchrun_hook`: the same behaviour for plain `torchrun` once its script imports this
-  package (`scripts/patch_torchrun.sh` applies `patches/torchrun.patch`); importing the
-  package installs the hook, which changes nothing unless high availability is on
+- `torchrun_hook`: the same behaviour for plain `torchrun` once its script imports
+  `mindspeed_tft.torchrun_adaptor` (`scripts/patch_torchrun.sh` applies
+  `patches/torchrun.patch`), which installs the hook (the ``torchrun`` moment of
+  `mindspeed_tft.patches`); it changes nothing unless high availability is on
 - `options`: torchrun's arguments plus `--tft-spares-per-node`, `TFT_MAX_WORKER_RESTARTS`,
   and the features read from the training command (`--enable-high-availability`,
   `--enable-worker-reboot`, `HIGH_AVAILABILITY`)
@@ -14,8 +15,5 @@
 """
 
 from .spare import wait_for_assignment
-from .torchrun_hook import install_torchrun_hook, torchrun_hook_installed
 
-install_torchrun_hook()
-
-__all__ = ["install_torchrun_hook", "torchrun_hook_installed", "wait_for_assignment"]
+__all__ = ["wait_for_assignment"]

@@ -26,13 +26,12 @@ decides that one worker's exit ends the others.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from torch.distributed.elastic.agent.server import local_elastic_agent as _local_agent
@@ -45,6 +44,8 @@ from torch.distributed.elastic.multiprocessing.api import (
 )
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
+
+from mindspeed_tft import patches
 
 from .options import MAX_WORKER_RESTARTS_ENV, LauncherError, LaunchOptions
 from .pool import SparePool
@@ -62,17 +63,6 @@ _ORIGINAL_START_PROCESSES = _local_agent.start_processes
 def say(message: str) -> None:
     """One line of the launcher's log (stderr, prefixed like torchrun's own lines)."""
     print(f"[tft-run] {message}", file=sys.stderr, flush=True)
-
-
-@contextlib.contextmanager
-def swapped(module: Any, name: str, value: Any) -> Iterator[None]:
-    """Replace `module.name` by `value` for the duration of the block."""
-    old = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, old)
 
 
 def describe_exit(returncode: int) -> str:
@@ -331,7 +321,10 @@ class TFTElasticAgent(LocalElasticAgent):
 
     # -- workers --------------------------------------------------------------------------
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
-        with swapped(_local_agent, "start_processes", self._start_processes):
+        with patches.swapped(
+            "torch.distributed.elastic.agent.server.local_elastic_agent:start_processes",
+            self._start_processes,
+        ):
             pids = super()._start_workers(worker_group)
         if self.options.worker_reboot:
             self._publish(worker_group)

@@ -26,6 +26,7 @@ import argparse
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 SPARES_OPTION = "--tft-spares-per-node"
 MAX_WORKER_RESTARTS_ENV = "TFT_MAX_WORKER_RESTARTS"
@@ -152,3 +153,19 @@ def launch_options(args: argparse.Namespace,
         tft_args=tft_args,
         node_rank=int(getattr(args, "node_rank", 0) or 0),
     )
+
+
+def torch_run_functions() -> tuple[Any, Any]:
+    """torch's own `torch.distributed.run.run` and `get_args_parser`, whatever the torchrun
+    hook installed later."""
+    import torch.distributed.run as torch_run
+
+    return (getattr(torch_run, "_mindspeed_tft_original_run", torch_run.run),
+            getattr(torch_run, "_mindspeed_tft_original_get_args_parser",
+                    torch_run.get_args_parser))
+
+
+def get_args_parser() -> argparse.ArgumentParser:
+    """torchrun's argument parser with the launcher's options added."""
+    return add_launcher_args(torch_run_functions()[1]())
+

@@ -20,9 +20,10 @@ from collections.abc import Sequence
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
-from .agent import agent_factory, say, swapped
-from .options import LauncherError, launch_options
-from .torchrun_hook import ORIGINAL_RUN, get_args_parser
+from mindspeed_tft import patches
+
+from .agent import agent_factory, say
+from .options import LauncherError, get_args_parser, launch_options, torch_run_functions
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -39,9 +40,8 @@ def launch(args: argparse.Namespace) -> int:
         say(f"error: {e}")
         return 2
     if not options.high_availability:
-        ORIGINAL_RUN(args)
+        torch_run_functions()[0](args)
         return 0
-    import torch.distributed.launcher.api as launcher_api
 
     from mindspeed_tft.control.config import ControlConfig, ControlConfigError
 
@@ -52,8 +52,9 @@ def launch(args: argparse.Namespace) -> int:
         return 2
     say(options.describe())
     try:
-        with swapped(launcher_api, "LocalElasticAgent", agent_factory(options)):
-            ORIGINAL_RUN(args)
+        with patches.swapped("torch.distributed.launcher.api:LocalElasticAgent",
+                             agent_factory(options)):
+            torch_run_functions()[0](args)
     except ChildFailedError as e:
         codes = {failure.exitcode for failure in e.failures.values()}
         if codes == {dump_exit_code}:

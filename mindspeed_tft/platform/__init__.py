@@ -68,13 +68,11 @@ def import_megatron_core() -> ModuleType:
     """
     if "megatron.core" in sys.modules or detect_platform() != CPU:
         return importlib.import_module("megatron.core")
-    original = torch.compile
-    torch.compile = _eager  # type: ignore[assignment]
-    try:
+    from mindspeed_tft import patches
+
+    with patches.swapped("torch:compile", _eager):
         module = importlib.import_module("megatron.core")
         importlib.import_module("megatron.core.jit")
-    finally:
-        torch.compile = original  # type: ignore[assignment]
     return module
 
 
@@ -111,15 +109,13 @@ def device_for_rank(local_rank: int) -> torch.device:
 
 def apply_platform_adaptor() -> str:
     """Make megatron-core usable on this platform; idempotent. Returns the platform name."""
-    from mindspeed_tft.platform import native_adam
+    from mindspeed_tft import patches
 
     platform = detect_platform()
     if platform == CPU:
-        from mindspeed_tft.platform import cpu_adaptor
-
-        cpu_adaptor.apply()
+        patches.install("cpu")
     elif platform == NPU:
         # torch_npu's own adaptor redirects torch.cuda.* to torch.npu.* (what MindSpeed uses).
         from torch_npu.contrib import transfer_to_npu  # noqa: F401
-    native_adam.apply()
+    patches.install("torch-adam")
     return platform

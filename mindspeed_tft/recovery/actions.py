@@ -32,6 +32,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from mindspeed_tft.events import emit
@@ -46,17 +47,16 @@ from mindspeed_tft.recovery.dump import (
     uses_distributed_optimizer,
     write_shard,
 )
+from mindspeed_tft.recovery.interface import RecoverableState
+from mindspeed_tft.recovery.layout import (
+    get_rng_state,
+    model_parallel_dir_name,
+    this_rank_dir_name,
+)
 from mindspeed_tft.recovery.rollback import rollback, transfer_shards
 from mindspeed_tft.recovery.snapshot import SnapshotUnavailableError, StepSnapshot, StepSnapshots
 from mindspeed_tft.replica.replica_map import ReplicaMap
 from mindspeed_tft.replica.transfer import export_shard
-from mindspeed_tft.training.checkpointing import (
-    get_rng_state,
-    load_checkpoint,
-    model_parallel_dir_name,
-    this_rank_dir_name,
-)
-from mindspeed_tft.training.state import TrainingState
 
 log = logging.getLogger("mindspeed_tft.recovery")
 
@@ -68,14 +68,14 @@ class RecoveryActions:
 
     def __init__(
         self,
-        plugin: Any,
+        rebuild_process_groups: Callable[[int, bool], None],
         snapshots: StepSnapshots,
         replica_map: ReplicaMap,
         rank: int,
         keep_ports: list[int],
     ) -> None:
-        self.plugin = plugin
-        self.state: TrainingState | None = None
+        self.rebuild_process_groups = rebuild_process_groups
+        self.state: RecoverableState | None = None
         self.snapshots = snapshots
         self.map = replica_map
         self.rank = rank
@@ -90,12 +90,12 @@ class RecoveryActions:
         for name in ("stop", "clean", "repair", "rollback", "dump", "rename"):
             processor.register_callback(name, getattr(self, name))
 
-    def attach(self, state: TrainingState) -> None:
+    def attach(self, state: RecoverableState) -> None:
         """The trainer's state exists (model, optimizer, data)."""
         self.state = state
         self.attached.set()
 
-    def _training_state(self) -> TrainingState:
+    def _training_state(self) -> RecoverableState:
         if self.state is None:
             raise RuntimeError(f"rank {self.rank} has no training state yet")
         return self.state
@@ -115,7 +115,7 @@ class RecoveryActions:
         generation = int(payload["incident"])
         rejoining = self.state is None
         run = self.processor.run_in_training_thread
-        run(lambda: self.plugin.rebuild_process_groups(generation, survivor=not rejoining))
+        run(lambda: self.rebuild_process_groups(generation, not rejoining))
         if rejoining and not self.attached.wait(self.processor.config.action_time_limit):
             raise RuntimeError(f"rank {self.rank}: the trainer did not set up its model in time")
         return run(lambda: self._restore(payload))
@@ -129,7 +129,7 @@ class RecoveryActions:
             root = state.args.save or state.args.load
             if not root:
                 raise RuntimeError("no --save or --load directory: no checkpoint to repair from")
-            self.loaded_step = load_checkpoint(state, root)
+            self.loaded_step = state.load_checkpoint(root)
             if self.loaded_step == 0:
                 raise RuntimeError(f"no periodic checkpoint under {root} to repair from")
             return {"step": self.loaded_step}
@@ -157,7 +157,6 @@ class RecoveryActions:
                     raise
                 snapshot = self.received_snapshot
         rollback(state, snapshot)
-        self.plugin.status.reset(step)
         shard = export_shard(state.optimizer, state.model)
         emit("rolled_back", self.rank, iteration=step, shard=str(self.map.shard_of(self.rank)),
              digest=shard.optimizer_digest(), lr=state.optimizer.param_groups[0]["lr"],

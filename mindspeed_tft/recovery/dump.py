@@ -26,16 +26,15 @@ from typing import Any
 
 import torch
 
-from mindspeed_tft.recovery.snapshot import StepSnapshot, restore_scheduler
-from mindspeed_tft.training.checkpointing import (
+from mindspeed_tft.recovery.interface import RecoverableState
+from mindspeed_tft.recovery.layout import (
     DISTRIB_OPTIM_FILENAME,
     MODEL_FILENAME,
-    checkpoint_state_dict,
     iteration_dir_name,
     publish_checkpoint,
     this_rank_dir_name,
 )
-from mindspeed_tft.training.state import TrainingState
+from mindspeed_tft.recovery.snapshot import StepSnapshot, restore_scheduler
 
 SHARDS_DIRNAME = "tft_shards"
 _STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
@@ -57,13 +56,13 @@ def _distributed_optimizers(optimizer: Any) -> list[Any]:
     return [opt for opt in chained if isinstance(opt, DistributedOptimizer)]
 
 
-def uses_distributed_optimizer(state: TrainingState) -> bool:
+def uses_distributed_optimizer(state: RecoverableState) -> bool:
     """Whether the state is sharded (megatron-core's DistributedOptimizer)."""
     return bool(_distributed_optimizers(state.optimizer))
 
 
 def local_shard_payload(
-    state: TrainingState, chunk: int, index: int
+    state: RecoverableState, chunk: int, index: int
 ) -> list[dict[tuple[int, str, int], dict]]:
     """This rank's shard (`index` of `chunk` per bucket) of every distributed optimizer,
     as CPU copies. `chunk` and `index` come from the replica map: no process group is
@@ -90,7 +89,7 @@ def local_shard_payload(
     return payload
 
 
-def write_shard(state: TrainingState, root: str, lock_step: int, chunk: int, index: int) -> str:
+def write_shard(state: RecoverableState, root: str, lock_step: int, chunk: int, index: int) -> str:
     """Stage 1: write this rank's optimizer shard (`index` of `chunk`) of the lock step;
     returns the file."""
     if not _distributed_optimizers(state.optimizer):
@@ -154,20 +153,20 @@ def _assemble_parameter_state(
     return state
 
 
-def _set_lock_step_bookkeeping(state: TrainingState, snapshot: StepSnapshot) -> None:
+def _set_lock_step_bookkeeping(state: RecoverableState, snapshot: StepSnapshot) -> None:
     state.iteration = snapshot.iteration
     state.args.consumed_train_samples = snapshot.consumed_train_samples
     restore_scheduler(state.opt_param_scheduler, snapshot.scheduler_state)
 
 
-def shard_record(state: TrainingState, lock_step: int, chunk: int, index: int) -> dict:
+def shard_record(state: RecoverableState, lock_step: int, chunk: int, index: int) -> dict:
     """What `write_shard` writes, in memory (the assembler keeps its own shard)."""
     return {"iteration": lock_step, "shard": index, "chunk_size": chunk,
             "optimizers": local_shard_payload(state, chunk, index)}
 
 
 def assemble(
-    state: TrainingState, root: str, snapshot: StepSnapshot, chunk: int,
+    state: RecoverableState, root: str, snapshot: StepSnapshot, chunk: int,
     own_shard: dict | None = None,
 ) -> str:
     """Stage 2: write this model-parallel position's checkpoint files of the lock step
@@ -185,7 +184,7 @@ def assemble(
         torch.save(states[0] if len(states) == 1 else states,
                    os.path.join(rank_dir, DISTRIB_OPTIM_FILENAME))
     _set_lock_step_bookkeeping(state, snapshot)
-    torch.save(checkpoint_state_dict(state, snapshot.rng_state),
+    torch.save(state.checkpoint_state_dict(snapshot.rng_state),
                os.path.join(rank_dir, MODEL_FILENAME))
     if opts:
         shutil.rmtree(os.path.join(rank_dir, SHARDS_DIRNAME), ignore_errors=True)

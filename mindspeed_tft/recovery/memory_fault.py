@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from mindspeed_tft.training.state import TrainingState
+from mindspeed_tft.recovery.interface import RecoverableState
 
 OPTIMIZER = "optimizer"
 PARAM = "param"
@@ -34,11 +34,11 @@ TARGETS = (OPTIMIZER, PARAM, GRAD, ACTIVATION)
 _GARBAGE = 0xFF  # NaN in every float format
 
 
-def _megatron_optimizers(state: TrainingState) -> list[Any]:
+def _megatron_optimizers(state: RecoverableState) -> list[Any]:
     return list(getattr(state.optimizer, "chained_optimizers", [state.optimizer]))
 
 
-def _optimizer_tensors(state: TrainingState) -> Iterator[torch.Tensor]:
+def _optimizer_tensors(state: RecoverableState) -> Iterator[torch.Tensor]:
     for opt in _megatron_optimizers(state):
         for group in opt.optimizer.param_groups:
             for param in group["params"]:
@@ -49,7 +49,7 @@ def _optimizer_tensors(state: TrainingState) -> Iterator[torch.Tensor]:
                         yield tensor
 
 
-def _main_grads(state: TrainingState) -> Iterator[torch.Tensor]:
+def _main_grads(state: RecoverableState) -> Iterator[torch.Tensor]:
     for opt in _megatron_optimizers(state):
         for group in opt.optimizer.param_groups:
             for param in group["params"]:
@@ -57,7 +57,7 @@ def _main_grads(state: TrainingState) -> Iterator[torch.Tensor]:
                     yield param.grad
 
 
-def _buffers(state: TrainingState, attribute: str) -> Iterator[torch.Tensor]:
+def _buffers(state: RecoverableState, attribute: str) -> Iterator[torch.Tensor]:
     for chunk in state.model:
         for buffer in [*getattr(chunk, "buffers", []), *getattr(chunk, "expert_parallel_buffers", [])]:
             tensor = getattr(buffer, attribute)
@@ -65,7 +65,7 @@ def _buffers(state: TrainingState, attribute: str) -> Iterator[torch.Tensor]:
                 yield tensor
 
 
-def _model_params(state: TrainingState) -> Iterator[torch.Tensor]:
+def _model_params(state: RecoverableState) -> Iterator[torch.Tensor]:
     """The DDP param buffers (distributed optimizer), else the params themselves."""
     buffers = list(_buffers(state, "param_data"))
     if buffers:
@@ -75,7 +75,7 @@ def _model_params(state: TrainingState) -> Iterator[torch.Tensor]:
         yield from chunk.parameters()
 
 
-def _regions(state: TrainingState) -> Iterator[tuple[str, torch.Tensor]]:
+def _regions(state: RecoverableState) -> Iterator[tuple[str, torch.Tensor]]:
     for tensor in _optimizer_tensors(state):
         yield OPTIMIZER, tensor
     for tensor in _model_params(state):
@@ -86,7 +86,7 @@ def _regions(state: TrainingState) -> Iterator[tuple[str, torch.Tensor]]:
         yield GRAD, tensor
 
 
-def classify_address(state: TrainingState, address: int) -> str:
+def classify_address(state: RecoverableState, address: int) -> str:
     """The region of the training state that holds `address` (activation if none)."""
     for region, tensor in _regions(state):
         start = tensor.untyped_storage().data_ptr()
@@ -99,7 +99,7 @@ def _first(tensors: Iterator[torch.Tensor]) -> torch.Tensor | None:
     return next((t for t in tensors if t.numel() > 0), None)
 
 
-def corrupt_memory(state: TrainingState, target: str) -> int:
+def corrupt_memory(state: RecoverableState, target: str) -> int:
     """Overwrite a slice of `target` memory of this rank with garbage; returns its address.
 
     The activation target corrupts a freshly allocated working tensor: activations live only

@@ -24,7 +24,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -135,11 +135,14 @@ def _store_client(timeout: timedelta) -> dist.Store:
                          wait_for_workers=False)
 
 
-def join_generation(args: argparse.Namespace, generation: int) -> None:
-    """Initialize the default group and megatron-core's parallel state for `generation`
-    (collective: every rank of the job calls it with the same number)."""
-    from mindspeed_tft.training.initialize import initialize_model_parallel
-
+def join_generation(
+    args: argparse.Namespace,
+    generation: int,
+    initialize_model_parallel: Callable[[argparse.Namespace], None],
+) -> None:
+    """Initialize the default group for `generation`, then megatron-core's parallel state
+    with the host's own `initialize_model_parallel(args)` (the call its start-up makes);
+    collective: every rank of the job calls it with the same number."""
     timeout = timedelta(minutes=args.distributed_timeout_minutes)
     store = dist.PrefixStore(f"tft/generation/{generation}/", _store_client(timeout))
     dist.init_process_group(

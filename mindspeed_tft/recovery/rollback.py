@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 from mindspeed_tft.events import emit
+from mindspeed_tft.recovery.interface import RecoverableState
+from mindspeed_tft.recovery.layout import set_rng_state
 from mindspeed_tft.recovery.snapshot import (
     StepSnapshot,
     StepSnapshots,
@@ -26,8 +28,6 @@ from mindspeed_tft.recovery.snapshot import (
     restore_scheduler,
 )
 from mindspeed_tft.replica.transfer import copy_shard
-from mindspeed_tft.training.checkpointing import set_rng_state
-from mindspeed_tft.training.state import TrainingState
 
 log = logging.getLogger("mindspeed_tft.recovery")
 
@@ -46,7 +46,7 @@ def _recv_bytes(src: int) -> bytes:
 
 
 def transfer_shards(
-    state: TrainingState,
+    state: RecoverableState,
     snapshots: StepSnapshots,
     lock_step: int,
     receive: list[dict[str, Any]],
@@ -74,7 +74,7 @@ def transfer_shards(
     return received
 
 
-def sync_model_params_from_main(state: TrainingState) -> None:
+def sync_model_params_from_main(state: RecoverableState) -> None:
     """Model params := the fp32 main params (the update's own copy), then all-gathered in
     each chunk with the distributed optimizer (collective)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -90,7 +90,7 @@ def sync_model_params_from_main(state: TrainingState) -> None:
             chunk.start_param_sync(force_sync=True)
 
 
-def rollback(state: TrainingState, snapshot: StepSnapshot) -> None:
+def rollback(state: RecoverableState, snapshot: StepSnapshot) -> None:
     """Put this rank at the snapshot's iteration (collective with the distributed
     optimizer: the param all-gather)."""
     sync_model_params_from_main(state)
@@ -102,3 +102,5 @@ def rollback(state: TrainingState, snapshot: StepSnapshot) -> None:
         chunk.zero_grad_buffer()
     state.optimizer.zero_grad()
     state.reset_train_data_iterator()
+    if state.after_rollback is not None:
+        state.after_rollback()

@@ -20,9 +20,8 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
-from mindspeed_tft.training.checkpointing import get_rng_state
-from mindspeed_tft.training.hooks import TrainerHooks
-from mindspeed_tft.training.state import TrainingState
+from mindspeed_tft.recovery.interface import RecoverableState
+from mindspeed_tft.recovery.layout import get_rng_state
 
 _KEEP = 3
 
@@ -50,28 +49,29 @@ class SnapshotUnavailableError(RuntimeError):
     """This rank cannot reconstruct the state of the requested step."""
 
 
-class StepSnapshots(TrainerHooks):
-    """Remembers the last few steps' RNG, scheduler state and consumed samples."""
+class StepSnapshots:
+    """Remembers the last few steps' RNG, scheduler state and consumed samples (fed by the
+    plugin's step hooks: `on_train_start`, `on_update_end`, `on_step_end`)."""
 
     def __init__(self) -> None:
         self._snapshots: dict[int, StepSnapshot] = {}
         self._rng_after_update: dict[int, dict[str, Any]] = {}
         self._samples_per_step = 0
 
-    def on_train_start(self, state: TrainingState) -> None:
+    def on_train_start(self, state: RecoverableState) -> None:
         self._samples_per_step = state.args.global_batch_size
         self._record(state, get_rng_state())
 
-    def on_update_end(self, state: TrainingState, step: int) -> None:
+    def on_update_end(self, state: RecoverableState, step: int) -> None:
         self._rng_after_update[step + 1] = get_rng_state()
         for old in [s for s in self._rng_after_update if s < step + 1 - _KEEP]:
             del self._rng_after_update[old]
 
-    def on_step_end(self, state: TrainingState) -> None:
+    def on_step_end(self, state: RecoverableState) -> None:
         rng = self._rng_after_update.get(state.iteration) or get_rng_state()
         self._record(state, rng)
 
-    def _record(self, state: TrainingState, rng: dict[str, Any]) -> None:
+    def _record(self, state: RecoverableState, rng: dict[str, Any]) -> None:
         self._snapshots[state.iteration] = StepSnapshot(
             iteration=state.iteration,
             rng_state=rng,

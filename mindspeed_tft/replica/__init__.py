@@ -5,7 +5,6 @@
   destroyable and rebuildable.
 - `optimizer`: megatron-core's partial distributed optimizer as the replica engine, with
   the grad-statistics group and the parameter-state writer fixed for N > 1.
-- `bookkeeping`: Updated/Updating data status around each optimizer update.
 - `transfer`: export, import and copy (digest-checked) of a rank's shard.
 - `check`: the replica consistency check (`--tft-check-replicas-interval`).
 """

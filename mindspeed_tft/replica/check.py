@@ -10,28 +10,31 @@ In the manner of Megatron-LM's `--check-weight-hash-across-dp-replicas-interval`
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 import torch.distributed as dist
 
 from mindspeed_tft.events import emit
 from mindspeed_tft.replica.groups import ReplicaGroups
 from mindspeed_tft.replica.transfer import export_shard
-from mindspeed_tft.training.hooks import TrainerHooks
-from mindspeed_tft.training.state import TrainingState
 
 
 class ReplicaMismatchError(RuntimeError):
     """Holders of one shard hold different optimizer state."""
 
 
-class ReplicaConsistencyCheck(TrainerHooks):
-    """Compares shard digests across each replica group every `interval` iterations."""
+class ReplicaConsistencyCheck:
+    """Compares shard digests across each replica group every `interval` iterations (the
+    plugin calls `start` when training starts and `after_step` after every step)."""
 
     def __init__(self, groups: ReplicaGroups, interval: int) -> None:
         self.groups = groups
         self.interval = interval
         self._replica_group: dist.ProcessGroup | None = None
 
-    def on_train_start(self, state: TrainingState) -> None:
+    def start(self) -> None:
+        """Build the replica groups the check gathers over (collective, all ranks)."""
         self._replica_group = self._build_replica_group()
 
     def _build_replica_group(self) -> dist.ProcessGroup | None:
@@ -48,22 +51,23 @@ class ReplicaConsistencyCheck(TrainerHooks):
                 mine = group
         return mine
 
-    def on_step_end(self, state: TrainingState) -> None:
-        if state.iteration % self.interval != 0:
+    def after_step(self, iteration: int, optimizer: Any, model: list[torch.nn.Module]) -> None:
+        """Check the replicas after `iteration` (collective in each replica group)."""
+        if iteration % self.interval != 0:
             return
         me = dist.get_rank()
         dense = self.groups.dense
         shard = dense.shard_of(me)
         holders = dense.holders(shard)
-        digest = export_shard(state.optimizer, state.model).optimizer_digest()
+        digest = export_shard(optimizer, model).optimizer_digest()
         digests = [digest]
         if self._replica_group is not None:
             digests = [""] * len(holders)
             dist.all_gather_object(digests, digest, group=self._replica_group)
-        emit("replica_check", me, iteration=state.iteration, shard=str(shard),
+        emit("replica_check", me, iteration=iteration, shard=str(shard),
              holders=holders, digest=digest, match=len(set(digests)) == 1)
         if len(set(digests)) != 1:
             raise ReplicaMismatchError(
-                f"iteration {state.iteration}: holders {holders} of {shard} hold different "
+                f"iteration {iteration}: holders {holders} of {shard} hold different "
                 f"optimizer state (digests {digests})"
             )

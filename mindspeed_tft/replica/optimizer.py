@@ -44,13 +44,24 @@ def _save_parameter_state(self: Any, filename: str) -> None:
         torch.save(state_dict, filename)
 
 
-def install_replica_optimizer(groups: ReplicaGroups) -> None:
+def use_replica_groups(groups: ReplicaGroups) -> None:
     """Route megatron-core's DistributedOptimizer through the replica layout of `groups`.
 
     Call after `groups.build()` and before the optimizer is used; calling it again (after a
-    group rebuild) points it at the new groups."""
-    global _groups, _installed
+    group rebuild) points it at the new groups. Installs the patches (the
+    ``replica-optimizer`` moment of `mindspeed_tft.patches`) on first use."""
+    from mindspeed_tft import patches
+
+    global _groups
     _groups = groups
+    patches.install("replica-optimizer")
+
+
+def install_patches() -> None:
+    """The ``replica-optimizer`` moment: megatron-core's DistributedOptimizer asks
+    `use_replica_groups`' groups for its grad statistics and writes its parameter state from
+    replica instance 0 only (once per process)."""
+    global _installed
     if _installed:
         return
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer

@@ -113,9 +113,15 @@ def initialize_megatron(
 
 def initialize_distributed_state(args: argparse.Namespace) -> None:
     """torch.distributed, megatron-core's parallel state, RNG seeds, micro-batch counts."""
+    initialize_distributed(args)
+    seed_and_microbatches(args)
+
+
+def seed_and_microbatches(args: argparse.Namespace) -> None:
+    """Every RNG seeded and the micro-batch calculator set up (after the parallel state
+    exists: at start-up, or once a restarted worker joined the rebuilt groups)."""
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
 
-    initialize_distributed(args)
     set_random_seed(args.seed)
     init_num_microbatches_calculator(
         args.rank,

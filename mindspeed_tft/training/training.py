@@ -21,15 +21,24 @@ import torch
 import torch.distributed as dist
 
 from mindspeed_tft.events import emit
-from mindspeed_tft.training.checkpointing import load_checkpoint, save_checkpoint
-from mindspeed_tft.training.hooks import (
+from mindspeed_tft.plugin.hooks import (
     HookList,
     TrainerHooks,
-    install_update_bracket,
+    phase_reporting_forward_step,
     set_update_listener,
 )
-from mindspeed_tft.training.initialize import initialize_distributed_state, initialize_megatron
-from mindspeed_tft.training.state import TrainingState
+from mindspeed_tft.plugin.state import TrainingState
+from mindspeed_tft.training.checkpointing import (
+    checkpoint_state_dict,
+    load_checkpoint,
+    save_checkpoint,
+)
+from mindspeed_tft.training.initialize import (
+    initialize_distributed_state,
+    initialize_megatron,
+    initialize_model_parallel,
+    seed_and_microbatches,
+)
 
 ModelProvider = Callable[[bool, bool], torch.nn.Module]
 ForwardStep = Callable[[Iterator, torch.nn.Module], tuple[torch.Tensor, Callable]]
@@ -162,35 +171,6 @@ def setup_model_and_optimizer(
     return model, optimizer, scheduler
 
 
-def _phase_forward_step(
-    forward_step_func: ForwardStep, state: TrainingState, hooks: TrainerHooks
-) -> ForwardStep:
-    """Wrap the user's forward step so the first micro-batch reports the forward and
-    backward phases of the step."""
-    step = state.iteration
-    seen = {"forward": False}
-
-    def forward_step(data_iterator: Iterator, model: torch.nn.Module):
-        first = not seen["forward"]
-        if first:
-            seen["forward"] = True
-            hooks.on_phase(state, "forward", step)
-        output_tensor, loss_func = forward_step_func(data_iterator, model)
-        if first and output_tensor.requires_grad:
-            fired = {"backward": False}
-
-            def on_backward(grad: torch.Tensor) -> torch.Tensor:
-                if not fired["backward"]:
-                    fired["backward"] = True
-                    hooks.on_phase(state, "backward", step)
-                return grad
-
-            output_tensor.register_hook(on_backward)
-        return output_tensor, loss_func
-
-    return forward_step
-
-
 def _reduce_losses(losses_reduced: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     """Average each reported loss over micro-batches (token-weighted for (sum, count))."""
     reduced: dict[str, torch.Tensor] = {}
@@ -223,7 +203,7 @@ def train_step(
     state.optimizer.zero_grad()
     forward_backward_func = get_forward_backward_func()
     losses_reduced = forward_backward_func(
-        forward_step_func=_phase_forward_step(forward_step_func, state, hooks),
+        forward_step_func=phase_reporting_forward_step(forward_step_func, state, hooks),
         data_iterator=state.train_data_iterator,
         model=state.model,
         num_microbatches=get_num_microbatches(),
@@ -388,8 +368,9 @@ def pretrain(
     argv: list[str] | None = None,
 ) -> int:
     """Initialize, set up, train, save; returns the final iteration (Megatron-LM's shape)."""
+    from mindspeed_tft import patches
     from mindspeed_tft.launcher.spare import wait_for_assignment
-    from mindspeed_tft.plugin import TFTPlugin, startup_notices
+    from mindspeed_tft.plugin import TFTPlugin
 
     # A warm spare of `tft-run` (imports done) waits here until it takes over a failed rank.
     wait_for_assignment()
@@ -400,8 +381,8 @@ def pretrain(
     if args.rank == 0:
         for notice in startup_notices(args):
             print(notice, flush=True)
-    install_update_bracket()
-    plugin = TFTPlugin(args)
+    patches.install("update-bracket")
+    plugin = TFTPlugin(args, initialize_model_parallel)
     plugin.register()
     num_samples = list(get_train_valid_test_num_samples(args))
     if plugin.rejoining:
@@ -409,6 +390,7 @@ def pretrain(
         # rebuilt process groups (datasets from the index cache the job already built).
         train_ds, valid_ds, _test_ds = train_valid_test_datasets_provider(num_samples)
         plugin.join_job()
+        seed_and_microbatches(args)
     else:
         initialize_distributed_state(args)
         plugin.setup()
@@ -436,6 +418,8 @@ def pretrain(
         optimizer=optimizer,
         opt_param_scheduler=scheduler,
         build_train_data_iterator=build_train_iterator,
+        checkpoint_state_dict=lambda rng_state: checkpoint_state_dict(state, rng_state),
+        load_checkpoint=lambda root: load_checkpoint(state, root),
     )
     if args.load and not plugin.rejoining:  # a restarted worker gets its state from peers
         load_checkpoint(state)
@@ -462,3 +446,14 @@ def pretrain(
     print_rank_0(f"[mindspeed-tft] training finished at iteration {iteration}")
     return iteration
 
+
+
+def startup_notices(args: argparse.Namespace) -> list[str]:
+    """Lines to print once at startup."""
+    from mindspeed_tft.training.arguments import fused_kernel_notices
+
+    notices = [f"[mindspeed-tft] {line}" for line in fused_kernel_notices(args, args.platform)]
+    features = getattr(args, "tft_features", None)
+    if features is not None:
+        notices.append(f"[mindspeed-tft] {features.describe()}")
+    return notices

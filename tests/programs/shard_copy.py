@@ -19,21 +19,24 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import pretrain_gpt  # noqa: E402
+from mindspeed_tft import patches  # noqa: E402
 from mindspeed_tft.arguments import add_tft_args, validate_tft_args  # noqa: E402
-from mindspeed_tft.plugin import TFTPlugin  # noqa: E402
+from mindspeed_tft.plugin import (
+    ReplicaCheckHooks,  # noqa: E402
+    TFTPlugin,  # noqa: E402
+)
+from mindspeed_tft.plugin.hooks import HookList, set_update_listener  # noqa: E402
+from mindspeed_tft.plugin.state import TrainingState  # noqa: E402
 from mindspeed_tft.replica.check import ReplicaConsistencyCheck  # noqa: E402
 from mindspeed_tft.replica.transfer import copy_shard, export_shard  # noqa: E402
 from mindspeed_tft.training.data import (  # noqa: E402
     build_data_iterator,
     get_train_valid_test_num_samples,
 )
-from mindspeed_tft.training.hooks import (  # noqa: E402
-    HookList,
-    install_update_bracket,
-    set_update_listener,
+from mindspeed_tft.training.initialize import (  # noqa: E402
+    initialize_megatron,
+    initialize_model_parallel,
 )
-from mindspeed_tft.training.initialize import initialize_megatron  # noqa: E402
-from mindspeed_tft.training.state import TrainingState  # noqa: E402
 from mindspeed_tft.training.training import setup_model_and_optimizer, train_step  # noqa: E402
 
 ARGV = (
@@ -49,8 +52,8 @@ ARGV = (
 
 def main() -> None:
     args = initialize_megatron(add_tft_args, validate_tft_args, ARGV)
-    install_update_bracket()
-    plugin = TFTPlugin(args)
+    patches.install("update-bracket")
+    plugin = TFTPlugin(args, initialize_model_parallel)
     plugin.setup()
     model, optimizer, scheduler = setup_model_and_optimizer(pretrain_gpt.model_provider, args)
     from megatron.core import parallel_state as ps
@@ -63,12 +66,13 @@ def main() -> None:
         build_train_data_iterator=lambda consumed: build_data_iterator(
             train_ds, consumed, args.micro_batch_size, ps.get_data_parallel_rank(),
             ps.get_data_parallel_world_size()),
+        checkpoint_state_dict=lambda rng: {}, load_checkpoint=lambda root: 0,
     )
     state.reset_train_data_iterator()
     check = ReplicaConsistencyCheck(plugin.replica_groups, interval=1)
-    hooks = HookList([plugin.hooks(), check])
+    hooks = HookList([plugin.hooks(), ReplicaCheckHooks(check)])
     set_update_listener(hooks, state)
-    check.on_train_start(state)
+    check.start()
     for _ in range(2):
         train_step(pretrain_gpt.forward_step, state, hooks)
         state.iteration += 1

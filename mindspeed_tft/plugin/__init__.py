@@ -1,6 +1,11 @@
-"""Where the plugin meets a trainer.
+"""Where the plugin meets a host's trainer (the reference trainer in
+`mindspeed_tft.training`, Megatron-LM's `megatron.training` through `mindspeed_tft.megatron`).
 
-A trainer creates one `TFTPlugin` per process after parsing its args and:
+The interface a host implements is this package's: `state.TrainingState` (what recovery may
+act on) and `hooks.TrainerHooks` (the points of a step where the plugin acts), plus one
+function, its own `initialize_model_parallel(args)`, that recovery calls when it rebuilds
+megatron-core's parallel state. A host creates one `TFTPlugin` per process after parsing its
+args and:
 
 1. calls `register()` before it initializes torch.distributed: with high availability,
    rank 0 starts the controller (unless the launcher hosts it, `tft-run`) and every rank's
@@ -17,9 +22,11 @@ A trainer creates one `TFTPlugin` per process after parsing its args and:
 5. calls `finish()` when training ended normally.
 
 The hooks are: the processor's step reports (hold before an update when stopped, data
-status, progress for the hang watchdog), step snapshots and bookkeeping, fault injection
-(`TFT_INJECT`, honoured with or without high availability) and, with
-`--tft-check-replicas-interval`, the replica consistency check.
+status, progress for the hang watchdog), step snapshots, fault injection (`TFT_INJECT`,
+honoured with or without high availability) and, with `--tft-check-replicas-interval`, the
+replica consistency check. Layers below the plugin (control, recovery, replica) never call
+back into it: recovery gets the training state through its `RecoverableState` protocol and
+the group rebuild as one callable.
 """
 
 from __future__ import annotations
@@ -39,13 +46,12 @@ import torch.distributed as dist
 from mindspeed_tft.arguments import TFTFeatures
 from mindspeed_tft.events import configure_events, emit
 from mindspeed_tft.faults import FaultInjector
-from mindspeed_tft.replica.bookkeeping import StepBookkeeping, UpdateStatus
+from mindspeed_tft.plugin.hooks import HookList, TrainerHooks
+from mindspeed_tft.plugin.state import TrainingState
+from mindspeed_tft.recovery.snapshot import StepSnapshots
 from mindspeed_tft.replica.check import ReplicaConsistencyCheck
 from mindspeed_tft.replica.groups import ReplicaGroups, ReplicaLayout
-from mindspeed_tft.replica.optimizer import install_replica_optimizer
-from mindspeed_tft.training.arguments import fused_kernel_notices
-from mindspeed_tft.training.hooks import HookList, TrainerHooks
-from mindspeed_tft.training.state import TrainingState
+from mindspeed_tft.replica.optimizer import use_replica_groups
 
 log = logging.getLogger("mindspeed_tft.plugin")
 
@@ -161,22 +167,60 @@ def exit_without_teardown(code: int) -> NoReturn:
     os._exit(code)
 
 
-class TFTPlugin:
-    """The plugin's state in one training process."""
+class SnapshotHooks(TrainerHooks):
+    """Feeds the step into recovery's `StepSnapshots`."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, snapshots: StepSnapshots) -> None:
+        self.snapshots = snapshots
+
+    def on_train_start(self, state: TrainingState) -> None:
+        self.snapshots.on_train_start(state)
+
+    def on_update_end(self, state: TrainingState, step: int) -> None:
+        self.snapshots.on_update_end(state, step)
+
+    def on_step_end(self, state: TrainingState) -> None:
+        self.snapshots.on_step_end(state)
+
+
+class ReplicaCheckHooks(TrainerHooks):
+    """Runs the replica consistency check (`--tft-check-replicas-interval`)."""
+
+    def __init__(self, check: ReplicaConsistencyCheck) -> None:
+        self.check = check
+
+    def on_train_start(self, state: TrainingState) -> None:
+        self.check.start()
+
+    def on_step_end(self, state: TrainingState) -> None:
+        self.check.after_step(state.iteration, state.optimizer, state.model)
+
+
+InitializeModelParallel = Callable[[argparse.Namespace], None]
+
+
+class TFTPlugin:
+    """The plugin's state in one training process.
+
+    `initialize_model_parallel(args)` is the host's own call that builds megatron-core's
+    parallel state on the current default process group (recovery calls it again when it
+    rebuilds the groups after a fault)."""
+
+    def __init__(self, args: argparse.Namespace,
+                 initialize_model_parallel: InitializeModelParallel) -> None:
         self.args = args
         self.features: TFTFeatures = getattr(args, "tft_features", None) or TFTFeatures.from_args(
             args
         )
-        self.status = UpdateStatus()
+        self.initialize_model_parallel = initialize_model_parallel
         self.replica_groups: ReplicaGroups | None = None
         self.controller: Any = None
         self.processor: Any = None
-        self.snapshots: Any = None
+        self.snapshots: StepSnapshots | None = None
         self.termination: _Termination | None = None
         self.control_config: Any = None
         self.actions: Any = None
+        self.state: TrainingState | None = None
 
     @property
     def high_availability(self) -> bool:
@@ -192,16 +236,14 @@ class TFTPlugin:
         configure_events(getattr(self.args, "tft_events_file", None))
         if not self.high_availability:
             return
+        from mindspeed_tft import patches
         from mindspeed_tft.control import ControlConfig, Controller, Features, Processor
         from mindspeed_tft.recovery.actions import RecoveryActions
-        from mindspeed_tft.recovery.snapshot import StepSnapshots
 
         config = ControlConfig.from_env()
         self.control_config = config
         if self.args.distributed_backend == "gloo":
-            from mindspeed_tft.recovery.collectives import install_gloo_collectives
-
-            install_gloo_collectives()
+            patches.install("gloo-collectives")
         rank, world_size = self.args.rank, self.args.world_size
         if rank == 0 and os.environ.get(CONTROLLER_IN_LAUNCHER_ENV) != "1":
             self.controller = Controller(world_size, config,
@@ -212,7 +254,8 @@ class TFTPlugin:
         if os.environ.get("MASTER_PORT"):
             keep_ports.append(int(os.environ["MASTER_PORT"]))
         self.snapshots = StepSnapshots()
-        self.actions = RecoveryActions(self, self.snapshots, dense_map, rank, keep_ports)
+        self.actions = RecoveryActions(self.rebuild_process_groups, self.snapshots, dense_map,
+                                       rank, keep_ports)
         self.processor = Processor(rank, world_size, config,
                                    replica={"dense": dense_map.describe_rank(rank)})
         self.actions.register(self.processor)
@@ -222,7 +265,7 @@ class TFTPlugin:
 
     def join_job(self) -> None:
         """A restarted worker: wait (serving the repair) until it is part of the rebuilt
-        process groups; then set up the model as usual, without collectives."""
+        process groups; then the host sets up its model as usual, without collectives."""
         assert self.processor is not None
         print(f"[mindspeed-tft] rank {self.args.rank} restarted into a running job: waiting for "
               "the repair", flush=True)
@@ -236,7 +279,7 @@ class TFTPlugin:
         if self.high_availability or getattr(self.args, "tft_check_replicas_interval", 0):
             self.replica_groups = ReplicaGroups(ReplicaLayout.from_args(self.args))
             self.replica_groups.build()
-            install_replica_optimizer(self.replica_groups)
+            use_replica_groups(self.replica_groups)
             emit("replica_layout", dist.get_rank(), pid=os.getpid(),
                  **self.replica_groups.layout_event())
 
@@ -249,33 +292,24 @@ class TFTPlugin:
             release_retired_groups,
             repoint_process_groups,
         )
-        from mindspeed_tft.training.initialize import set_random_seed
 
         old = leave_generation() if survivor else {}
-        join_generation(self.args, generation)
+        join_generation(self.args, generation, self.initialize_model_parallel)
         collectives.reset()
         self.replica_groups = None
         self.setup()
         if survivor:
-            state = self.actions.state
+            state = self.state
             roots = [*state.model, state.optimizer] if state is not None else []
             replaced = repoint_process_groups(roots, old)
             del old, roots
             release_retired_groups()
             log.info("rank %d: %d process-group references re-pointed", self.args.rank,
                      replaced)
-        else:
-            from megatron.core.num_microbatches_calculator import (
-                init_num_microbatches_calculator,
-            )
-
-            set_random_seed(self.args.seed)
-            init_num_microbatches_calculator(self.args.rank, None, self.args.global_batch_size,
-                                             self.args.micro_batch_size,
-                                             self.args.data_parallel_size)
 
     def attach(self, state: TrainingState) -> None:
         """The trainer's state exists: recovery may act on it."""
+        self.state = state
         if self.actions is not None:
             self.actions.attach(state)
 
@@ -283,16 +317,16 @@ class TFTPlugin:
         """The trainer hooks of this process."""
         hooks = HookList()
         if self.processor is not None:
-            assert self.termination is not None
+            assert self.termination is not None and self.snapshots is not None
             hooks.append(ProcessorHooks(self.processor, self.termination))
-            hooks.append(self.snapshots)
-        hooks.append(StepBookkeeping(self.status))
+            hooks.append(SnapshotHooks(self.snapshots))
         injector = FaultInjector.from_env(dist.get_rank())
         if injector:
             hooks.append(FaultInjectionHooks(injector))
         interval = getattr(self.args, "tft_check_replicas_interval", 0)
         if interval and self.replica_groups is not None:
-            hooks.append(ReplicaConsistencyCheck(self.replica_groups, interval))
+            hooks.append(ReplicaCheckHooks(ReplicaConsistencyCheck(self.replica_groups,
+                                                                   interval)))
         return hooks
 
     def run(self, train_fn: Callable[[], T]) -> T:
@@ -309,12 +343,3 @@ class TFTPlugin:
             self.processor.stop(0)
         if self.controller is not None:
             self.controller.stop()
-
-
-def startup_notices(args: argparse.Namespace) -> list[str]:
-    """Lines to print once at startup."""
-    notices = [f"[mindspeed-tft] {line}" for line in fused_kernel_notices(args, args.platform)]
-    features = getattr(args, "tft_features", None)
-    if features is not None:
-        notices.append(f"[mindspeed-tft] {features.describe()}")
-    return notices

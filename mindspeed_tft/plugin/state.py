@@ -1,10 +1,14 @@
-"""The training state: the one object through which the plugin reaches the trainer.
+"""The training state: the one object through which the plugin reaches the host's trainer
+(half of the interface a host implements; the other half is `hooks.TrainerHooks`).
 
-A trainer (this reference trainer, Megatron-LM's `megatron.training`, MindSpeed-LLM) builds a
+A host (this project's reference trainer, Megatron-LM's `megatron.training`) builds a
 `TrainingState` and hands it to the plugin. Recovery code (dump, repair, rollback, group
-rebuild) works on this object alone: the model chunks, the optimizer, the LR scheduler, the
-args (which hold `iteration` and `consumed_train_samples`, as in Megatron-LM), and a factory
-that rebuilds the training data iterator at a given consumed-sample count.
+rebuild) works on this object alone (it sees it through the narrow protocol
+`mindspeed_tft.recovery.interface.RecoverableState`): the model chunks, the optimizer, the
+LR scheduler, the args (which hold `iteration` and `consumed_train_samples`, as in
+Megatron-LM), a factory that rebuilds the training data iterator at a given consumed-sample
+count, and the host's own checkpoint code: what its `model_optim_rng.pt` holds, and how it
+loads a checkpoint in place.
 """
 
 from __future__ import annotations
@@ -19,15 +23,22 @@ import torch
 
 @dataclass
 class TrainingState:
-    """Everything a step reads or writes, owned by the trainer."""
+    """Everything a step reads or writes, owned by the host's trainer."""
 
     args: argparse.Namespace
     model: list[torch.nn.Module]
     optimizer: Any  # megatron.core.optimizer.MegatronOptimizer
     opt_param_scheduler: Any  # megatron.core.optimizer_param_scheduler.OptimizerParamScheduler
     build_train_data_iterator: Callable[[int], Iterator | None]
+    #: the content of `model_optim_rng.pt` at `iteration`, with the given RNG state
+    checkpoint_state_dict: Callable[[dict[str, Any]], dict[str, Any]]
+    #: load the latest checkpoint under a directory into this state; returns its iteration
+    #: (0: none there)
+    load_checkpoint: Callable[[str], int]
     train_data_iterator: Iterator | None = None
     valid_data_iterator: Iterator | None = None
+    #: called after a rollback (host-specific state to reset: timers, rerun state machine)
+    after_rollback: Callable[[], None] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -1,8 +1,9 @@
-"""Step hooks: the points in a training step where the plugin may act.
+"""Step hooks: the points in a training step where the plugin may act (half of the
+interface a host implements; the other half is `state.TrainingState`).
 
-The trainer calls a `TrainerHooks` object at fixed points of every step; the plugin (fault
-injection, step bookkeeping, the processor of the control plane) implements the methods it
-needs. Phases, in step order, with `step` = completed updates when the step began
+The host's training loop calls a `TrainerHooks` object at fixed points of every step; the
+plugin (fault injection, step snapshots, the processor of the control plane, the replica
+check) implements the methods it needs. Phases, in step order, with `step` = completed updates when the step began
 (Megatron's `iteration` before the step; step s produces iteration s + 1):
 
 - ``forward``: before the first micro-batch's forward pass of the step.
@@ -17,16 +18,22 @@ around megatron-core's local update (`step_with_ready_grads` of the mixed-precis
 optimizers: the inner Adam step and the copy of main params into model params). Nothing in
 that bracket communicates, so a rank that enters it always finishes it; the param all-gather
 of the distributed optimizer comes after it. `install_update_bracket()` installs it once per
-process.
+process (the ``update-bracket`` moment of `mindspeed_tft.patches`).
+
+`phase_reporting_forward_step` wraps a host's forward-step function so that the first
+micro-batch of a step reports the ``forward`` and ``backward`` phases.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from mindspeed_tft.training.state import TrainingState
+    import torch
+
+    from mindspeed_tft.plugin.state import TrainingState
 
 PHASES = ("forward", "backward", "optimizer", "save", "after")
 
@@ -122,7 +129,8 @@ def _bracketed(step_with_ready_grads: Any) -> Any:
 
 
 def install_update_bracket() -> None:
-    """Wrap megatron-core's local optimizer updates with the bracket (once per process)."""
+    """Wrap megatron-core's local optimizer updates with the bracket (once per process; the
+    ``update-bracket`` moment of `mindspeed_tft.patches`)."""
     global _installed
     if _installed:
         return
@@ -131,3 +139,36 @@ def install_update_bracket() -> None:
     for cls in (MixedPrecisionOptimizer, FP32Optimizer):
         cls.step_with_ready_grads = _bracketed(cls.step_with_ready_grads)
     _installed = True
+
+
+ForwardStep = Callable[[Iterator, Any], "tuple[torch.Tensor, Callable]"]
+
+
+def phase_reporting_forward_step(
+    forward_step_func: ForwardStep, state: TrainingState, hooks: TrainerHooks
+) -> ForwardStep:
+    """The host's forward step, reporting the ``forward`` phase of the step before its first
+    micro-batch and the ``backward`` phase when that micro-batch's backward pass reaches this
+    stage's output."""
+    step = state.iteration
+    seen = {"forward": False}
+
+    def forward_step(data_iterator: Iterator, model: Any, *args: Any, **kwargs: Any):
+        first = not seen["forward"]
+        if first:
+            seen["forward"] = True
+            hooks.on_phase(state, "forward", step)
+        output_tensor, loss_func = forward_step_func(data_iterator, model, *args, **kwargs)
+        if first and output_tensor.requires_grad:
+            fired = {"backward": False}
+
+            def on_backward(grad: torch.Tensor) -> torch.Tensor:
+                if not fired["backward"]:
+                    fired["backward"] = True
+                    hooks.on_phase(state, "backward", step)
+                return grad
+
+            output_tensor.register_hook(on_backward)
+        return output_tensor, loss_func
+
+    return forward_step

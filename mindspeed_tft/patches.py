@@ -1,0 +1,264 @@
+"""Every run-time patch of third-party code, declared in one table.
+
+mindspeed-tft adapts torch, megatron-core, Megatron-LM's `megatron.training` and torchrun
+at run time, the way MindSpeed adapts Megatron. Each change is declared below: the target
+(``module:qualified.name``), why it is needed and the version it was written against. The
+patches are grouped by the moment they are installed at; a moment's installer (a function
+named in the table) changes exactly the targets listed for it, and runs only when the
+process reaches that moment and calls `install(name)`: importing a module of this package
+never patches anything.
+
+Moments, in the order a training process meets them:
+
+- ``cpu``: the platform adaptor on a machine without an accelerator (`apply_platform_adaptor`);
+- ``torch-adam``: megatron-core without Apex / Transformer Engine falls back to torch's Adam;
+- ``update-bracket``: the trainer starts reporting its optimizer updates (SPEC 3);
+- ``replica-optimizer``: the replica groups exist (`TFTPlugin.setup`);
+- ``gloo-collectives``: high availability on gloo (`TFTPlugin.register`);
+- ``megatron-lm`` / ``megatron-lm-cpu``: the Megatron-LM host adaptor
+  (`mindspeed_tft.megatron.install`, the one-line import `mindspeed_tft.megatron_adaptor`);
+- ``torchrun``: the torchrun hook (`scripts/patch_torchrun.sh`: worker reboot under plain
+  torchrun).
+
+Scoped swaps (a name replaced for the duration of a ``with`` block and put back) are listed
+too, under the moment ``scoped``; they are made with `swapped`, which refuses a target the
+table does not declare.
+
+`tests/test_patches.py` resolves every target against the pinned versions (torch 2.13,
+megatron-core 0.12.1, Megatron-LM core_v0.12.1) and checks that each installer changes
+exactly its targets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+TORCH = "torch 2.13"
+MCORE = "megatron-core 0.12.1"
+MLM = "Megatron-LM core_v0.12.1"
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One replaced name: ``module:qualified.name``, why, and the version it fits."""
+
+    target: str
+    why: str
+    version: str
+
+
+@dataclass(frozen=True)
+class Moment:
+    """The patches installed together at one moment, by `installer` (``module:function``)."""
+
+    name: str
+    when: str
+    installer: str | None
+    patches: tuple[Patch, ...]
+
+
+def _p(target: str, why: str, version: str) -> Patch:
+    return Patch(target, why, version)
+
+
+_CPU_DEVICE = "megatron-core places tensors on `torch.cuda.current_device()` / device='cuda'"
+_CPU_TYPE = "compares `Tensor.type()` with 'torch.cuda.*Tensor' names: CPU tensors answer them"
+
+TABLE: tuple[Moment, ...] = (
+    Moment("cpu", "platform adaptor on CPU", "mindspeed_tft.platform.cpu_adaptor:apply", (
+        *(_p(f"torch:{name}", f"{_CPU_DEVICE}: a CUDA device argument means the CPU", TORCH)
+          for name in ("tensor", "zeros", "ones", "empty", "full", "arange")),
+        _p("torch:Tensor.cuda", "`.cuda()` returns the CPU tensor itself", TORCH),
+        _p("torch.cuda:current_device", f"{_CPU_DEVICE}: the CPU device", TORCH),
+        *(_p(f"torch.cuda:{name}", "CPU work is ordered by program order: no streams", TORCH)
+          for name in ("Stream", "stream", "current_stream", "default_stream", "synchronize")),
+        *(_p(f"torch.cuda:{name}", "the 'CUDA' generator is the CPU generator", TORCH)
+          for name in ("get_rng_state", "set_rng_state", "manual_seed")),
+        *(_p(f"megatron.core.tensor_parallel.random:{name}",
+             "the model-parallel RNG tracker keeps CPU generator states", MCORE)
+          for name in ("_get_cuda_rng_state", "_set_cuda_rng_state")),
+        _p("megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.__init__",
+           _CPU_TYPE, MCORE),
+        _p("megatron.core.optimizer.distrib_optimizer:"
+           "DistributedOptimizer._build_model_and_main_param_groups", _CPU_TYPE, MCORE),
+        _p("megatron.core.optimizer.optimizer:Float16OptimizerWithFloat16Params.__init__",
+           _CPU_TYPE, MCORE),
+        _p("megatron.core.optimizer.clip_grads:clip_grad_by_total_norm_fp32", _CPU_TYPE, MCORE),
+        _p("megatron.core.optimizer.optimizer:clip_grad_by_total_norm_fp32", _CPU_TYPE, MCORE),
+        _p("megatron.core.optimizer.distrib_optimizer:quantize_param_shard",
+           "raises without Transformer Engine even when there are no FP8 params", MCORE),
+    )),
+    Moment("torch-adam", "megatron-core falls back to torch's Adam (no Apex, no TE)",
+           "mindspeed_tft.platform.native_adam:apply", (
+        _p("megatron.core.optimizer.distrib_optimizer:"
+           "DistributedOptimizer._set_main_param_and_optimizer_states",
+           "the checkpoint's parameter state has no `step`: keep the restored one", MCORE),
+        _p("megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.load_state_dict",
+           "every param's state shares one `step` tensor after a load: give each its own",
+           MCORE),
+    )),
+    Moment("update-bracket", "the trainer reports its optimizer updates (SPEC 3)",
+           "mindspeed_tft.plugin.hooks:install_update_bracket", (
+        *(_p(f"megatron.core.optimizer.optimizer:{cls}.step_with_ready_grads",
+             "report 'start / end updating' around the local update, which never "
+             "communicates", MCORE)
+          for cls in ("MixedPrecisionOptimizer", "FP32Optimizer")),
+    )),
+    Moment("replica-optimizer", "the replica groups exist (N > 1 replicas)",
+           "mindspeed_tft.replica.optimizer:install_patches", (
+        _p("megatron.core.optimizer.distrib_optimizer:"
+           "DistributedOptimizer.get_grad_stats_parallel_group",
+           "with N replicas the world holds every shard N times: reduce grad norms over "
+           "one replica instance", MCORE),
+        _p("megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.save_parameter_state",
+           "DP rank 0 of every replica instance would write the same file: only instance 0",
+           MCORE),
+    )),
+    Moment("gloo-collectives", "high availability on gloo",
+           "mindspeed_tft.recovery.collectives:install_gloo_collectives", (
+        _p("torch.distributed:all_reduce",
+           "collected inside megatron-core's coalescing manager (gloo has none)", TORCH),
+        *(_p(f"torch.distributed:{name}",
+             "gloo has no reduce-scatter: an all-reduce and a slice", TORCH)
+          for name in ("reduce_scatter_tensor", "_reduce_scatter_base")),
+        *(_p(f"{module}:dist_reduce_scatter_func",
+             "megatron-core's reduce-scatter, as the gloo stand-in", MCORE)
+          for module in ("megatron.core.distributed.param_and_grad_buffer",
+                         "megatron.core.tensor_parallel.mappings",
+                         "megatron.core.tensor_parallel.layers")),
+        _p("megatron.core.distributed.param_and_grad_buffer:dist_all_gather_func",
+           "collected inside the coalescing manager", MCORE),
+        _p("megatron.core.distributed.param_and_grad_buffer:_coalescing_manager",
+           "gloo cannot coalesce: collect the operations and wait for them together", MCORE),
+        _p("torch.distributed:Work.wait",
+           "a rank stopped by the controller must leave a wait on a dead peer", TORCH),
+        *(_p(f"{module}:{name}", "marked so the abandonable wait knows a p2p op (torch "
+             "checks P2POp functions against distributed_c10d's names)", TORCH)
+          for module in ("torch.distributed", "torch.distributed.distributed_c10d")
+          for name in ("isend", "irecv", "batch_isend_irecv")),
+        *(_p(f"torch.distributed:{name}", "blocking p2p through the abandonable wait", TORCH)
+          for name in ("send", "recv")),
+    )),
+    Moment("megatron-lm", "the Megatron-LM host adaptor is installed",
+           "mindspeed_tft.megatron.adaptor:install_patches", (
+        *(_p(f"{module}:parse_args", "add the mindspeed-tft flags to Megatron-LM's parser "
+             "(pretrain_gpt.py passes no extra_args_provider)", MLM)
+          for module in ("megatron.training.arguments", "megatron.training.initialize")),
+        _p("megatron.training.initialize:validate_args",
+           "validate the flags against Megatron-LM's arguments, refuse what the plugin "
+           "cannot serve, set the replica engine's instance count", MLM),
+        _p("megatron.training.initialize:_initialize_distributed",
+           "join the control plane before torch.distributed starts; a restarted worker "
+           "joins the rebuilt process groups of the running job instead", MLM),
+        _p("megatron.training.initialize:_compile_dependencies",
+           "a restarted worker builds nothing and waits for nobody", MLM),
+        _p("megatron.training.training:setup_model_and_optimizer",
+           "build the replica groups, keep model / optimizer / scheduler for recovery", MLM),
+        _p("megatron.training.training:load_checkpoint",
+           "a restarted worker gets its state from its peers, not from --load", MLM),
+        _p("megatron.training.training:build_train_valid_test_datasets",
+           "keep the datasets: recovery rebuilds the data iterators at a sample count", MLM),
+        _p("megatron.training.training:train",
+           "run the training loop under the fault handler, re-enter it after a repair", MLM),
+        _p("megatron.training.training:train_step",
+           "report the step's phases (forward, backward) and its loss", MLM),
+        _p("megatron.training.training:post_training_step_callbacks",
+           "the 'after' phase of a step, with its iteration", MLM),
+        _p("megatron.training.training:checkpoint_and_decide_exit",
+           "the end of a step (after the periodic save): step reports and snapshots", MLM),
+        *(_p(f"{module}:pretrain", "leave the control plane when training ended", MLM)
+          for module in ("megatron.training.training", "megatron.training")),
+    )),
+    Moment("megatron-lm-cpu", "the Megatron-LM host adaptor, on CPU",
+           "mindspeed_tft.megatron.cpu:install_patches", (
+        _p("megatron.training.training:initialize_megatron",
+           "asserts CUDA unless allow_no_cuda: on CPU it is allowed", MLM),
+        _p("torch.cuda:device_count", "Megatron-LM builds megatron-core's parallel state "
+           "only when device_count() > 0: one 'device', the CPU", TORCH),
+        _p("torch.cuda:set_device", "there is no device to select on CPU", TORCH),
+        _p("megatron.legacy.fused_kernels:load",
+           "needs nvcc; CPU runs use no fused kernel (their flags are off)", MLM),
+        _p("megatron.training.initialize:_warmup_jit_function",
+           "warms CUDA JIT kernels; CPU runs keep megatron-core's helpers eager", MLM),
+    )),
+    Moment("torchrun", "scripts/patch_torchrun.sh: worker reboot under plain torchrun",
+           "mindspeed_tft.launcher.torchrun_hook:install_torchrun_hook", (
+        _p("torch.distributed.run:get_args_parser", "torchrun's parser plus the launcher's "
+           "--tft-spares-per-node", TORCH),
+        _p("torch.distributed.run:run",
+           "runs with high availability go through the mindspeed-tft agent", TORCH),
+    )),
+    Moment("scoped", "swapped for a `with` block and put back (see `swapped`)", None, (
+        _p("torch:compile", "megatron-core's import decorates fused helpers with "
+           "torch.compile (pulls in Inductor): eager on CPU (`import_megatron_core`)", MCORE),
+        _p("torch.distributed.launcher.api:LocalElasticAgent",
+           "tft-run: torch's launch with the mindspeed-tft agent", TORCH),
+        _p("torch.distributed.elastic.agent.server.local_elastic_agent:start_processes",
+           "tft-run: the agent's own process context (restart only failed workers)", TORCH),
+    )),
+)
+
+_MOMENTS = {moment.name: moment for moment in TABLE}
+_installed: set[str] = set()
+
+
+def moment(name: str) -> Moment:
+    """The table row of moment `name` (ValueError naming the known ones otherwise)."""
+    try:
+        return _MOMENTS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown patch moment {name!r}; known: {', '.join(_MOMENTS)}"
+        ) from None
+
+
+def _load(dotted: str) -> Any:
+    module_name, _, name = dotted.partition(":")
+    value: Any = importlib.import_module(module_name)
+    for part in name.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def resolve(target: str) -> tuple[Any, str, Any]:
+    """(owner, attribute name, current value) of a ``module:qualified.name`` target."""
+    module_name, _, name = target.partition(":")
+    owner: Any = importlib.import_module(module_name)
+    *path, attr = name.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, attr, owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+
+
+def install(name: str) -> bool:
+    """Install the patches of moment `name` (once per process); True if this call did."""
+    row = moment(name)
+    if row.installer is None:
+        raise ValueError(f"moment {name!r} is scoped: use `swapped`, not `install`")
+    if name in _installed:
+        return False
+    _load(row.installer)()
+    _installed.add(name)
+    return True
+
+
+def installed() -> list[str]:
+    """The moments installed in this process, in installation order."""
+    return [m.name for m in TABLE if m.name in _installed]
+
+
+@contextlib.contextmanager
+def swapped(target: str, value: Any) -> Iterator[None]:
+    """Replace a declared scoped target by `value` for the duration of the block."""
+    if target not in {p.target for p in moment("scoped").patches}:
+        raise ValueError(f"{target} is not declared as a scoped patch in mindspeed_tft.patches")
+    owner, attr, old = resolve(target)
+    setattr(owner, attr, value)
+    try:
+        yield
+    finally:
+        setattr(owner, attr, old)
