@@ -27,10 +27,11 @@ Megatron's own validation (it needs ``data_parallel_size`` and friends) and:
 
    - ``args.optimizer_replica_num_effective``: how many copies of each optimizer-state shard
      exist across the data-parallel (x context-parallel) group. With high availability on:
-     1 with ``--distributed-optimizer-no-replica``, ``--optimizer-replica-num`` with the
-     distributed optimizer, d (every rank holds a full copy) with the non-distributed
-     fp16/bf16 optimizer. With it off no replica groups are built: 1 with the distributed
-     optimizer, d without it.
+     1 with ``--distributed-optimizer-no-replica``, ``--optimizer-replica-num`` N with the
+     distributed optimizer (a divisor of d, 1 <= N <= d; N = d: every rank holds the whole
+     optimizer state, as with the non-distributed optimizer), d (every rank holds a full
+     copy) with the non-distributed fp16/bf16 optimizer. With it off no replica groups are
+     built: 1 with the distributed optimizer, d without it.
    - ``args.tft_features``: a frozen `TFTFeatures`, the one summary the rest of the plugin
      reads; ``describe()`` gives the startup log line.
 
@@ -167,7 +168,8 @@ def add_tft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=DEFAULT_OPTIMIZER_REPLICA_NUM,
         metavar="N",
         help="Number of copies N of every distributed-optimizer shard (default "
-        f"{DEFAULT_OPTIMIZER_REPLICA_NUM}); N must divide the data-parallel size d and N < d. "
+        f"{DEFAULT_OPTIMIZER_REPLICA_NUM}); N must divide the data-parallel size d (1 <= N <= d; "
+        "N = d: every data-parallel rank holds the whole optimizer state). "
         "Takes effect only with --enable-high-availability and the distributed optimizer.",
     )
     group.add_argument(
@@ -320,24 +322,18 @@ def _dp_label(args: argparse.Namespace) -> str:
     return "data-parallel size"
 
 
-def _divisors_below(n: int) -> str:
-    return ", ".join(str(k) for k in range(1, n) if n % k == 0)
+def _divisors(n: int) -> str:
+    """The divisors of ``n``, ascending, comma-separated."""
+    return ", ".join(str(k) for k in range(1, n + 1) if n % k == 0)
 
 
 def _check_replica_num(replica_num: int, group_size: int, label: str) -> None:
-    allowed = (
-        f"allowed: a divisor N of {group_size} with 1 <= N < {group_size} "
-        f"({_divisors_below(group_size)})"
-    )
+    """Refuse an N that does not divide ``group_size`` (N > ``group_size`` included)."""
     if group_size % replica_num:
         raise TFTArgumentError(
             f"--optimizer-replica-num {replica_num} does not divide the {label} {group_size}; "
-            + allowed
-        )
-    if replica_num >= group_size:
-        raise TFTArgumentError(
-            f"--optimizer-replica-num {replica_num} is not less than the {label} {group_size}; "
-            + allowed
+            f"allowed: a divisor N of {group_size} with 1 <= N <= {group_size} "
+            f"({_divisors(group_size)})"
         )
 
 

@@ -29,6 +29,7 @@ LAYOUTS: dict[str, dict[str, int]] = {
     "pp2dp2": {"NPROC": 4, "TP": 1, "PP": 2},
     "dp8": {"NPROC": 8, "TP": 1, "PP": 1},
     "tp2dp4": {"NPROC": 8, "TP": 2, "PP": 1},
+    "tp2pp2dp2": {"NPROC": 8, "TP": 2, "PP": 2},
 }
 
 

@@ -347,37 +347,77 @@ def test_context_parallel_counts_toward_d():
 def test_replica_num_does_not_divide_d():
     assert error_of(HA + ["--optimizer-replica-num", "3"]) == (
         "--optimizer-replica-num 3 does not divide the data-parallel size 4; allowed: a "
-        "divisor N of 4 with 1 <= N < 4 (1, 2)"
+        "divisor N of 4 with 1 <= N <= 4 (1, 2, 4)"
     )
 
 
-def test_replica_num_equal_to_d():
-    assert error_of(HA + ["--optimizer-replica-num", "4"]) == (
-        "--optimizer-replica-num 4 is not less than the data-parallel size 4; allowed: a "
-        "divisor N of 4 with 1 <= N < 4 (1, 2)"
-    )
+@pytest.mark.parametrize("replica_num", [1, 2, 4])
+def test_every_divisor_of_d_is_accepted(replica_num):
+    args = validate(HA + ["--optimizer-replica-num", str(replica_num)])
+    assert args.optimizer_replica_num_effective == replica_num
+    assert args.num_distributed_optimizer_instances == replica_num
+    assert args.tft_features.replica_num == replica_num
+
+
+def test_replica_num_equal_to_d_every_rank_holds_the_whole_state():
+    # N = d: d optimizer instances of one rank each (the non-distributed optimizer's memory)
+    args = validate(HA + ["--optimizer-replica-num", "4"])
+    assert args.optimizer_replica_num_effective == 4
+    assert args.num_distributed_optimizer_instances == 4
+    assert args.tft_features == TFTFeatures(True, False, False, False, 4, "command line")
+
+
+def test_default_replica_num_equals_d_two():
+    # TP2 x PP2 x DP2: the defaults (N = 2 = d) are accepted
+    args = validate(HA + ["--enable-worker-reboot"], world_size=8, tensor_model_parallel_size=2,
+                    pipeline_model_parallel_size=2, data_parallel_size=2)
+    assert args.optimizer_replica_num_effective == 2
+    assert args.num_distributed_optimizer_instances == 2
+    assert args.tft_features == TFTFeatures(True, False, True, False, 2, "command line")
 
 
 def test_replica_num_larger_than_d():
     assert error_of(HA + ["--optimizer-replica-num", "8"]) == (
         "--optimizer-replica-num 8 does not divide the data-parallel size 4; allowed: a "
-        "divisor N of 4 with 1 <= N < 4 (1, 2)"
+        "divisor N of 4 with 1 <= N <= 4 (1, 2, 4)"
+    )
+
+
+def test_replica_num_larger_than_d_two():
+    assert error_of(HA + ["--optimizer-replica-num", "4"], world_size=4,
+                    data_parallel_size=2) == (
+        "--optimizer-replica-num 4 does not divide the data-parallel size 2; allowed: a "
+        "divisor N of 2 with 1 <= N <= 2 (1, 2)"
+    )
+
+
+def test_replica_num_larger_than_d_and_not_a_multiple():
+    assert error_of(HA + ["--optimizer-replica-num", "6"]) == (
+        "--optimizer-replica-num 6 does not divide the data-parallel size 4; allowed: a "
+        "divisor N of 4 with 1 <= N <= 4 (1, 2, 4)"
     )
 
 
 def test_default_replica_num_with_d_two_context_parallel():
-    assert error_of(HA, data_parallel_size=1, context_parallel_size=2, world_size=4) == (
-        "--optimizer-replica-num 2 is not less than the data-parallel x context-parallel size "
-        "2; allowed: a divisor N of 2 with 1 <= N < 2 (1)"
-    )
+    # d = data 1 x context 2 = 2: N = 2 = d
+    args = validate(HA, data_parallel_size=1, context_parallel_size=2, world_size=4)
+    assert args.optimizer_replica_num_effective == 2
+    assert args.num_distributed_optimizer_instances == 2
 
 
 def test_replica_num_checked_against_d_times_cp():
     assert error_of(HA + ["--optimizer-replica-num", "3"], data_parallel_size=2,
                     context_parallel_size=4, world_size=16) == (
         "--optimizer-replica-num 3 does not divide the data-parallel x context-parallel size "
-        "8; allowed: a divisor N of 8 with 1 <= N < 8 (1, 2, 4)"
+        "8; allowed: a divisor N of 8 with 1 <= N <= 8 (1, 2, 4, 8)"
     )
+
+
+def test_replica_num_equal_to_d_times_cp():
+    args = validate(HA + ["--optimizer-replica-num", "8"], data_parallel_size=2,
+                    context_parallel_size=4, world_size=16)
+    assert args.optimizer_replica_num_effective == 8
+    assert args.num_distributed_optimizer_instances == 8
 
 
 # --- MoE: expert data parallelism ------------------------------------------------------------
@@ -394,11 +434,20 @@ def test_moe_expert_data_parallel_size_one_refused():
 
 
 def test_moe_replica_num_checked_against_expert_data_parallel():
-    # world 8, tensor 2, data 4, expert 2, expert-tensor 2 -> expert-DP 2: N=2 is not < 2.
+    # world 8, tensor 2, data 4, expert 2, expert-tensor 2 -> expert-DP 2: N=4 divides d = 4
+    # but not 2.
+    assert error_of(HA + ["--optimizer-replica-num", "4"], expert_model_parallel_size=2,
+                    expert_tensor_parallel_size=2, num_experts=4) == (
+        "--optimizer-replica-num 4 does not divide the expert-data-parallel size 2; "
+        "allowed: a divisor N of 2 with 1 <= N <= 2 (1, 2)"
+    )
+
+
+def test_moe_replica_num_equal_to_expert_data_parallel_meets_the_expert_parallel_refusal():
+    # expert-DP 2: N = 2 passes the layout check and is refused for expert parallelism only.
     assert error_of(HA, expert_model_parallel_size=2, expert_tensor_parallel_size=2,
-                    num_experts=4) == (
-        "--optimizer-replica-num 2 is not less than the expert-data-parallel size 2; "
-        "allowed: a divisor N of 2 with 1 <= N < 2 (1)"
+                    num_experts=4).startswith(
+        "--optimizer-replica-num 2 cannot be combined with --expert-model-parallel-size 2: "
     )
 
 

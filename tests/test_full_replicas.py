@@ -1,0 +1,106 @@
+"""N = d: every data-parallel rank holds the whole optimizer state (SPEC 2), on real jobs.
+
+TP2 x PP2 x DP2 (8 ranks) with the distributed optimizer and the default
+``--optimizer-replica-num 2``: d = 2, so megatron-core's partial distributed optimizer runs
+2 instances of one rank each (chunk size 1: every shard is the whole state of its DP group,
+held by both of its ranks). A rank killed in its backward pass is restarted alone and gets
+its shard from the other rank of its DP group; a rank killed without worker reboot leaves a
+dying-gasp checkpoint assembled from one-rank chunks. Every loss equals the fault-free run's,
+bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.jobs import HA_ARGS, run_tiny_job
+
+pytestmark = pytest.mark.multiproc
+
+LAYOUT = "tp2pp2dp2"
+ARF_ARGS = f"{HA_ARGS} --enable-worker-reboot"
+#: tiny: 8 ranks share 2 cores; a periodic checkpoint half way
+CONFIG = {"layout": LAYOUT, "train_iters": 8, "save_interval": 4}
+RANKS = list(range(8))
+DUMP_EXIT_CODE = 75
+
+
+def _reference(reference_job):
+    """The fault-free run with N = d under tft-run, worker reboot on (the options of the
+    faulty run, minus the injection)."""
+    return reference_job(ha_args=ARF_ARGS, launcher="tft-run", **CONFIG)
+
+
+def _pids(job) -> dict[int, list[int]]:
+    pids: dict[int, list[int]] = {}
+    for event in job.named("replica_layout"):
+        if event["pid"] not in pids.setdefault(event["rank"], []):
+            pids[event["rank"]].append(event["pid"])
+    return pids
+
+
+def _assert_full_replica_layout(job) -> None:
+    """Every rank is a one-rank optimizer instance holding its DP group's whole state."""
+    layouts = {e["rank"]: e for e in job.named("replica_layout")}
+    assert sorted(layouts) == RANKS
+    for rank, event in layouts.items():
+        assert (event["dp_size"], event["replica_num"], event["shard"]) == (2, 2, 0), event
+        assert event["chunk_group"] == [rank], event
+        assert event["holders"] == event["dp_group"] == event["replica_group"], event
+        assert rank in event["holders"] and len(event["holders"]) == 2, event
+
+
+def test_killed_worker_is_replaced_from_the_other_full_replica(reference_job, tmp_path):
+    reference = _reference(reference_job)
+    _assert_full_replica_layout(reference)
+    assert reference.named("replica_check")
+    assert all(e["match"] for e in reference.named("replica_check"))
+
+    job = run_tiny_job(tmp_path, inject="kill:rank=5,step=4,phase=backward",
+                       ha_args=ARF_ARGS, launcher="tft-run", timeout=600, **CONFIG)
+    assert job.returncode == 0, job.describe()
+    assert job.losses() == reference.losses()
+    assert sorted(job.losses()) == list(range(1, CONFIG["train_iters"] + 1))
+    assert all(e["match"] for e in job.named("replica_check"))
+    _assert_full_replica_layout(job)
+    # rank 5 got a new process, the 7 survivors kept theirs
+    pids = _pids(job)
+    assert sorted(pids) == RANKS
+    for rank, processes in pids.items():
+        assert len(processes) == (2 if rank == 5 else 1), (rank, processes)
+    (restart,) = job.named("worker_restarted")
+    assert restart["rank"] == 5 and restart["returncode"] == -9
+    assert [e["strategy"] for e in job.named("strategy")] == ["recover"]
+    lost = [e for e in job.named("fault_detected") if e["kind"] == "lost"]
+    assert [e["ranks"] for e in lost] == [[5]]
+    # the whole state came from rank 7, the other rank of rank 5's DP group [5, 7]
+    (received,) = job.named("shard_received")
+    assert (received["rank"], received["source"], received["iteration"]) == (5, 7, 4)
+    assert {e["iteration"] for e in job.named("rolled_back")} == {4}
+    assert [e["lock_step"] for e in job.named("repaired")] == [4]
+
+
+def test_dump_of_one_rank_chunks_resumes_bit_exact(reference_job, tmp_path):
+    """Without worker reboot the fault ends the job with a dump (chunk size 1: each DP
+    group's whole state comes from one surviving holder); resuming from it reproduces the
+    fault-free losses (the trajectory does not depend on the launcher or on the reboot
+    switch, so the shared reference serves)."""
+    reference = _reference(reference_job)
+    config = {**CONFIG, "ha_args": HA_ARGS}
+    faulty = run_tiny_job(tmp_path / "faulty", inject="kill:rank=5,step=5,phase=backward",
+                          timeout=600, **config)
+    assert faulty.returncode != 0
+    (saved,) = faulty.named("dump_saved")
+    assert saved["iteration"] == 5, faulty.describe()
+    assert (faulty.checkpoint_dir / "latest_checkpointed_iteration.txt").read_text() == "5"
+    codes = faulty.exit_codes()
+    assert codes[5] == -9
+    assert {r: codes[r] for r in RANKS if r != 5} == {r: DUMP_EXIT_CODE for r in RANKS if r != 5}
+
+    resumed = run_tiny_job(tmp_path / "resumed", load_dir=faulty.checkpoint_dir, timeout=600,
+                           **config)
+    assert resumed.returncode == 0, resumed.describe()
+    assert f"loaded checkpoint {faulty.checkpoint_dir} at iteration 5" in resumed.output
+    expected = reference.losses()
+    assert faulty.losses() == {it: expected[it] for it in range(1, 6)}
+    assert resumed.losses() == {it: expected[it] for it in range(6, 9)}
