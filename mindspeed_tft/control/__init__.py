@@ -11,7 +11,9 @@
 - `controller`: the controller (active or backup), `python -m mindspeed_tft.control.controller`
 - `backup`: backup controllers kept in sync, and failover with a majority of ranks
 - `local`: controllers hosted by this process (an exiting rank lets them finish)
-- `processor`: the per-rank agent; `watchdog`: hang detection; `handler`: the exception wrapper
+- `processor`: the per-rank agent, made of a `channel` to the controller, a `gate` for the
+  training thread and the `orders` worker threads; `watchdog`: hang detection
+- `handler`: the exception wrapper around the training function
 
 Wiring, in short: rank 0 (or the node-0 launcher) runs `Controller(world_size).start()`;
 every rank runs `p = Processor(rank, world_size, replica=...)`, registers callbacks,

@@ -1,0 +1,124 @@
+"""How a processor runs the controller's orders (`control.orders`): one long-lived worker per
+lane, exit and resume never behind a blocked order, a stuck order left behind once overdue."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any
+
+from mindspeed_tft.control import ControlConfig, Processor
+from mindspeed_tft.control.orders import Order, Orders
+from tests.jobs import wait_for
+
+
+def _order(oid: int, name: str, limit: float = 30.0,
+           payload: dict[str, Any] | None = None) -> Order:
+    return Order(oid, name, payload or {}, time.monotonic() + limit)
+
+
+def test_work_orders_run_in_arrival_order_on_one_thread() -> None:
+    seen: queue.Queue[tuple[int, int]] = queue.Queue()
+    orders = Orders(0, lambda o: seen.put((o.id, threading.get_ident())))
+    try:
+        for oid, name in enumerate(("stop", "clean", "repair", "rollback"), 1):
+            orders.submit(_order(oid, name))
+        got = [seen.get(timeout=5) for _ in range(4)]
+        assert [oid for oid, _ in got] == [1, 2, 3, 4]
+        assert len({tid for _, tid in got}) == 1
+        orders.submit(_order(5, "dump"))
+        assert seen.get(timeout=5)[1] == got[0][1]  # the same long-lived worker
+    finally:
+        orders.close()
+
+
+def test_exit_and_resume_do_not_queue_behind_a_blocked_order() -> None:
+    unblock = threading.Event()
+    ran: queue.Queue[str] = queue.Queue()
+
+    def run(order: Order) -> None:
+        if order.name == "stop":
+            unblock.wait(10)
+        ran.put(order.name)
+
+    orders = Orders(0, run)
+    try:
+        orders.submit(_order(1, "stop"))
+        orders.submit(_order(2, "resume"))
+        orders.submit(_order(3, "exit"))
+        assert [ran.get(timeout=2), ran.get(timeout=2)] == ["resume", "exit"]
+        unblock.set()
+        assert ran.get(timeout=2) == "stop"
+    finally:
+        unblock.set()
+        orders.close()
+
+
+def test_an_order_past_its_time_limit_no_longer_holds_up_its_lane() -> None:
+    unblock = threading.Event()
+    ran: queue.Queue[tuple[str, int]] = queue.Queue()
+
+    def run(order: Order) -> None:
+        if order.name == "repair":
+            unblock.wait(10)
+        ran.put((order.name, threading.get_ident()))
+
+    orders = Orders(0, run)
+    try:
+        orders.submit(_order(1, "repair", limit=0.3))
+        orders.submit(_order(2, "dump"))
+        orders.check(time.monotonic())  # still within its limit: the dump waits
+        time.sleep(0.1)
+        assert ran.empty() and orders.work.abandoned == 0
+        time.sleep(0.3)
+        orders.check(time.monotonic())
+        name, fresh = ran.get(timeout=2)
+        assert name == "dump" and orders.work.abandoned == 1
+        unblock.set()
+        name, stuck = ran.get(timeout=2)
+        assert name == "repair" and stuck != fresh  # finished late, on the abandoned worker
+        orders.submit(_order(3, "rename"))
+        assert ran.get(timeout=2) == ("rename", fresh)
+    finally:
+        unblock.set()
+        orders.close()
+
+
+def _processor() -> Processor:
+    cfg = ControlConfig(action_time_limit=4.0, park_timeout=1.0)
+    return Processor(0, 1, cfg, hard_exit=False, host="localhost")
+
+
+def _stuck_stop(p: Processor) -> threading.Event:
+    """Rank 0 stopped, its stop callback blocked (its result not sent yet)."""
+    unblock = threading.Event()
+    p.register_callback("stop", lambda payload: {"waited": unblock.wait(10)})
+    p._orders.submit(_order(1, "stop", payload={"lock_step": 3}))
+    wait_for(lambda: p.stopped, 5, what="the stop")
+    return unblock
+
+
+def test_exit_reaches_the_training_thread_while_the_stop_callback_waits() -> None:
+    p = _processor()
+    unblock = _stuck_stop(p)
+    try:
+        p._orders.submit(_order(2, "exit", payload={"code": 3, "reason": "test"}))
+        decision = p.wait_decision(3)
+        assert (decision.action, decision.code, decision.reason) == ("exit", 3, "test")
+    finally:
+        unblock.set()
+        p.close()
+
+
+def test_resume_reaches_the_training_thread_while_the_stop_callback_waits() -> None:
+    p = _processor()
+    unblock = _stuck_stop(p)
+    try:
+        p._orders.submit(_order(2, "resume", payload={"step": 7, "strategy": "none"}))
+        decision = p.wait_decision(3)
+        assert (decision.action, decision.step) == ("resume", 7)
+        assert not p.stopped
+    finally:
+        unblock.set()
+        p.close()
