@@ -154,8 +154,6 @@ TABLE: tuple[Moment, ...] = (
         _p("megatron.training.initialize:_initialize_distributed",
            "join the control plane before torch.distributed starts; a restarted worker "
            "joins the rebuilt process groups of the running job instead", MLM),
-        _p("megatron.training.initialize:_compile_dependencies",
-           "a restarted worker builds nothing and waits for nobody", MLM),
         _p("megatron.training.training:setup_model_and_optimizer",
            "build the replica groups, keep model / optimizer / scheduler for recovery", MLM),
         _p("megatron.training.training:load_checkpoint",
@@ -199,6 +197,15 @@ TABLE: tuple[Moment, ...] = (
            "tft-run: torch's launch with the mindspeed-tft agent", TORCH),
         _p("torch.distributed.elastic.agent.server.local_elastic_agent:start_processes",
            "tft-run: the agent's own process context (restart only failed workers)", TORCH),
+        *(_p(f"torch.distributed:{name}", "a restarted worker's Megatron-LM start-up, between "
+             "joining the rebuilt groups and its training loop: answered locally (its peers "
+             "are parked; `mindspeed_tft.megatron.adaptor._LocalCollectives`)", TORCH)
+          for name in ("barrier", "all_reduce", "broadcast", "all_gather",
+                       "all_gather_into_tensor", "_all_gather_base", "all_gather_object",
+                       "broadcast_object_list")),
+        *(_p(f"{module}:dist_all_gather_func", "the same, for megatron-core's own binding of "
+             "torch's all-gather", MCORE)
+          for module in ("megatron.core.timers", "megatron.core.utils")),
     )),
 )
 

@@ -1,0 +1,526 @@
+"""The Megatron-LM host: mindspeed-tft inside Megatron-LM's own `megatron.training` loop.
+
+Nothing of Megatron-LM is copied or edited; the functions below wrap Megatron-LM's own
+(core_v0.12.1) where its `pretrain()` calls them, and are installed together as the
+``megatron-lm`` moment of `mindspeed_tft.patches`:
+
+- `parse_args` / `validate_args`: the mindspeed-tft flags join Megatron-LM's parser (unless
+  a framework built on it, MindSpeed-LLM, already has them); after Megatron-LM's own
+  validation, `validate_tft_args` and the combinations this host cannot serve
+  (`HOST_REFUSALS`: each refused with the flag and the fix). With high availability the
+  checkpoint format is Megatron-LM's ``torch`` (the dump is written in it), chosen for the
+  user when `--ckpt-format` is not given.
+- `_initialize_distributed`: the control plane is joined before torch.distributed starts;
+  a restarted worker (worker reboot) joins the rebuilt process groups of the running job
+  instead, then rebuilds model, optimizer and data exactly as at start-up while its
+  collectives are answered locally (`_LocalCollectives`: its peers are mid-training) and
+  `--load` is skipped (its state comes from its peers).
+- `setup_model_and_optimizer`, `build_train_valid_test_datasets`: what recovery needs is
+  kept (model chunks, optimizer, scheduler, the datasets to rebuild the data iterators at a
+  sample count).
+- `train`: runs under the fault handler (`TFTPlugin.run`) with the host's `TrainingState`;
+  after a repair it is entered again with the rebuilt data iterators and the training
+  config as it was at its first entry.
+- `train_step` / `post_training_step_callbacks` / `checkpoint_and_decide_exit`: the step's
+  phases, its loss (the ``iteration`` event), its end.
+- `pretrain`: a warm spare of `tft-run` waits for its rank first; the control plane is left
+  when training ended.
+
+The dying-gasp checkpoint is written with Megatron-LM's `generate_state_dict` (its torch
+format), so Megatron-LM's `--load` resumes from it; a repair without replicas reloads the
+periodic checkpoint in place with Megatron-LM's `load_checkpoint`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import contextlib
+import logging
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mindspeed_tft.arguments import TFTArgumentError, add_tft_args, validate_tft_args
+from mindspeed_tft.events import emit
+from mindspeed_tft.plugin import TFTPlugin, exit_without_teardown
+from mindspeed_tft.plugin.hooks import (
+    TrainerHooks,
+    phase_reporting_forward_step,
+    set_update_listener,
+)
+from mindspeed_tft.plugin.state import TrainingState
+
+log = logging.getLogger("mindspeed_tft.megatron")
+
+#: flag -> (is it set on these args?, why the plugin cannot serve it, the fix)
+HOST_REFUSALS: tuple[tuple[str, Callable[[argparse.Namespace], bool], str], ...] = (
+    ("--exit-signal-handler", lambda a: bool(a.exit_signal_handler),
+     "the plugin handles SIGTERM itself (a launcher's SIGTERM must not end a rank that is "
+     "writing the dump); remove --exit-signal-handler"),
+    ("--use-dist-ckpt", lambda a: bool(getattr(a, "use_dist_ckpt_deprecated", False)),
+     "the dump is written in Megatron-LM's torch format; remove --use-dist-ckpt"),
+    ("--async-save", lambda a: bool(a.async_save),
+     "the torch checkpoint format saves synchronously; remove --async-save"),
+    ("--use-torch-fsdp2", lambda a: bool(a.use_torch_fsdp2),
+     "replicas shard the distributed optimizer's state, not FSDP's; remove --use-torch-fsdp2"),
+    ("--use-custom-fsdp", lambda a: bool(a.use_custom_fsdp),
+     "replicas shard the distributed optimizer's state, not FSDP's; remove --use-custom-fsdp"),
+    ("--virtual-pipeline-model-parallel-size",
+     lambda a: a.virtual_pipeline_model_parallel_size is not None,
+     "interleaved pipelines are not supported by this host yet; remove it"),
+    ("--rerun-mode", lambda a: a.rerun_mode != "disabled",
+     "Megatron-LM's rerun state machine would re-run steps the plugin rolls back; use "
+     "--rerun-mode disabled (the default)"),
+    ("--enable-ft-package", lambda a: bool(a.enable_ft_package),
+     "nvidia-resiliency-ext's fault tolerance would act on the same faults; remove it"),
+    ("--non-persistent-save-interval", lambda a: a.non_persistent_save_interval is not None,
+     "repairs and dumps use the persistent checkpoints under --save; remove it"),
+)
+
+
+def _flag_given(flag: str) -> bool:
+    return any(arg == flag or arg.startswith(flag + "=") for arg in sys.argv[1:])
+
+
+def check_host_args(args: argparse.Namespace, optimizer_instances: int) -> None:
+    """With high availability: refuse what this host cannot serve, and use Megatron-LM's
+    torch checkpoint format unless the user chose another one (then refuse it).
+    `optimizer_instances` is the user's --num-distributed-optimizer-instances."""
+    if not args.enable_high_availability:
+        return
+    if optimizer_instances != 1:
+        raise TFTArgumentError(
+            f"--num-distributed-optimizer-instances {optimizer_instances} cannot be combined "
+            "with --enable-high-availability: the plugin sets it from --optimizer-replica-num; "
+            "remove it"
+        )
+    for flag, given, fix in HOST_REFUSALS:
+        if given(args):
+            raise TFTArgumentError(
+                f"{flag} cannot be combined with --enable-high-availability: {fix}"
+            )
+    if args.ckpt_format != "torch":
+        if _flag_given("--ckpt-format"):
+            raise TFTArgumentError(
+                f"--ckpt-format {args.ckpt_format} cannot be combined with "
+                "--enable-high-availability: the dying-gasp checkpoint is written in "
+                "Megatron-LM's torch format; allowed: --ckpt-format torch (the default "
+                "under --enable-high-availability)"
+            )
+        args.ckpt_format = "torch"
+        args.use_dist_ckpt = False
+        if args.rank == 0:
+            print("[mindspeed-tft] --enable-high-availability: checkpoints in Megatron-LM's "
+                  "torch format (--ckpt-format torch)", flush=True)
+
+
+class _LocalCollectives:
+    """A restarted worker's start-up: Megatron-LM's collectives answered locally.
+
+    Between joining the rebuilt process groups and entering the training loop, a restarted
+    worker runs Megatron-LM's start-up again (seeds, model, optimizer, datasets, loaders),
+    while its peers are parked waiting for it. The start-up's collectives (barriers around
+    timers and dataset caches, the start-time all-reduce, the loader-flag broadcast) would
+    wait for peers that never call them; each is answered with what this rank computed for
+    itself, which on these paths is what every rank computes. Real communication resumes
+    when the training loop is entered (the repair's shard copy and rollback)."""
+
+    def __init__(self) -> None:
+        self._stack: contextlib.ExitStack | None = None
+
+    @staticmethod
+    def _done(async_op: bool = False) -> Any:
+        class _Done:
+            def wait(self, *args: Any, **kwargs: Any) -> bool:
+                return True
+
+            def is_completed(self) -> bool:
+                return True
+
+        return _Done() if async_op else None
+
+    def _stand_ins(self) -> dict[str, Callable[..., Any]]:
+        def barrier(*args: Any, async_op: bool = False, **kwargs: Any) -> Any:
+            return self._done(async_op)
+
+        def unchanged(tensor: Any, *args: Any, async_op: bool = False, **kwargs: Any) -> Any:
+            return self._done(async_op)
+
+        def all_gather(outputs: list[Any], tensor: torch.Tensor, *args: Any,
+                       async_op: bool = False, **kwargs: Any) -> Any:
+            for out in outputs:
+                out.copy_(tensor)
+            return self._done(async_op)
+
+        def gather_into(output: torch.Tensor, tensor: torch.Tensor, *args: Any,
+                        async_op: bool = False, **kwargs: Any) -> Any:
+            output.view(-1, tensor.numel()).copy_(tensor.reshape(1, -1).clone())
+            return self._done(async_op)
+
+        def gather_object(outputs: list[Any], obj: Any, *args: Any, **kwargs: Any) -> None:
+            outputs[:] = [obj] * len(outputs)
+
+        stand_ins = {"barrier": barrier, "all_reduce": unchanged, "broadcast": unchanged,
+                     "all_gather": all_gather, "all_gather_into_tensor": gather_into,
+                     "_all_gather_base": gather_into, "all_gather_object": gather_object,
+                     "broadcast_object_list": unchanged}
+        targets = {f"torch.distributed:{name}": fn for name, fn in stand_ins.items()}
+        # megatron-core modules that bound torch's all-gather to a name of their own
+        for module in ("megatron.core.timers", "megatron.core.utils"):
+            targets[f"{module}:dist_all_gather_func"] = gather_into
+        return targets
+
+    def start(self) -> None:
+        from mindspeed_tft import patches
+
+        stack = contextlib.ExitStack()
+        for target, stand_in in self._stand_ins().items():
+            stack.enter_context(patches.swapped(target, stand_in))
+        self._stack = stack
+
+    def stop(self) -> None:
+        if self._stack is not None:
+            self._stack.close()
+            self._stack = None
+
+
+class MegatronHost:
+    """What the Megatron-LM adaptor keeps for one training process."""
+
+    def __init__(self) -> None:
+        self.plugin: TFTPlugin | None = None
+        self.state: TrainingState | None = None
+        self.hooks: TrainerHooks = TrainerHooks()
+        self.setup: tuple[list[torch.nn.Module], Any, Any] | None = None
+        self.datasets: tuple[Any, Any, Any] | None = None
+        self.datasets_provider: Any = None
+        self.local = _LocalCollectives()
+        self.training_config: dict[str, Any] | None = None
+
+    @property
+    def rejoining(self) -> bool:
+        return self.plugin is not None and self.plugin.rejoining
+
+
+_host = MegatronHost()
+
+
+def _args() -> argparse.Namespace:
+    from megatron.training import get_args
+
+    return get_args()
+
+
+# --- arguments ---------------------------------------------------------------------------
+
+
+def _with_tft_args(extra_args_provider: Any) -> Callable[[argparse.ArgumentParser], Any]:
+    def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        if extra_args_provider is not None:
+            parser = extra_args_provider(parser)
+        if "--enable-high-availability" not in parser._option_string_actions:
+            parser = add_tft_args(parser)
+        return parser
+
+    return provider
+
+
+def wrap_parse_args(original: Callable[..., Any]) -> Callable[..., Any]:
+    def parse_args(extra_args_provider: Any = None, ignore_unknown_args: bool = False) -> Any:
+        return original(_with_tft_args(extra_args_provider), ignore_unknown_args)
+
+    return parse_args
+
+
+def wrap_validate_args(original: Callable[..., Any]) -> Callable[..., Any]:
+    def validate_args(args: argparse.Namespace, defaults: dict | None = None) -> Any:
+        from mindspeed_tft.platform import distributed_backend
+
+        result = original(args, defaults or {})
+        args.distributed_backend = distributed_backend(args.distributed_backend)
+        optimizer_instances = args.num_distributed_optimizer_instances
+        try:
+            validate_tft_args(args)
+            check_host_args(args, optimizer_instances)
+        except TFTArgumentError as error:
+            if args.rank == 0:
+                print(f"[mindspeed-tft] error: {error}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+        if args.rank == 0:
+            print(f"[mindspeed-tft] {args.tft_features.describe()}", flush=True)
+        return result
+
+    return validate_args
+
+
+# --- start-up ----------------------------------------------------------------------------
+
+
+def wrap_initialize_distributed(original: Callable[..., Any]) -> Callable[..., Any]:
+    def initialize_distributed(get_embedding_ranks: Any = None,
+                               get_position_embedding_ranks: Any = None) -> None:
+        def initialize_model_parallel(args: argparse.Namespace) -> None:
+            # Megatron-LM's own start-up call: the default group exists, so it only builds
+            # megatron-core's parallel state, with Megatron-LM's own arguments
+            original(get_embedding_ranks, get_position_embedding_ranks)
+
+        plugin = TFTPlugin(_args(), initialize_model_parallel)
+        _host.plugin = plugin
+        plugin.register()
+        if plugin.rejoining:
+            plugin.join_job()
+            _host.local.start()
+        else:
+            original(get_embedding_ranks, get_position_embedding_ranks)
+            plugin.setup()
+
+    return initialize_distributed
+
+
+def wrap_setup_model_and_optimizer(original: Callable[..., Any]) -> Callable[..., Any]:
+    def setup_model_and_optimizer(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        _host.setup = result
+        return result
+
+    return setup_model_and_optimizer
+
+
+def wrap_load_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
+    def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
+        if _host.rejoining:
+            print(f"[mindspeed-tft] rank {_args().rank}: restarted worker: its state comes from "
+                  "its peers, not from --load", flush=True)
+            return 0, 0
+        return original(*args, **kwargs)
+
+    return load_checkpoint
+
+
+def wrap_build_datasets(original: Callable[..., Any]) -> Callable[..., Any]:
+    def build_train_valid_test_datasets(provider: Any) -> Any:
+        result = original(provider)
+        _host.datasets = result
+        _host.datasets_provider = provider
+        return result
+
+    return build_train_valid_test_datasets
+
+
+# --- the training loop -------------------------------------------------------------------
+
+
+def _rebuild_iterators(consumed_samples: int) -> Iterator | None:
+    """The data iterators again at `consumed_samples`, from the datasets built at start-up
+    (Megatron-LM's own loaders and iterators; collective: the loader-flag broadcast)."""
+    from megatron.training import training
+
+    args = _args()
+    args.consumed_train_samples = consumed_samples
+    datasets = _host.datasets
+
+    def cached(num_samples: Any) -> Any:
+        return datasets
+
+    cached.is_distributed = getattr(_host.datasets_provider, "is_distributed", False)
+    train_it, valid_it, _test_it = training.build_train_valid_test_data_iterators(cached)
+    if _host.state is not None:
+        _host.state.valid_data_iterator = valid_it
+    return train_it
+
+
+def _checkpoint_state_dict(rng_state: dict[str, Any]) -> dict[str, Any]:
+    """`model_optim_rng.pt` of the state's iteration, by Megatron-LM's `generate_state_dict`."""
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+    from megatron.training.checkpointing import generate_state_dict
+
+    args = _args()
+    model, optimizer, scheduler = _host.setup  # type: ignore[misc]
+    rng = dict(rng_state)
+    rng.setdefault("cuda_rng_state", rng["torch_rng_state"])
+    state_dict = generate_state_dict(
+        args, model, optimizer, scheduler, [rng], iteration=args.iteration,
+        optim_sd_kwargs={},
+        rerun_state=get_rerun_state_machine().state_dict(data_iterator=None,
+                                                         ckpt_format=args.ckpt_format),
+    )
+    state_dict["num_floating_point_operations_so_far"] = args.num_floating_point_operations_so_far
+    return state_dict
+
+
+def _load_in_place(root: str) -> int:
+    """Megatron-LM's `load_checkpoint` of the latest checkpoint under `root` into the live
+    model, optimizer and scheduler, with optimizer and RNG whatever the load flags say (a
+    repair restores the whole state)."""
+    from megatron.training import checkpointing
+
+    args = _args()
+    model, optimizer, scheduler = _host.setup  # type: ignore[misc]
+    saved = {name: getattr(args, name) for name in ("no_load_optim", "no_load_rng", "finetune")}
+    args.no_load_optim = args.no_load_rng = args.finetune = False
+    args._tft_repair_root = root
+    try:
+        scheduler.num_steps = 0  # megatron-core's scheduler advances by the loaded count
+        iteration, flops = checkpointing.load_checkpoint(model, optimizer, scheduler,
+                                                         load_arg="_tft_repair_root")
+    finally:
+        for name, value in saved.items():
+            setattr(args, name, value)
+    args.num_floating_point_operations_so_far = flops
+    args.iteration = iteration
+    return iteration
+
+
+def _after_rollback() -> None:
+    """Megatron-LM state a rollback leaves behind: its timers (a timer left running by the
+    interrupted step cannot be started again) and the rerun state machine's step state."""
+    from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine
+    from megatron.training import global_vars
+
+    global_vars._GLOBAL_TIMERS = None
+    global_vars._set_timers(_args())
+    get_rerun_state_machine().state = RerunState.NOT_RUNNING_YET
+
+
+_CONFIG_FIELDS = ("no_sync_func", "grad_sync_func", "param_sync_func")
+
+
+def wrap_train(original: Callable[..., Any]) -> Callable[..., Any]:
+    def train(forward_step_func: Any, model: Any, optimizer: Any, opt_param_scheduler: Any,
+              train_data_iterator: Any, valid_data_iterator: Any, *rest: Any) -> Any:
+        _host.local.stop()
+        plugin = _host.plugin
+        assert plugin is not None, "mindspeed-tft: Megatron-LM was initialized without it"
+        args = _args()
+        state = TrainingState(
+            args=args, model=model, optimizer=optimizer, opt_param_scheduler=opt_param_scheduler,
+            build_train_data_iterator=_rebuild_iterators,
+            checkpoint_state_dict=_checkpoint_state_dict, load_checkpoint=_load_in_place,
+            train_data_iterator=train_data_iterator, valid_data_iterator=valid_data_iterator,
+            after_rollback=_after_rollback,
+        )
+        _host.state = state
+        _host.setup = (model, optimizer, opt_param_scheduler)
+        plugin.attach(state)
+        hooks = plugin.hooks()
+        _host.hooks = hooks
+        config = rest[1] if len(rest) > 1 else None
+
+        def run_once() -> Any:
+            if config is not None:  # train() sets them, and asserts they are unset
+                if _host.training_config is None:
+                    _host.training_config = {f: getattr(config, f) for f in _CONFIG_FIELDS}
+                for name, value in _host.training_config.items():
+                    setattr(config, name, value)
+            set_update_listener(hooks, state)
+            hooks.on_train_start(state)
+            result = original(forward_step_func, model, optimizer, opt_param_scheduler,
+                              state.train_data_iterator, state.valid_data_iterator, *rest)
+            hooks.on_train_end(state)
+            return result
+
+        try:
+            return plugin.run(run_once)
+        finally:
+            set_update_listener(None, None)
+
+    return train
+
+
+def wrap_train_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    def train_step(forward_step_func: Any, data_iterator: Any, model: Any, optimizer: Any,
+                   opt_param_scheduler: Any, config: Any) -> Any:
+        from megatron.core import parallel_state as ps
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+        args = _args()
+        state = _host.state
+        assert state is not None
+        args.iteration = args.curr_iteration  # completed updates before this step
+        result = original(phase_reporting_forward_step(forward_step_func, state, _host.hooks),
+                          data_iterator, model, optimizer, opt_param_scheduler, config)
+        loss_dict, grad_norm = result[0], result[5]
+        if loss_dict and dist.get_rank() == dist.get_world_size() - 1:
+            batch = ps.get_data_parallel_world_size() * args.micro_batch_size * \
+                get_num_microbatches()
+            emit("iteration", dist.get_rank(), iteration=args.curr_iteration + 1,
+                 loss=float(loss_dict["lm loss"]),
+                 grad_norm=None if grad_norm is None else float(grad_norm),
+                 lr=optimizer.param_groups[0]["lr"],
+                 consumed_samples=args.consumed_train_samples + batch)
+        return result
+
+    return train_step
+
+
+def wrap_post_training_step_callbacks(original: Callable[..., Any]) -> Callable[..., Any]:
+    def post_training_step_callbacks(model: Any, optimizer: Any, opt_param_scheduler: Any,
+                                     iteration: int, *rest: Any) -> Any:
+        args = _args()
+        args.iteration = iteration
+        if _host.state is not None:
+            _host.hooks.on_phase(_host.state, "after", iteration - 1)
+        return original(model, optimizer, opt_param_scheduler, iteration, *rest)
+
+    return post_training_step_callbacks
+
+
+def wrap_checkpoint_and_decide_exit(original: Callable[..., Any]) -> Callable[..., Any]:
+    def checkpoint_and_decide_exit(model: Any, optimizer: Any, opt_param_scheduler: Any,
+                                   iteration: int, *rest: Any) -> Any:
+        should_exit = original(model, optimizer, opt_param_scheduler, iteration, *rest)
+        if _host.state is not None:
+            _host.hooks.on_step_end(_host.state)
+        return should_exit
+
+    return checkpoint_and_decide_exit
+
+
+def wrap_pretrain(original: Callable[..., Any]) -> Callable[..., Any]:
+    def pretrain(*args: Any, **kwargs: Any) -> Any:
+        from mindspeed_tft.launcher.spare import wait_for_assignment
+
+        wait_for_assignment()  # a warm spare of tft-run: imports done, waits for its rank
+        result = original(*args, **kwargs)
+        plugin = _host.plugin
+        if plugin is not None:
+            plugin.finish()
+            if plugin.high_availability:
+                # the job's end was reported: end the process without interpreter teardown
+                # (process groups freed in arbitrary order were seen to abort it)
+                atexit.register(_exit_finished)
+        return result
+
+    return pretrain
+
+
+def _exit_finished() -> None:
+    exit_without_teardown(1 if getattr(sys, "last_value", None) is not None else 0)
+
+
+def install_patches() -> None:
+    """The ``megatron-lm`` moment of `mindspeed_tft.patches` (once per process)."""
+    import megatron.training
+    from megatron.training import arguments, initialize, training
+
+    arguments.parse_args = wrap_parse_args(arguments.parse_args)
+    initialize.parse_args = wrap_parse_args(initialize.parse_args)
+    initialize.validate_args = wrap_validate_args(initialize.validate_args)
+    initialize._initialize_distributed = wrap_initialize_distributed(
+        initialize._initialize_distributed)
+    for name, wrap in (
+        ("setup_model_and_optimizer", wrap_setup_model_and_optimizer),
+        ("load_checkpoint", wrap_load_checkpoint),
+        ("build_train_valid_test_datasets", wrap_build_datasets),
+        ("train", wrap_train),
+        ("train_step", wrap_train_step),
+        ("post_training_step_callbacks", wrap_post_training_step_callbacks),
+        ("checkpoint_and_decide_exit", wrap_checkpoint_and_decide_exit),
+    ):
+        setattr(training, name, wrap(getattr(training, name)))
+    training.pretrain = wrap_pretrain(training.pretrain)
+    megatron.training.pretrain = training.pretrain

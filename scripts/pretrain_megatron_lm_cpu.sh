@@ -1,0 +1,90 @@
+#!/bin/bash
+# Megatron-LM's own pretrain_gpt.py (core_v0.12.1, unchanged) with mindspeed-tft, on CPU:
+# the tiny Llama-shaped preset, 4 CPU ranks (gloo), mock data, the reference script's flag
+# shape plus Megatron-LM's CPU flags.
+#   MEGATRON_LM=/path/to/Megatron-LM ./scripts/pretrain_megatron_lm_cpu.sh [extra args]
+# Environment knobs (all optional unless said):
+#   MEGATRON_LM (required: a Megatron-LM clone; copied to RUN_DIR when it is read-only,
+#     since Megatron-LM compiles its dataset helpers into its own tree)
+#   ENTRY ("-m mindspeed_tft.megatron": how the adaptor is installed; empty when the script
+#     imports mindspeed_tft.megatron_adaptor itself or under tft-run) SCRIPT (pretrain_gpt.py)
+#   NPROC (4) TP (1) PP (1) TRAIN_ITERS (20) SAVE_INTERVAL (10) GBS (16) RUN_DIR
+#   (runs/megatron-lm) CKPT_DIR LOAD_DIR EVENTS LAUNCHER (torchrun) HA_ARGS EXTRA_ARGS
+set -eo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+source "${ROOT}/configs/models/tiny.sh"
+: "${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM clone (core_v0.12.1)}"
+[ -f "${MEGATRON_LM}/pretrain_gpt.py" ] || { echo "MEGATRON_LM=${MEGATRON_LM}: no pretrain_gpt.py there" >&2; exit 2; }
+
+NPROC=${NPROC:-4}
+TP=${TP:-1}
+PP=${PP:-1}
+TRAIN_ITERS=${TRAIN_ITERS:-20}
+SAVE_INTERVAL=${SAVE_INTERVAL:-10}
+GBS=${GBS:-16}
+RUN_DIR=${RUN_DIR:-${ROOT}/runs/megatron-lm}
+CKPT_DIR=${CKPT_DIR:-${RUN_DIR}/ckpt}
+EVENTS=${EVENTS:-${RUN_DIR}/events.jsonl}
+LAUNCHER=${LAUNCHER:-torchrun}
+ENTRY=${ENTRY-"-m mindspeed_tft.megatron"}
+SCRIPT=${SCRIPT:-pretrain_gpt.py}
+MASTER_PORT=${MASTER_PORT:-$((20000 + RANDOM % 20000))}
+HA_ARGS=${HA_ARGS-"--enable-high-availability --enable-hbmfault-repair --enable-worker-reboot"}
+
+mkdir -p "${RUN_DIR}"
+MLM="${MEGATRON_LM}"
+if [ ! -w "${MLM}/megatron/core/datasets" ]; then
+    MLM="${RUN_DIR}/megatron-lm"
+    [ -d "${MLM}" ] || { cp -r "${MEGATRON_LM}" "${MLM}" && chmod -R u+w "${MLM}"; }
+fi
+
+# the guide's Llama2 script shape on Megatron-LM's flags, at the tiny preset's size
+GPT_ARGS="
+    ${MODEL_ARGS/--use-mcore-models/}
+    --tensor-model-parallel-size ${TP}
+    --pipeline-model-parallel-size ${PP}
+    --sequence-parallel
+    --tokenizer-type NullTokenizer --vocab-size 4096
+    --micro-batch-size 2
+    --global-batch-size ${GBS}
+    --lr 1e-3
+    --train-iters ${TRAIN_ITERS}
+    --lr-decay-style cosine
+    --no-masked-softmax-fusion
+    --attention-softmax-in-fp32
+    --min-lr 1e-4
+    --weight-decay 1e-1
+    --lr-warmup-fraction 0.1
+    --clip-grad 1.0
+    --adam-beta1 0.9
+    --initial-loss-scale 65536
+    --adam-beta2 0.95
+    --no-gradient-accumulation-fusion
+    --use-distributed-optimizer
+    --overlap-grad-reduce
+    --bf16
+    --seed 1234
+    ${HA_ARGS}
+"
+CPU_ARGS="--transformer-impl local --no-rope-fusion --no-bias-swiglu-fusion
+    --no-persist-layer-norm --num-workers 0"
+DATA_ARGS="--mock-data --split 949,50,1"
+OUTPUT_ARGS="
+    --log-interval 1
+    --save-interval ${SAVE_INTERVAL}
+    --eval-interval 1000
+    --eval-iters 0
+    --tft-events-file ${EVENTS}
+"
+LOAD_ARGS=""
+[ -n "${LOAD_DIR}" ] && LOAD_ARGS="--load ${LOAD_DIR}"
+
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+export TTP_LOG_PATH=${TTP_LOG_PATH:-${RUN_DIR}/ttp_logs}
+export PYTHONPATH="${MLM}${PYTHONPATH:+:${PYTHONPATH}}"
+cd "${RUN_DIR}"
+# shellcheck disable=SC2086
+$LAUNCHER --nproc-per-node "${NPROC}" --master-port "${MASTER_PORT}" ${ENTRY} "${MLM}/${SCRIPT}" \
+    $GPT_ARGS $CPU_ARGS $DATA_ARGS $OUTPUT_ARGS \
+    --distributed-backend nccl \
+    --save "${CKPT_DIR}" $LOAD_ARGS ${EXTRA_ARGS} "$@"
