@@ -247,7 +247,13 @@ class BackupSync:
             host.broadcast("exit", {"code": self.config.failure_exit_code,
                                     "reason": "controller failover during exit"})
             self.sm.to(State.FINAL, "took over a job that was exiting")
-            return
+        else:
+            self._carry_on(synced, faulty)
+
+    def _carry_on(self, synced: State, faulty: list[tuple[int, FaultKind]]) -> None:
+        """Go on from the synced state: the ranks hear from their new controller, and the
+        faults known (or an incident that was under way) are handled again from the start."""
+        host = self.host
         if synced in INCIDENT_STATES:
             self.sm.force(State.NORMAL, "took over during an incident: handling it again")
         else:

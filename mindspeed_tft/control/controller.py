@@ -351,7 +351,7 @@ class Controller:
             elif name == "resume" and self.sm.state is State.PAUSE:
                 self.sm.to(State.NORMAL, "operator resume")
                 self.broadcast("resume", {"step": -1, "strategy": "none", "false_alarm": True,
-                                           "incident": 0})
+                                          "incident": 0})
 
     def _tick(self, now: float) -> None:
         state = self.sm.state
