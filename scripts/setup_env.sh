@@ -5,6 +5,7 @@
 #
 # The CPU wheel of torch is pinned here: an unpinned torch would pull a multi-GB CUDA build.
 # On GPU or NPU machines, install torch (and torch_npu) yourself before `pip install -e .`.
+# pybind11 (in the test extra) lets Megatron-LM compile its dataset helpers at start-up.
 
 TFT_TORCH_VERSION="${TFT_TORCH_VERSION:-2.13.0}"
 _tft_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
