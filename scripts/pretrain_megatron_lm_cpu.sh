@@ -80,6 +80,7 @@ LOAD_ARGS=""
 [ -n "${LOAD_DIR}" ] && LOAD_ARGS="--load ${LOAD_DIR}"
 
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}  # as the guide's script (TP needs it)
 export TTP_LOG_PATH=${TTP_LOG_PATH:-${RUN_DIR}/ttp_logs}
 export PYTHONPATH="${MLM}${PYTHONPATH:+:${PYTHONPATH}}"
 cd "${RUN_DIR}"

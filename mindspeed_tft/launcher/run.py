@@ -31,6 +31,29 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return get_args_parser().parse_args(None if argv is None else list(argv))
 
 
+MEGATRON_LM_RUNNER = "mindspeed_tft.megatron"
+
+
+def megatron_lm_entry(args: argparse.Namespace) -> bool:
+    """A training script that uses Megatron-LM's `megatron.training` and does not install
+    the adaptor itself (`import mindspeed_tft.megatron_adaptor`) is run by the workers as
+    `python -m mindspeed_tft.megatron SCRIPT ARGS` (so an unchanged script gets the plugin);
+    returns whether `args` were changed so."""
+    if args.module or args.no_python:
+        return False
+    try:
+        with open(args.training_script, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return False
+    if "megatron.training" not in text or "mindspeed_tft" in text:
+        return False
+    args.training_script_args = [args.training_script, *args.training_script_args]
+    args.training_script = MEGATRON_LM_RUNNER
+    args.module = True
+    return True
+
+
 def launch(args: argparse.Namespace) -> int:
     """Launch the workers of parsed launcher arguments; returns the launcher's exit code
     (a torchrun failure raises `ChildFailedError`, as torch's `run` does)."""
@@ -39,6 +62,9 @@ def launch(args: argparse.Namespace) -> int:
     except LauncherError as e:
         say(f"error: {e}")
         return 2
+    if megatron_lm_entry(args):
+        say(f"{args.training_script_args[0]} is a Megatron-LM training script: its workers run "
+            "it through `python -m mindspeed_tft.megatron` (the Megatron-LM host adaptor)")
     if not options.high_availability:
         torch_run_functions()[0](args)
         return 0
