@@ -168,6 +168,8 @@ TABLE: tuple[Moment, ...] = (
            "the 'after' phase of a step, with its iteration", MLM),
         _p("megatron.training.training:checkpoint_and_decide_exit",
            "the end of a step (after the periodic save): step reports and snapshots", MLM),
+        _p("megatron.training.training:save_checkpoint",
+           "the 'save' phase of a step (TFT_INJECT), after Megatron-LM's own save", MLM),
         *(_p(f"{module}:pretrain", "leave the control plane when training ended", MLM)
           for module in ("megatron.training.training", "megatron.training")),
     )),
@@ -238,7 +240,9 @@ def resolve(target: str) -> tuple[Any, str, Any]:
     *path, attr = name.split(".")
     for part in path:
         owner = getattr(owner, part)
-    return owner, attr, owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+    if isinstance(owner, type) and attr in owner.__dict__:
+        return owner, attr, owner.__dict__[attr]  # the class's own (a staticmethod stays one)
+    return owner, attr, getattr(owner, attr)  # a module's, or one a class inherits
 
 
 def install(name: str) -> bool:

@@ -22,7 +22,9 @@ Nothing of Megatron-LM is copied or edited; the functions below wrap Megatron-LM
   after a repair it is entered again with the rebuilt data iterators and the training
   config as it was at its first entry.
 - `train_step` / `post_training_step_callbacks` / `checkpoint_and_decide_exit`: the step's
-  phases, its loss (the ``iteration`` event), its end.
+  phases, its loss (the ``iteration`` event), its end; `save_checkpoint`: the ``save``
+  phase, once Megatron-LM's own save returned (it publishes inside, so a fault injected
+  there hits a published checkpoint, unlike the reference trainer's).
 - `pretrain`: a warm spare of `tft-run` waits for its rank first; the control plane is left
   when training ended.
 
@@ -480,6 +482,16 @@ def wrap_checkpoint_and_decide_exit(original: Callable[..., Any]) -> Callable[..
     return checkpoint_and_decide_exit
 
 
+def wrap_save_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
+    def save_checkpoint(iteration: int, *args: Any, **kwargs: Any) -> Any:
+        result = original(iteration, *args, **kwargs)
+        if _host.state is not None:  # Megatron-LM publishes inside its save: after it
+            _host.hooks.on_phase(_host.state, "save", iteration - 1)
+        return result
+
+    return save_checkpoint
+
+
 def wrap_pretrain(original: Callable[..., Any]) -> Callable[..., Any]:
     def pretrain(*args: Any, **kwargs: Any) -> Any:
         from mindspeed_tft.launcher.spare import wait_for_assignment
@@ -520,6 +532,7 @@ def install_patches() -> None:
         ("train_step", wrap_train_step),
         ("post_training_step_callbacks", wrap_post_training_step_callbacks),
         ("checkpoint_and_decide_exit", wrap_checkpoint_and_decide_exit),
+        ("save_checkpoint", wrap_save_checkpoint),
     ):
         setattr(training, name, wrap(getattr(training, name)))
     training.pretrain = wrap_pretrain(training.pretrain)
