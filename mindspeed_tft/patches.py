@@ -172,6 +172,8 @@ TABLE: tuple[Moment, ...] = (
            "the 'save' phase of a step (TFT_INJECT), after Megatron-LM's own save", MLM),
         *(_p(f"{module}:pretrain", "leave the control plane when training ended", MLM)
           for module in ("megatron.training.training", "megatron.training")),
+        _p("megatron.core.datasets.utils:compile_helpers", "Megatron-LM's megatron/training "
+           "on the megatron-core wheel: the helpers ship built, there is no Makefile", MCORE),
     )),
     Moment("megatron-lm-cpu", "the Megatron-LM host adaptor, on CPU",
            "mindspeed_tft.megatron.cpu:install_patches", (

@@ -5,7 +5,8 @@
 #   MEGATRON_LM=/path/to/Megatron-LM ./scripts/pretrain_megatron_lm_cpu.sh [extra args]
 # Environment knobs (all optional unless said):
 #   MEGATRON_LM (required: a Megatron-LM clone; copied to RUN_DIR when it is read-only,
-#     since Megatron-LM compiles its dataset helpers into its own tree)
+#     since Megatron-LM compiles its dataset helpers into its own tree; a tree without
+#     megatron/core uses the megatron-core wheel's, whose helpers ship built)
 #   ENTRY ("-m mindspeed_tft.megatron": how the adaptor is installed; empty when the script
 #     imports mindspeed_tft.megatron_adaptor itself or under tft-run) SCRIPT (pretrain_gpt.py)
 #   NPROC (4) TP (1) PP (1) TRAIN_ITERS (20) SAVE_INTERVAL (10) GBS (16) RUN_DIR
@@ -33,17 +34,21 @@ HA_ARGS=${HA_ARGS-"--enable-high-availability --enable-hbmfault-repair --enable-
 
 mkdir -p "${RUN_DIR}"
 MLM="${MEGATRON_LM}"
-if [ ! -w "${MLM}/megatron/core/datasets" ]; then
+if [ -d "${MLM}/megatron/core/datasets" ] && [ ! -w "${MLM}/megatron/core/datasets" ]; then
     MLM="${RUN_DIR}/megatron-lm"
     [ -d "${MLM}" ] || { cp -r "${MEGATRON_LM}" "${MLM}" && chmod -R u+w "${MLM}"; }
 fi
 
-# the guide's Llama2 script shape on Megatron-LM's flags, at the tiny preset's size
+# The guide's Llama2 script shape on Megatron-LM's flags, at the tiny preset's size.
+# --sequence-parallel only with TP 1 (where Megatron-LM turns it off itself): with TP > 1
+# megatron-core's torch RMSNorm, the one there is without Apex / Transformer Engine (CPU),
+# refuses sequence parallelism.
+if [ "${TP}" = 1 ]; then SP_ARGS=${SP_ARGS-"--sequence-parallel"}; else SP_ARGS=${SP_ARGS-""}; fi
 GPT_ARGS="
     ${MODEL_ARGS/--use-mcore-models/}
     --tensor-model-parallel-size ${TP}
     --pipeline-model-parallel-size ${PP}
-    --sequence-parallel
+    ${SP_ARGS}
     --tokenizer-type NullTokenizer --vocab-size 4096
     --micro-batch-size 2
     --global-batch-size ${GBS}

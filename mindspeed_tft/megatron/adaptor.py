@@ -27,6 +27,8 @@ Nothing of Megatron-LM is copied or edited; the functions below wrap Megatron-LM
   there hits a published checkpoint, unlike the reference trainer's).
 - `pretrain`: a warm spare of `tft-run` waits for its rank first; the control plane is left
   when training ended.
+- `compile_helpers`: Megatron-LM's `megatron/training` on the megatron-core wheel, which
+  ships the dataset helpers built but no Makefile to build them: nothing to make.
 
 The dying-gasp checkpoint is written with Megatron-LM's `generate_state_dict` (its torch
 format), so Megatron-LM's `--load` resumes from it; a repair without replicas reloads the
@@ -492,6 +494,22 @@ def wrap_save_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
     return save_checkpoint
 
 
+def wrap_compile_helpers(original: Callable[..., Any]) -> Callable[..., Any]:
+    def compile_helpers() -> None:
+        import importlib.util
+        import os
+
+        import megatron.core.datasets as datasets
+
+        folder = os.path.dirname(os.path.abspath(datasets.__file__))
+        built = importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is not None
+        if built and not os.path.isfile(os.path.join(folder, "Makefile")):
+            return  # the megatron-core wheel: helpers shipped built, nothing to make
+        original()
+
+    return compile_helpers
+
+
 def wrap_pretrain(original: Callable[..., Any]) -> Callable[..., Any]:
     def pretrain(*args: Any, **kwargs: Any) -> Any:
         from mindspeed_tft.launcher.spare import wait_for_assignment
@@ -516,6 +534,7 @@ def _exit_finished() -> None:
 
 def install_patches() -> None:
     """The ``megatron-lm`` moment of `mindspeed_tft.patches` (once per process)."""
+    import megatron.core.datasets.utils as dataset_utils
     import megatron.training
     from megatron.training import arguments, initialize, training
 
@@ -537,3 +556,4 @@ def install_patches() -> None:
         setattr(training, name, wrap(getattr(training, name)))
     training.pretrain = wrap_pretrain(training.pretrain)
     megatron.training.pretrain = training.pretrain
+    dataset_utils.compile_helpers = wrap_compile_helpers(dataset_utils.compile_helpers)
