@@ -195,6 +195,9 @@ TABLE: tuple[Moment, ...] = (
            "runs with high availability go through the mindspeed-tft agent", TORCH),
     )),
     Moment("scoped", "swapped for a `with` block and put back (see `swapped`)", None, (
+        _p("torch:Tensor.type", "inside the functions the cpu moment wraps for it: CPU "
+           "tensors answer 'torch.cuda.*Tensor' (`cpu_adaptor._cuda_type_names`, depth-counted)",
+           TORCH),
         _p("torch:compile", "megatron-core's import decorates fused helpers with "
            "torch.compile (pulls in Inductor): eager on CPU (`import_megatron_core`)", MCORE),
         _p("torch.distributed.launcher.api:LocalElasticAgent",
