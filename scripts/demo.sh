@@ -9,21 +9,81 @@
 # 2. Prints what happened, phase by phase, from the job's events file.
 # 3. Trains the same job without a fault and checks that every loss is the same.
 # Sets up .venv on first use. Writes under runs/demo/.
+#
+#   ./scripts/demo.sh                     # the reference trainer (pretrain_gpt.py here)
+#   ./scripts/demo.sh --megatron-lm DIR   # the same story in Megatron-LM's own training
+#       loop: the unchanged pretrain_gpt.py of the Megatron-LM clone DIR (core_v0.12.1),
+#       run by tft-run through the adaptor (scripts/pretrain_megatron_lm_cpu.sh). A
+#       read-only DIR is copied once under the demo dir. Writes under runs/demo-megatron-lm/.
 set -euo pipefail
+
+usage() {
+    echo "usage: $0 [--megatron-lm DIR]" >&2
+    echo "  --megatron-lm DIR  run in Megatron-LM's own training loop from the clone DIR" >&2
+}
+MEGATRON_LM_SRC=""
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --megatron-lm)
+            [ $# -ge 2 ] && [ -n "$2" ] || { echo "$0: --megatron-lm needs a directory" >&2; usage; exit 2; }
+            MEGATRON_LM_SRC="$2"; shift 2 ;;
+        --megatron-lm=*)
+            MEGATRON_LM_SRC="${1#*=}"
+            [ -n "${MEGATRON_LM_SRC}" ] || { echo "$0: --megatron-lm needs a directory" >&2; usage; exit 2; }
+            shift ;;
+        -h|--help) usage; exit 0 ;;
+        *) echo "$0: unknown option '$1'" >&2; usage; exit 2 ;;
+    esac
+done
+if [ -n "${MEGATRON_LM_SRC}" ]; then
+    [ -f "${MEGATRON_LM_SRC}/pretrain_gpt.py" ] || {
+        echo "$0: --megatron-lm ${MEGATRON_LM_SRC}: no pretrain_gpt.py there (expected a" \
+             "Megatron-LM clone, core_v0.12.1)" >&2
+        exit 2
+    }
+    MEGATRON_LM_SRC="$(cd "${MEGATRON_LM_SRC}" && pwd)"  # before the cd below
+fi
+
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh
 
-DEMO_DIR="${DEMO_DIR:-$PWD/runs/demo}"
+if [ -z "${MEGATRON_LM_SRC}" ]; then
+    DEMO_DIR="${DEMO_DIR:-$PWD/runs/demo}"
+    TRAIN=./scripts/pretrain_tiny_cpu.sh
+    WHERE="4 CPU ranks"
+else
+    DEMO_DIR="${DEMO_DIR:-$PWD/runs/demo-megatron-lm}"
+    TRAIN=./scripts/pretrain_megatron_lm_cpu.sh
+    WHERE="Megatron-LM's own pretrain_gpt.py, 4 CPU ranks"
+fi
 rm -rf "${DEMO_DIR}"
 export TRAIN_ITERS="${TRAIN_ITERS:-20}" SAVE_INTERVAL="${SAVE_INTERVAL:-10}"
 export HA_ARGS="--enable-high-availability --enable-hbmfault-repair --enable-worker-reboot"
 export LAUNCHER="tft-run --tft-spares-per-node 1"
 STEP=$((TRAIN_ITERS / 2))
 
-echo "[demo] 1/3: 4 CPU ranks, DP=4, distributed optimizer with 2 replicas;"
+if [ -n "${MEGATRON_LM_SRC}" ]; then
+    # Megatron-LM compiles its dataset helpers into its own tree: one writable copy for both
+    # runs (one compile), unless the clone itself is writable (by its mode bits too: root
+    # passes -w on a read-only tree)
+    MEGATRON_LM="${MEGATRON_LM_SRC}"
+    if [ ! -w "${MEGATRON_LM}/megatron/core/datasets" ] \
+        || [ -z "$(find "${MEGATRON_LM}/megatron/core/datasets" -maxdepth 0 -perm -u=w)" ]; then
+        MEGATRON_LM="${DEMO_DIR}/megatron-lm"
+        echo "[demo] ${MEGATRON_LM_SRC} is read-only: copying it to ${MEGATRON_LM}"
+        mkdir -p "${DEMO_DIR}"
+        cp -r "${MEGATRON_LM_SRC}" "${MEGATRON_LM}"
+        chmod -R u+w "${MEGATRON_LM}"
+    fi
+    # tft-run sees a Megatron-LM script and runs it through the adaptor itself
+    export MEGATRON_LM ENTRY=""
+    echo "[demo] Megatron-LM: ${MEGATRON_LM_SRC}"
+fi
+
+echo "[demo] 1/3: ${WHERE}, DP=4, distributed optimizer with 2 replicas;"
 echo "[demo]      rank 1 is killed (SIGKILL) at step ${STEP} of ${TRAIN_ITERS}, in its backward pass"
 RUN_DIR="${DEMO_DIR}/faulty" TFT_INJECT_STATE_DIR="${DEMO_DIR}/faulty/inject" \
-    TFT_INJECT="kill:rank=1,step=${STEP},phase=backward" ./scripts/pretrain_tiny_cpu.sh
+    TFT_INJECT="kill:rank=1,step=${STEP},phase=backward" "${TRAIN}"
 
 echo
 echo "[demo] 2/3: what happened (from ${DEMO_DIR}/faulty/events.jsonl)"
@@ -31,7 +91,7 @@ python -m mindspeed_tft.report "${DEMO_DIR}/faulty/events.jsonl"
 
 echo
 echo "[demo] 3/3: the same training without a fault, for comparison"
-RUN_DIR="${DEMO_DIR}/fault-free" ./scripts/pretrain_tiny_cpu.sh > "${DEMO_DIR}/fault-free.log" 2>&1 \
+RUN_DIR="${DEMO_DIR}/fault-free" "${TRAIN}" > "${DEMO_DIR}/fault-free.log" 2>&1 \
     || { tail -30 "${DEMO_DIR}/fault-free.log"; exit 1; }
 python -m mindspeed_tft.report "${DEMO_DIR}/faulty/events.jsonl" \
     --compare "${DEMO_DIR}/fault-free/events.jsonl" | tail -1
