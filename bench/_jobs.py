@@ -1,15 +1,23 @@
-"""Helpers shared by the benchmarks: free ports, the bench environment, running a job."""
+"""Helpers shared by the benchmarks: free ports, the bench environment, running a job, the
+training loop a job runs in (`--host`)."""
 
 from __future__ import annotations
 
+import argparse
 import os
+import shutil
 import signal
+import stat
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+#: The reference trainer (this repository's pretrain_gpt.py) and Megatron-LM's own loop.
+TINY_SCRIPT = REPO / "scripts" / "pretrain_tiny_cpu.sh"
+MEGATRON_LM_SCRIPT = REPO / "scripts" / "pretrain_megatron_lm_cpu.sh"
+HOSTS = ("reference", "megatron-lm")
 
 #: Environment variables that would change what a benchmark job does behind its flags.
 _SCRUBBED_ENV = ("HIGH_AVAILABILITY", "TFT_INJECT", "TFT_EVENTS_FILE", "TTP_PORT", "TTP_LOG_PATH")
@@ -85,3 +93,82 @@ def tail(text: str, lines: int = 40) -> str:
     if first is not None and first < len(all_lines) - lines:
         head = "\n".join(all_lines[first:first + 30]) + "\n[...]\n"
     return head + "\n".join(all_lines[-lines:])
+
+
+@dataclass(frozen=True)
+class Host:
+    """The training loop of a benchmark's jobs: the reference trainer
+    (`scripts/pretrain_tiny_cpu.sh`) or Megatron-LM's own unchanged `pretrain_gpt.py`
+    (`scripts/pretrain_megatron_lm_cpu.sh`) from a writable copy of a Megatron-LM clone."""
+
+    name: str = "reference"
+    megatron_lm: Path | None = None  # the clone as given (megatron-lm)
+    copy: Path | None = None  # its writable copy the jobs run (prepare_host)
+
+    @property
+    def script(self) -> Path:
+        return TINY_SCRIPT if self.megatron_lm is None else MEGATRON_LM_SCRIPT
+
+    @property
+    def script_args(self) -> list[str]:
+        """Flags every job of this host gets. Megatron-LM: its torch checkpoint format, the
+        one the plugin picks under high availability (its dump is written in it), for the
+        jobs without the plugin's flags too: the same saves in every mode, and Megatron-LM's
+        default (torch_dist) needs psutil, which this environment does not install."""
+        return [] if self.megatron_lm is None else ["--ckpt-format", "torch"]
+
+    def job_env(self, launcher: str) -> dict[str, str]:
+        """The script's knobs for this host: MEGATRON_LM = the writable copy, and how the
+        adaptor gets in (ENTRY: `-m mindspeed_tft.megatron`; empty under tft-run, which
+        runs a Megatron-LM script through the adaptor itself)."""
+        if self.megatron_lm is None:
+            return {}
+        if self.copy is None:
+            raise ValueError("the megatron-lm host needs its writable copy (prepare_host)")
+        words = launcher.split()
+        tft_run = bool(words) and Path(words[0]).name == "tft-run"
+        return {"MEGATRON_LM": str(self.copy), "SCRIPT": "pretrain_gpt.py",
+                "ENTRY": "" if tft_run else "-m mindspeed_tft.megatron"}
+
+
+def add_host_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--host", nargs="+", metavar=("HOST", "DIR"), default=["reference"],
+        help="the training loop: 'reference' (default: this repository's pretrain_gpt.py) or "
+        "'megatron-lm DIR' (Megatron-LM's own pretrain_gpt.py from the clone DIR, "
+        "core_v0.12.1; copied once into the bench's work dir)",
+    )
+
+
+def parse_host(parser: argparse.ArgumentParser, values: list[str]) -> Host:
+    """The `--host` values as a Host; a bad value is a usage error (exit 2)."""
+    name, *rest = values
+    if name not in HOSTS:
+        parser.error(f"--host {name}: unknown host (choose from {', '.join(HOSTS)})")
+    if name == "reference":
+        if rest:
+            parser.error(f"--host reference takes no directory (got {' '.join(rest)})")
+        return Host()
+    if len(rest) != 1:
+        parser.error("--host megatron-lm needs one directory: a Megatron-LM clone")
+    clone = Path(rest[0]).expanduser().resolve()
+    if not (clone / "pretrain_gpt.py").is_file():
+        parser.error(f"--host megatron-lm {rest[0]}: no pretrain_gpt.py there (expected a "
+                     "Megatron-LM clone, core_v0.12.1)")
+    return Host(name, clone)
+
+
+def prepare_host(host: Host, work: Path) -> Host:
+    """`host` with a writable copy of its Megatron-LM clone in `work` (Megatron-LM compiles
+    its dataset helpers into its own tree: one copy, one compile, for every job of the run);
+    the reference host as it is."""
+    if host.megatron_lm is None:
+        return host
+    copy = work / "megatron-lm"
+    if not copy.exists():
+        shutil.copytree(host.megatron_lm, copy, symlinks=True,
+                        ignore=shutil.ignore_patterns("__pycache__", ".git"))
+        for path in [copy, *copy.rglob("*")]:
+            if not path.is_symlink():
+                path.chmod(path.stat().st_mode | stat.S_IWUSR)
+    return Host(host.name, host.megatron_lm, copy)

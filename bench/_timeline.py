@@ -1,4 +1,5 @@
-"""Helpers of `bench/recovery.py` and `bench/dump.py`: one fault-injected tiny-CPU job, and
+"""Helpers of `bench/recovery.py` and `bench/dump.py`: one fault-injected tiny-CPU job (the
+reference trainer, or Megatron-LM's own loop with `host`), and
 the timeline of what happened after the fault, read from the job's own records:
 
 - the events file (SPEC 11; unix `time` on every event);
@@ -23,9 +24,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from _jobs import REPO, bench_env, free_port, run_job, tail
+from _jobs import Host, bench_env, free_port, run_job, tail
 
-SCRIPT = REPO / "scripts" / "pretrain_tiny_cpu.sh"
 BIN = Path(sys.executable).parent
 
 _TTP_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \w+ \[pid \d+ [^\]]*\] [\w.]+: (.*)$")
@@ -38,8 +38,10 @@ _INHERITED_KNOBS = (
     "LOAD_DIR", "GBS", "EXTRA_ARGS", "DIST_OPT_ARGS", "DATA_ARGS", "TOKENIZER_ARGS",
     "TINY_NUM_LAYERS", "TINY_HIDDEN_SIZE", "TINY_FFN_HIDDEN_SIZE", "TINY_SEQ_LENGTH",
     "TTP_HEARTBEAT_INTERVAL", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+    "MEGATRON_LM", "ENTRY", "SCRIPT",
 )
-_LOADED = re.compile(r"loaded checkpoint \S+ at iteration (\d+)")
+#: the reference trainer's and Megatron-LM's "loaded checkpoint ... at iteration N" lines
+_LOADED = re.compile(r"loaded checkpoint (?:from )?\S+ (?:\[[^\]]*\] )?at iteration (\d+)")
 
 
 @dataclass
@@ -150,7 +152,8 @@ def _read_ttp(path: Path) -> list[tuple[float, str]]:
 
 @dataclass
 class JobSpec:
-    """One run of `scripts/pretrain_tiny_cpu.sh` (environment knobs of its header)."""
+    """One run of `scripts/pretrain_tiny_cpu.sh` or `scripts/pretrain_megatron_lm_cpu.sh`
+    (environment knobs of their headers)."""
 
     name: str
     train_iters: int
@@ -169,8 +172,10 @@ def launcher_command(launcher: str) -> str:
     return launcher
 
 
-def run_spec(spec: JobSpec, work: Path, timeout_s: float) -> Job:
-    """Run `spec` in `work/<name>` and read back its events and logs."""
+def run_spec(spec: JobSpec, work: Path, timeout_s: float, host: Host | None = None) -> Job:
+    """Run `spec` in `work/<name>` in `host`'s training loop (default: the reference trainer)
+    and read back its events and logs."""
+    host = host or Host()
     run_dir = work / spec.name
     if run_dir.exists():  # events files are appended to: never mix two runs
         shutil.rmtree(run_dir)
@@ -193,13 +198,14 @@ def run_spec(spec: JobSpec, work: Path, timeout_s: float) -> Job:
     )
     for name in _INHERITED_KNOBS:  # the job is what the spec says, whatever the shell has
         env.pop(name, None)
+    env.update(host.job_env(launcher_command(spec.launcher)))
     if spec.load:
         env["LOAD_DIR"] = str(ckpt)
     if spec.inject:
         env["TFT_INJECT"] = spec.inject
     env.update(spec.env)
-    out = run_job(["bash", str(SCRIPT), *spec.extra_args], env, timeout_s,
-                  run_dir / "output.log")
+    out = run_job(["bash", str(host.script), *host.script_args, *spec.extra_args], env,
+                  timeout_s, run_dir / "output.log")
     events_file = run_dir / "events.jsonl"
     events = []
     if events_file.exists():

@@ -18,12 +18,22 @@ times are the trainer's own "elapsed time per iteration (ms)" (perf_counter arou
 iterations of a mode is its step time. The gaps between consecutive `iteration` events of the
 events file (SPEC 11) give a cross-check. OMP_NUM_THREADS=1.
 
+`--host megatron-lm DIR` measures the same inside Megatron-LM's own training loop: the
+unchanged `pretrain_gpt.py` of the clone DIR (core_v0.12.1; copied once into the work dir)
+through `scripts/pretrain_megatron_lm_cpu.sh`, same preset and flags; "off" is Megatron-LM
+without the plugin's flags (still started through the adaptor, `python -m
+mindspeed_tft.megatron`, which is what lets Megatron-LM run on CPU; with the flags off the
+plugin stays off, as in the reference host's "off" jobs, and only the `iteration` events are
+written), "on" adds `--ha-args`. The per-iteration times are Megatron-LM's own "elapsed time per iteration"
+(`--log-interval 1`).
+
 Output: a table, then as the last line one JSON object
-`{"step_ms_off": ..., "step_ms_on": ..., "ratio": ...}` (ratio = on / off).
+`{"step_ms_off": ..., "step_ms_on": ..., "ratio": ..., "host": ...}` (ratio = on / off).
 
     python bench/overhead.py             # 6 rounds x 2 jobs x 40 iterations, ~4 min
     python bench/overhead.py --quick     # 2 rounds x 2 jobs x 25 iterations
     python bench/overhead.py --profile   # the same, plus where the time of a step goes
+    python bench/overhead.py --quick --host megatron-lm ../shared/megatron-lm
 """
 
 from __future__ import annotations
@@ -41,9 +51,18 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _jobs import REPO, bench_env, free_port, run_job, tail  # noqa: E402
+from _jobs import (  # noqa: E402
+    REPO,
+    Host,
+    add_host_argument,
+    bench_env,
+    free_port,
+    parse_host,
+    prepare_host,
+    run_job,
+    tail,
+)
 
-SCRIPT = REPO / "scripts" / "pretrain_tiny_cpu.sh"
 PROFILE_LAUNCHER = REPO / "bench" / "_profile_launch.py"
 #: Components timed by `--profile` (see bench/_profile_worker.py), in display order.
 COMPONENTS = (
@@ -68,8 +87,12 @@ class JobTimes:
     profile: list[list[dict[str, list[float]]]] = field(default_factory=list)
 
 
-def job_env(mode: str, run_dir: Path, opts: argparse.Namespace) -> dict[str, str]:
+def job_env(mode: str, run_dir: Path, opts: argparse.Namespace, host: Host) -> dict[str, str]:
     ha_args = opts.ha_args if mode == "on" else " "  # a blank value turns the default off
+    launcher = (
+        f"{sys.executable} {PROFILE_LAUNCHER}" if opts.profile
+        else f"{sys.executable} -m torch.distributed.run"
+    )
     env = bench_env(
         run_dir / "ttp_logs",
         NPROC=str(opts.nproc),
@@ -80,10 +103,8 @@ def job_env(mode: str, run_dir: Path, opts: argparse.Namespace) -> dict[str, str
         CKPT_DIR=str(run_dir / "ckpt"),
         EVENTS=str(run_dir / "events.jsonl"),
         HA_ARGS=ha_args,
-        LAUNCHER=(
-            f"{sys.executable} {PROFILE_LAUNCHER}" if opts.profile
-            else f"{sys.executable} -m torch.distributed.run"
-        ),
+        LAUNCHER=launcher,
+        **host.job_env(launcher),
         BENCH_PROFILE_OUT=str(run_dir / "profile"),
         MASTER_PORT=str(free_port()),
         PYTHONUNBUFFERED="1",
@@ -99,10 +120,11 @@ def job_env(mode: str, run_dir: Path, opts: argparse.Namespace) -> dict[str, str
     return env
 
 
-def run_one(mode: str, rnd: int, opts: argparse.Namespace, work: Path) -> JobTimes:
+def run_one(mode: str, rnd: int, opts: argparse.Namespace, work: Path, host: Host) -> JobTimes:
     run_dir = work / f"r{rnd}_{mode}"
-    cmd = ["bash", str(SCRIPT), *opts.extra]
-    job = run_job(cmd, job_env(mode, run_dir, opts), opts.timeout, run_dir / "output.log")
+    cmd = ["bash", str(host.script), *host.script_args, *opts.extra]
+    job = run_job(cmd, job_env(mode, run_dir, opts, host), opts.timeout,
+                  run_dir / "output.log")
     if job.returncode != 0:
         raise RuntimeError(
             f"round {rnd} mode {mode}: job exited {job.returncode}; output tail:\n"
@@ -238,8 +260,13 @@ def main(argv: list[str] | None = None) -> int:
         "the time of a step goes in each mode",
     )
     parser.add_argument("--keep", type=Path, default=None, help="keep run dirs here")
+    add_host_argument(parser)
     parser.add_argument("extra", nargs="*", help="extra pretrain_gpt.py flags (after --)")
     opts = parser.parse_args(argv)
+    host = parse_host(parser, opts.host)
+    if opts.profile and host.megatron_lm is not None:
+        parser.error("--profile times the reference trainer's functions; it cannot be "
+                     "combined with --host megatron-lm")
     if opts.quick:
         opts.rounds, opts.iters = 2, 25
     if opts.iters <= opts.warmup:
@@ -248,10 +275,11 @@ def main(argv: list[str] | None = None) -> int:
     work = opts.keep or Path(tempfile.mkdtemp(prefix="tft-bench-overhead-"))
     jobs: list[JobTimes] = []
     try:
+        host = prepare_host(host, work)
         for rnd in range(opts.rounds):
             order = MODES if rnd % 2 == 0 else MODES[::-1]
             for mode in order:
-                job = run_one(mode, rnd, opts, work)
+                job = run_one(mode, rnd, opts, work, host)
                 jobs.append(job)
                 med = statistics.median(kept(job.step_ms, opts.warmup))
                 print(
@@ -272,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     common = sorted(set(off_losses) & set(on_losses))
     max_loss_diff = max((abs(off_losses[i] - on_losses[i]) for i in common), default=float("nan"))
 
+    print(f"host: {host.name}" + (f" ({host.megatron_lm})" if host.megatron_lm else ""))
     print(f"{'mode':>4} | {'median ms':>9} {'mean ms':>8} {'iters':>5} {'events med':>10} | "
           "per-job medians (ms)")
     print("-" * 78)
@@ -298,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         "step_ms_off": round(off["median"], 3),
         "step_ms_on": round(on["median"], 3),
         "ratio": round(ratio, 4),
+        "host": host.name,
     }))
     return 0
 

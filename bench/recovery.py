@@ -42,8 +42,15 @@ Output: a table, the breakdowns, the goals, and as the last line one JSON object
 "baseline_lost_iterations", "detect_s" (ARF, spare), "uce_s" (worst target), "step_s", ...}`.
 Goals: ratio <= 0.25, arf_lost_iterations == 0, arf_s <= 2.5, uce_s <= step_s + 1.
 
+`--host megatron-lm DIR` runs every job in Megatron-LM's own training loop instead: the
+unchanged `pretrain_gpt.py` of the clone DIR (core_v0.12.1; copied once into the work dir)
+through `scripts/pretrain_megatron_lm_cpu.sh`, the same tiny preset, flags and cases (the
+adaptor comes in by `python -m mindspeed_tft.megatron`, or by tft-run itself). The JSON
+line says which loop ran (`"host"`).
+
     python bench/recovery.py             # 8 jobs, 30 iterations, fault at step 15, ~4 min
     python bench/recovery.py --quick     # 20 iterations, fault at step 8, UCE optimizer only
+    python bench/recovery.py --quick --host megatron-lm ../shared/megatron-lm
 """
 
 from __future__ import annotations
@@ -60,7 +67,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _jobs import free_port  # noqa: E402
+from _jobs import add_host_argument, free_port, parse_host, prepare_host  # noqa: E402
 from _timeline import Job, JobSpec, fmt_s, print_breakdown, run_spec  # noqa: E402
 
 REFERENCE_ARGS = "--enable-high-availability"
@@ -253,7 +260,9 @@ def main(argv: list[str] | None = None) -> int:
                         "jobs on torch 2.13)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per job")
     parser.add_argument("--keep", type=Path, default=None, help="keep run dirs here")
+    add_host_argument(parser)
     opts = parser.parse_args(argv)
+    host = parse_host(parser, opts.host)
     if opts.quick:
         opts.iters, opts.step, opts.save_interval, opts.targets = 20, 8, 5, "optimizer"
     targets = [t for t in opts.targets.split(",") if t]
@@ -269,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
 
     def run(spec: JobSpec) -> Job:
-        job = run_spec(spec, work, opts.timeout)
+        job = run_spec(spec, work, opts.timeout, host)
         print(f"[recovery] {spec.name}: exit {job.returncode} in {job.seconds:.0f}s",
               file=sys.stderr, flush=True)
         if opts.keep is None:
@@ -277,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         return job
 
     try:
+        host = prepare_host(host, work)
         ref = run(JobSpec("reference", ha_args=REFERENCE_ARGS, env=ha_env, **base))
         if ref.returncode != 0:
             raise RuntimeError(f"the fault-free reference job failed\n{ref.describe()}")
@@ -311,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
 
     rows = [*spare_rows, *cold_rows, *base_rows, *uce_rows]
-    print(f"fault: {kill} (UCE: rank {opts.uce_rank}, phase backward); {opts.iters} "
+    print(f"host: {host.name}" + (f" ({host.megatron_lm})" if host.megatron_lm else "")
+          + f"; fault: {kill} (UCE: rank {opts.uce_rank}, phase backward); {opts.iters} "
           f"iterations, periodic checkpoint every {opts.save_interval}; fault-free step "
           f"{ref.step_s():.3f} s (reference job)")
     print_table(rows)
@@ -375,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         "goals_met": goals,
         "fault": {"rank": opts.rank, "step": opts.step, "phase": opts.phase},
         "repeats": opts.repeats,
+        "host": host.name,
     }))
     return 0 if not any(r.error for r in rows) else 1
 
