@@ -22,6 +22,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_SCRIPT = REPO / "scripts" / "pretrain_tiny_cpu.sh"
+#: the same job in Megatron-LM's own pretrain_gpt.py (MEGATRON_LM names the clone)
+MEGATRON_LM_SCRIPT = REPO / "scripts" / "pretrain_megatron_lm_cpu.sh"
 
 LAYOUTS: dict[str, dict[str, int]] = {
     "dp4": {"NPROC": 4, "TP": 1, "PP": 1},
@@ -148,11 +150,12 @@ def tiny_job_env(
     return job_env
 
 
-def start_tiny_job(job_env: dict[str, str], extra_args: list[str] | None = None) -> subprocess.Popen:
-    """Start `scripts/pretrain_tiny_cpu.sh` (its launcher in a session of its own; output
-    piped, text)."""
+def start_tiny_job(job_env: dict[str, str], extra_args: list[str] | None = None,
+                   script: Path = TINY_SCRIPT) -> subprocess.Popen:
+    """Start `scripts/pretrain_tiny_cpu.sh` (or `script`, which takes the same environment;
+    its launcher in a session of its own; output piped, text)."""
     return subprocess.Popen(
-        ["bash", str(TINY_SCRIPT), *(extra_args or [])],
+        ["bash", str(script), *(extra_args or [])],
         cwd=REPO,
         env=job_env,
         stdout=subprocess.PIPE,
@@ -167,14 +170,16 @@ def run_tiny_job(
     *,
     extra_args: list[str] | None = None,
     timeout: float = 300.0,
+    script: Path = TINY_SCRIPT,
     **options: Any,
 ) -> JobResult:
-    """Run the tiny CPU job once and collect its result (`options`: see `tiny_job_env`)."""
+    """Run the tiny CPU job once and collect its result (`options`: see `tiny_job_env`;
+    `script`: `MEGATRON_LM_SCRIPT` runs it in Megatron-LM's own loop)."""
     run_dir = Path(run_dir)
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
-    proc = start_tiny_job(tiny_job_env(run_dir, **options), extra_args)
+    proc = start_tiny_job(tiny_job_env(run_dir, **options), extra_args, script)
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -186,6 +191,16 @@ def run_tiny_job(
         ) from None
     (run_dir / "output.log").write_text(output)
     return JobResult(proc.returncode, output, run_dir, read_events_if_any(run_dir / "events.jsonl"))
+
+
+def run_megatron_job(run_dir: Path, megatron_lm: Path, *, entry: str = "-m mindspeed_tft.megatron",
+                     script: str = "pretrain_gpt.py", env: dict[str, str] | None = None,
+                     **options: Any) -> JobResult:
+    """The tiny job in Megatron-LM's own `pretrain_gpt.py` (`scripts/pretrain_megatron_lm_cpu.sh`)
+    from the clone `megatron_lm`; `entry` is how the adaptor gets in (empty: the script
+    imports it, or `tft-run` runs it through the adaptor itself)."""
+    job_env = {"MEGATRON_LM": str(megatron_lm), "ENTRY": entry, "SCRIPT": script, **(env or {})}
+    return run_tiny_job(run_dir, script=MEGATRON_LM_SCRIPT, env=job_env, **options)
 
 
 def checkpoint_at(source_root: Path, iteration: int, destination: Path) -> Path:

@@ -366,6 +366,8 @@ def _load_in_place(root: str) -> int:
     model, optimizer, scheduler = _host.setup  # type: ignore[misc]
     saved = {name: getattr(args, name) for name in ("no_load_optim", "no_load_rng", "finetune")}
     args.no_load_optim = args.no_load_rng = args.finetune = False
+    # Megatron-LM's load expects a fresh start (it asserts these are 0) and sets them
+    args.consumed_train_samples = args.skipped_train_samples = args.consumed_valid_samples = 0
     args._tft_repair_root = root
     try:
         scheduler.num_steps = 0  # megatron-core's scheduler advances by the loaded count

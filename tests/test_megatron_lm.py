@@ -1,0 +1,214 @@
+"""Megatron-LM's own training loop hosts the plugin: real multi-process jobs of Megatron-LM
+core_v0.12.1's unchanged `pretrain_gpt.py` (`scripts/pretrain_megatron_lm_cpu.sh`, CPU gloo).
+
+The adaptor gets in three ways, each used below: `python -m mindspeed_tft.megatron
+pretrain_gpt.py` (the `dp4` references and faults), the one-line import at the top of the
+user's script (`pretrain_gpt_tft.py`, the `tp2dp2` jobs), and `tft-run` with no change at all
+(worker reboot). Faults are injected into real processes (`TFT_INJECT`): killed ranks,
+corrupted memory. Every loss is compared, bit for bit, with a fault-free run in the same loop.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.jobs import run_megatron_job
+
+pytestmark = pytest.mark.multiproc
+
+HA = "--enable-high-availability --tft-check-replicas-interval 1"
+FOUR_FLAGS = ("--enable-high-availability", "--enable-hbmfault-repair",
+              "--enable-worker-reboot", "--distributed-optimizer-no-replica")
+DUMP_EXIT_CODE = 75
+ITERS = {"train_iters": 8, "save_interval": 4}
+#: (layout, how the adaptor gets in): -m, or the one-line import in the user's script
+ROUTES = {
+    "dp4": {"layout": "dp4"},
+    "tp2dp2": {"layout": "tp2dp2", "entry": "", "script": "pretrain_gpt_tft.py"},
+}
+#: the guide's Llama2 shape: TP1 PP2, sequence parallel, overlap-grad-reduce, the distributed
+#: optimizer (all in the script), loading neither optimizer nor RNG from --load
+GUIDE_SHAPE = ["--no-load-optim", "--no-load-rng"]
+
+
+def _pids(job) -> dict[int, list[int]]:
+    pids: dict[int, list[int]] = {}
+    for event in job.named("replica_layout"):
+        if event["pid"] not in pids.setdefault(event["rank"], []):
+            pids[event["rank"]].append(event["pid"])
+    return pids
+
+
+def _python_env(megatron_lm) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(megatron_lm)
+    env.pop("HIGH_AVAILABILITY", None)
+    return env
+
+
+def test_help_lists_the_flags_with_and_without_the_import(megatron_lm):
+    for command in (
+        [sys.executable, "-m", "mindspeed_tft.megatron", "pretrain_gpt.py", "--help"],
+        [sys.executable, "pretrain_gpt_tft.py", "--help"],
+    ):
+        done = subprocess.run(command, cwd=megatron_lm, env=_python_env(megatron_lm),
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "Megatron-LM Arguments" in done.stdout
+        for flag in FOUR_FLAGS:
+            assert flag in done.stdout, (command, flag)
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--ckpt-format", "torch_dist"],
+     "--ckpt-format torch_dist cannot be combined with --enable-high-availability: the "
+     "dying-gasp checkpoint is written in Megatron-LM's torch format; allowed: "
+     "--ckpt-format torch"),
+    (["--exit-signal-handler"],
+     "--exit-signal-handler cannot be combined with --enable-high-availability: the plugin "
+     "handles SIGTERM itself"),
+    (["--optimizer-replica-num", "3"],
+     "--optimizer-replica-num 3 does not divide the data-parallel size 4"),
+])
+def test_a_flag_the_plugin_cannot_serve_stops_at_start_up(megatron_lm, extra, message):
+    """Refused after Megatron-LM's own validation, before torch.distributed starts: a clear
+    error naming the flag and the fix, exit code 2, no traceback."""
+    env = {**_python_env(megatron_lm), "WORLD_SIZE": "4", "RANK": "0"}
+    args = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
+            "--max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 16 "
+            "--train-iters 4 --lr 1e-3 --bf16 --use-distributed-optimizer --mock-data "
+            "--tokenizer-type NullTokenizer --vocab-size 4096 --transformer-impl local "
+            "--enable-high-availability").split()
+    done = subprocess.run([sys.executable, "-m", "mindspeed_tft.megatron", "pretrain_gpt.py",
+                           *args, *extra], cwd=megatron_lm, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert f"[mindspeed-tft] error: {message}" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("route", sorted(ROUTES))
+def test_trains_in_megatron_lms_loop_and_the_loss_falls(route, megatron_reference):
+    job = megatron_reference(ha_args=HA, **ROUTES[route], **ITERS)
+    losses = job.losses()
+    assert sorted(losses) == list(range(1, 9))
+    assert losses[8] < losses[1]
+    assert "iteration        8/       8 |" in job.output  # Megatron-LM's own log line
+    assert "high availability on (dying-gasp checkpoint)" in job.output
+    assert all(e["match"] for e in job.named("replica_check"))
+
+
+@pytest.mark.parametrize("route", sorted(ROUTES))
+def test_killed_rank_dumps_in_megatron_lm_layout_and_load_resumes_bit_exact(
+    route, megatron_lm, megatron_reference, tmp_path
+):
+    """Data-parallel size 2 (tp2dp2) keeps a replica with the defaults (N = d = 2)."""
+    config = {**ROUTES[route], **ITERS}
+    reference = megatron_reference(ha_args=HA, **config)
+    faulty = run_megatron_job(tmp_path / "faulty", megatron_lm, ha_args=HA,
+                              inject="kill:rank=1,step=5,phase=backward", **config)
+    assert faulty.returncode != 0
+    saved = faulty.named("dump_saved")
+    iteration_dir = faulty.checkpoint_dir / "iter_0000005"
+    assert [(e["iteration"], e["path"]) for e in saved] == [(5, str(iteration_dir))]
+    assert (faulty.checkpoint_dir / "latest_checkpointed_iteration.txt").read_text() == "5"
+    for tp in range(2 if route == "tp2dp2" else 1):
+        for name in ("model_optim_rng.pt", "distrib_optim.pt"):
+            assert (iteration_dir / f"mp_rank_{tp:02d}" / name).is_file()
+    assert f"exits with code {DUMP_EXIT_CODE}: dying-gasp checkpoint saved" in faulty.output
+
+    resumed = run_megatron_job(tmp_path / "resumed", megatron_lm, ha_args=HA,
+                               load_dir=faulty.checkpoint_dir, **config)
+    assert resumed.returncode == 0, resumed.describe()
+    assert f"successfully loaded checkpoint from {faulty.checkpoint_dir} " in resumed.output
+    assert "] at iteration 5" in resumed.output
+    losses, expected = resumed.losses(), reference.losses()
+    assert sorted(losses) == [6, 7, 8]
+    assert all(losses[it] == expected[it] for it in losses), (losses, expected)
+
+
+def test_uce_on_optimizer_state_and_params_is_repaired_in_place(
+    megatron_lm, megatron_reference, tmp_path
+):
+    reference = megatron_reference(ha_args=HA, **ROUTES["dp4"], **ITERS)
+    job = run_megatron_job(
+        tmp_path, megatron_lm, ha_args=f"{HA} --enable-hbmfault-repair",
+        inject="uce:rank=1,step=3,phase=backward,target=optimizer;"
+               "uce:rank=2,step=6,phase=backward,target=param",
+        **ROUTES["dp4"], **ITERS)
+    assert job.returncode == 0, job.describe()
+    assert [e["strategy"] for e in job.named("strategy")] == ["retry", "retry"]
+    assert [(e["rank"], e["iteration"]) for e in job.named("shard_received")] == [(1, 3), (2, 6)]
+    pids = _pids(job)
+    assert sorted(pids) == [0, 1, 2, 3] and all(len(p) == 1 for p in pids.values())
+    assert job.losses() == reference.losses()
+    assert all(e["match"] for e in job.named("replica_check"))
+
+
+@pytest.mark.parametrize(("layout", "rank", "extra"), [
+    ("dp4", 1, []),
+    ("pp2dp2", 3, GUIDE_SHAPE),
+])
+def test_worker_reboot_under_tft_run_restarts_only_the_killed_rank(
+    layout, rank, extra, megatron_lm, megatron_reference, tmp_path
+):
+    """`tft-run` runs the unchanged script through the adaptor by itself (no -m, no import)."""
+    arf = f"{HA} --enable-worker-reboot"
+    # the switch changes no arithmetic: the plain HA run is the reference
+    reference = megatron_reference(layout=layout, ha_args=HA, extra_args=extra, **ITERS)
+    job = run_megatron_job(tmp_path, megatron_lm, layout=layout, ha_args=arf, entry="",
+                           launcher="tft-run", extra_args=extra,
+                           inject=f"kill:rank={rank},step=4,phase=backward", **ITERS)
+    assert job.returncode == 0, job.describe()
+    assert "is a Megatron-LM training script: its workers run it through" in job.output
+    assert [e["strategy"] for e in job.named("strategy")] == ["recover"]
+    pids = _pids(job)
+    assert sorted(pids) == [0, 1, 2, 3]
+    assert {r: len(p) for r, p in pids.items()} == {r: 2 if r == rank else 1 for r in range(4)}
+    assert job.losses() == reference.losses()
+    assert all(e["match"] for e in job.named("replica_check"))
+
+
+def test_no_replica_worker_reboot_reloads_the_periodic_checkpoint(
+    megatron_lm, megatron_reference, tmp_path
+):
+    """N = 1: the killed rank has no replica; every rank reloads the periodic checkpoint of
+    iteration 4 with Megatron-LM's load_checkpoint (survivors in place) and goes on exactly
+    like a run without the plugin (the same optimizer layout: one instance)."""
+    # without the plugin's flags Megatron-LM's default format is torch_dist: ask for torch
+    plain = megatron_reference(ha_args="", extra_args=["--ckpt-format", "torch"],
+                               **ROUTES["dp4"], **ITERS)
+    job = run_megatron_job(
+        tmp_path, megatron_lm, ha_args=f"{HA} --enable-worker-reboot "
+        "--distributed-optimizer-no-replica", launcher="tft-run", entry="",
+        inject="kill:rank=3,step=6,phase=backward", **ROUTES["dp4"], **ITERS)
+    assert job.returncode == 0, job.describe()
+    assert sorted(e["rank"] for e in job.named("rolled_back")) == [0, 1, 2, 3]
+    assert {e["iteration"] for e in job.named("rolled_back")} == {4}
+    assert [len(p) for _, p in sorted(_pids(job).items())] == [1, 1, 1, 2]
+    assert job.losses() == plain.losses()
+
+
+def test_megatron_training_on_the_megatron_core_wheel(megatron_lm, megatron_reference, tmp_path):
+    """Megatron-LM's `megatron/training` and `megatron/legacy` with the megatron-core wheel's
+    `megatron.core` (the wheel ships the dataset helpers built, without their Makefile):
+    trains with the plugin, with the same losses as the full clone."""
+    tree = tmp_path / "Megatron-LM-without-core"
+    shutil.copytree(megatron_lm, tree, ignore=lambda folder, names: (
+        ["core"] if Path(folder).name == "megatron" else []))
+    where = subprocess.run(
+        [sys.executable, "-c", "import megatron.core, megatron.training as t; "
+         "print(megatron.core.__file__); print(t.__file__)"],
+        env=_python_env(tree), capture_output=True, text=True, timeout=120)
+    core_file, training_file = where.stdout.split()
+    assert "site-packages" in core_file and training_file.startswith(str(tree))
+    reference = megatron_reference(ha_args=HA, **ROUTES["dp4"], **ITERS)
+    job = run_megatron_job(tmp_path / "run", tree, ha_args=HA, **ROUTES["dp4"], **ITERS)
+    assert job.returncode == 0, job.describe()
+    assert job.losses() == reference.losses()
