@@ -32,7 +32,7 @@ Megatron's own validation (it needs ``data_parallel_size`` and friends) and:
      optimizer state, as with the non-distributed optimizer), d (every rank holds a full
      copy) with the non-distributed fp16/bf16 optimizer. With it off no replica groups are
      built: 1 with the distributed optimizer, d without it.
-   - ``args.tft_features``: a frozen `TFTFeatures`, the one summary the rest of the plugin
+   - ``args.tft_features``: a frozen `Features`, the one summary the rest of the plugin
      reads; ``describe()`` gives the startup log line.
 
 Every refusal is a `TFTArgumentError` (a ValueError) whose message names the flag or value and
@@ -50,12 +50,12 @@ import argparse
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+
+from mindspeed_tft.features import DEFAULT_OPTIMIZER_REPLICA_NUM, Features
 
 logger = logging.getLogger(__name__)
 
 ARGUMENT_GROUP_TITLE = "mindspeed-tft high availability"
-DEFAULT_OPTIMIZER_REPLICA_NUM = 2
 HIGH_AVAILABILITY_ENV = "HIGH_AVAILABILITY"
 EVENTS_FILE_ENV = "TFT_EVENTS_FILE"
 
@@ -69,64 +69,6 @@ HIGH_AVAILABILITY_MODES: dict[str, tuple[bool, bool]] = {
 
 class TFTArgumentError(ValueError):
     """A mindspeed-tft command-line or environment setting that cannot be used."""
-
-
-@dataclass(frozen=True)
-class TFTFeatures:
-    """What the plugin does in this job, decided once at startup by `validate_tft_args`.
-
-    ``replica_num`` is the effective number of copies of each optimizer-state shard (see the
-    module docstring); ``source`` says what switched the features on: ``"command line"`` or
-    ``"HIGH_AVAILABILITY=<value>"``.
-    """
-
-    high_availability: bool = False
-    hbm_repair: bool = False
-    worker_reboot: bool = False
-    no_replica: bool = False
-    replica_num: int = 1
-    source: str = "command line"
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> TFTFeatures:
-        """Read the features from ``args`` (missing attributes count as off).
-
-        ``replica_num`` is ``args.optimizer_replica_num_effective`` as set by
-        `validate_tft_args`; on unvalidated args it falls back to 1 without high availability
-        or with no-replica, else to ``--optimizer-replica-num``.
-        """
-        high_availability = bool(getattr(args, "enable_high_availability", False))
-        no_replica = bool(getattr(args, "distributed_optimizer_no_replica", False))
-        replica_num = getattr(args, "optimizer_replica_num_effective", None)
-        if replica_num is None:
-            replica_num = getattr(args, "optimizer_replica_num", DEFAULT_OPTIMIZER_REPLICA_NUM)
-            if no_replica or not high_availability:
-                replica_num = 1
-        return cls(
-            high_availability=high_availability,
-            hbm_repair=bool(getattr(args, "enable_hbmfault_repair", False)),
-            worker_reboot=bool(getattr(args, "enable_worker_reboot", False)),
-            no_replica=no_replica,
-            replica_num=int(replica_num),
-            source=getattr(args, "tft_features_source", "command line"),
-        )
-
-    def describe(self) -> str:
-        """One line for the startup log."""
-        if not self.high_availability:
-            return "mindspeed-tft: high availability off"
-
-        def on_off(flag: bool) -> str:
-            return "on" if flag else "off"
-
-        return (
-            "mindspeed-tft: high availability on (dying-gasp checkpoint), "
-            f"hbmfault repair {on_off(self.hbm_repair)}, "
-            f"worker reboot {on_off(self.worker_reboot)}, "
-            f"optimizer replicas {self.replica_num}"
-            f"{' (no-replica: repair from the last checkpoint)' if self.no_replica else ''}; "
-            f"set by {self.source}"
-        )
 
 
 def add_tft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -267,7 +209,7 @@ def validate_tft_args(
     args.num_distributed_optimizer_instances = (
         args.optimizer_replica_num_effective if replicated else 1
     )
-    args.tft_features = TFTFeatures.from_args(args)
+    args.tft_features = Features.from_args(args)
     return args
 
 

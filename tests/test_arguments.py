@@ -9,8 +9,8 @@ import pytest
 
 from mindspeed_tft.arguments import (
     ARGUMENT_GROUP_TITLE,
+    Features,
     TFTArgumentError,
-    TFTFeatures,
     add_tft_args,
     parse_high_availability_env,
     validate_tft_args,
@@ -109,7 +109,7 @@ def test_help_says_sub_flags_need_high_availability():
 def test_high_availability_off_records_plain_features():
     args = validate([])
     assert args.optimizer_replica_num_effective == 1
-    assert args.tft_features == TFTFeatures()
+    assert args.tft_features == Features()
     assert args.tft_features.describe() == "mindspeed-tft: high availability off"
 
 
@@ -121,7 +121,7 @@ def test_high_availability_off_non_distributed_counts_every_copy():
 def test_default_two_replicas():
     args = validate(HA)
     assert args.optimizer_replica_num_effective == 2
-    assert args.tft_features == TFTFeatures(True, False, False, False, 2, "command line")
+    assert args.tft_features == Features(True, False, False, False, 2, "command line")
     assert args.tft_features.describe() == (
         "mindspeed-tft: high availability on (dying-gasp checkpoint), hbmfault repair off, "
         "worker reboot off, optimizer replicas 2; set by command line"
@@ -131,7 +131,7 @@ def test_default_two_replicas():
 def test_no_replica_means_one():
     args = validate(HA + ["--distributed-optimizer-no-replica", "--enable-worker-reboot"])
     assert args.optimizer_replica_num_effective == 1
-    assert args.tft_features == TFTFeatures(True, False, True, True, 1, "command line")
+    assert args.tft_features == Features(True, False, True, True, 1, "command line")
     assert args.tft_features.describe() == (
         "mindspeed-tft: high availability on (dying-gasp checkpoint), hbmfault repair off, "
         "worker reboot on, optimizer replicas 1 (no-replica: repair from the last checkpoint); "
@@ -163,14 +163,14 @@ def test_replica_num_ignored_by_non_distributed_optimizer():
 
 def test_from_args_without_validation_reads_attributes():
     args = make_args(HA + ["--enable-hbmfault-repair", "--optimizer-replica-num", "4"])
-    assert TFTFeatures.from_args(args) == TFTFeatures(True, True, False, False, 4, "command line")
-    assert TFTFeatures.from_args(argparse.Namespace()) == TFTFeatures()
+    assert Features.from_args(args) == Features(True, True, False, False, 4, "command line")
+    assert Features.from_args(argparse.Namespace()) == Features()
 
 
 def test_namespace_without_tft_flags_is_accepted():
     args = argparse.Namespace(**LAYOUT)
     validate_tft_args(args, environ={})
-    assert args.tft_features == TFTFeatures()
+    assert args.tft_features == Features()
     assert args.optimizer_replica_num == 2
 
 
@@ -210,13 +210,13 @@ def test_high_availability_env_wins_over_command_line(caplog):
 
 def test_high_availability_env_enables_sub_flags_given_without_master_switch():
     args = validate(["--distributed-optimizer-no-replica"], env={"HIGH_AVAILABILITY": "dump"})
-    assert args.tft_features == TFTFeatures(True, False, False, True, 1, "HIGH_AVAILABILITY=dump")
+    assert args.tft_features == Features(True, False, False, True, 1, "HIGH_AVAILABILITY=dump")
 
 
 @pytest.mark.parametrize("value", ["", "   "])
 def test_blank_high_availability_env_is_unset(value):
     assert parse_high_availability_env(value) == ()
-    assert validate([], env={"HIGH_AVAILABILITY": value}).tft_features == TFTFeatures()
+    assert validate([], env={"HIGH_AVAILABILITY": value}).tft_features == Features()
 
 
 @pytest.mark.parametrize(
@@ -326,7 +326,7 @@ def test_mindspeed_disable_gloo_group_refused():
 def test_refusals_do_not_apply_without_high_availability():
     args = validate([], swap_optimizer=True, enable_gloo_process_groups=False,
                     use_distributed_optimizer=False, bf16=False, data_parallel_size=1)
-    assert args.tft_features == TFTFeatures(replica_num=1)
+    assert args.tft_features == Features(replica_num=1)
 
 
 def test_data_parallel_size_one_refused():
@@ -364,7 +364,7 @@ def test_replica_num_equal_to_d_every_rank_holds_the_whole_state():
     args = validate(HA + ["--optimizer-replica-num", "4"])
     assert args.optimizer_replica_num_effective == 4
     assert args.num_distributed_optimizer_instances == 4
-    assert args.tft_features == TFTFeatures(True, False, False, False, 4, "command line")
+    assert args.tft_features == Features(True, False, False, False, 4, "command line")
 
 
 def test_default_replica_num_equals_d_two():
@@ -373,7 +373,7 @@ def test_default_replica_num_equals_d_two():
                     pipeline_model_parallel_size=2, data_parallel_size=2)
     assert args.optimizer_replica_num_effective == 2
     assert args.num_distributed_optimizer_instances == 2
-    assert args.tft_features == TFTFeatures(True, False, True, False, 2, "command line")
+    assert args.tft_features == Features(True, False, True, False, 2, "command line")
 
 
 def test_replica_num_larger_than_d():

@@ -20,13 +20,14 @@ every rank runs `p = Processor(rank, world_size, replica=...)`, registers callba
 `p.start()`, then `run_with_fault_tolerance(train, p)` and finally `p.stop()`.
 """
 
+from ..features import Features
 from .classify import FaultKind, ForceStop, classify_error
 from .config import ControlConfig, ControlConfigError, setup_logging
 from .controller import Controller
 from .handler import run_with_fault_tolerance
 from .processor import Decision, Processor, ProcessorError
 from .states import TRANSITIONS, State
-from .strategy import Features, PlanError, Strategy, StrategyPlanner, choose_strategy
+from .strategy import PlanError, Strategy, StrategyPlanner, choose_strategy
 
 __all__ = [
     "TRANSITIONS",

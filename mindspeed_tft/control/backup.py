@@ -28,12 +28,12 @@ from typing import Any, Protocol
 import zmq
 
 from ..events import CONTROLLER_RANK, emit
+from ..features import Features
 from .classify import FaultKind
 from .config import ControlConfig, parse_hostport
 from .protocol import CONTROLLER, DropCounter, Message, MsgType, ProtocolError, decode, encode
 from .ranktable import CONNECTED, Health, RankInfo, RankTable
 from .states import INCIDENT_STATES, State, StateMachine
-from .strategy import Features
 from .transport import CurveKeys, connect_dealer, hostport, new_routing_id
 
 log = logging.getLogger("mindspeed_tft.control.backup")
@@ -190,8 +190,12 @@ class BackupSync:
             self.drops.drop("schema", f"sync for world size {p['world_size']}")
             return
         self._last_sync = now
-        self.host.adopt(p["epoch"], Features(**{k: bool(v) for k, v in p["features"].items()
-                                                if k in Features.__dataclass_fields__}))
+        try:
+            features = Features.from_dict(p["features"])
+        except ValueError as e:
+            self.drops.drop("schema", f"sync features: {e}")
+            return
+        self.host.adopt(p["epoch"], features)
         self._adopt_rows(rows, now)
         if state is not self.sm.state:
             self.sm.force(state, "synced from the active controller")

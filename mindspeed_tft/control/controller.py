@@ -34,6 +34,7 @@ from typing import Any
 import zmq
 
 from ..events import CONTROLLER_RANK, configure_events, emit
+from ..features import Features
 from . import local
 from .backup import BackupSync
 from .classify import FaultKind
@@ -42,7 +43,7 @@ from .incident import Incident, IncidentFlow
 from .protocol import CONTROLLER, DropCounter, Message, MsgType, ProtocolError, decode, encode
 from .ranktable import CONNECTED, Health, RankInfo, RankTable
 from .states import State, StateMachine
-from .strategy import Features, StrategyPlanner
+from .strategy import StrategyPlanner
 from .transport import (
     MONITOR_EVENTS,
     MONITOR_NAMES,
@@ -79,7 +80,7 @@ class Controller:
             raise ValueError(f"role={role!r} must be 'active' or 'backup'")
         self.config = config or ControlConfig.from_env()
         self.world_size = world_size
-        self.features = features or Features()
+        self.features = features or Features(high_availability=True)
         self.planner = planner or StrategyPlanner(self.features)
         self.role = role
         self.backup_index = backup_index

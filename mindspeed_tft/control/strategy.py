@@ -26,10 +26,10 @@ module does not depend on the incident flow that uses it.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import Any, Protocol
 
+from ..features import Features
 from .classify import FaultKind
 from .ranktable import CONNECTED, RankInfo, RankTable
 
@@ -57,39 +57,6 @@ FAULTY_DATA_KINDS = frozenset({FaultKind.UCE, FaultKind.HANG, FaultKind.LOST})
 SPARED_TARGETS = frozenset({"grad", "activation"})
 #: kinds whose rank's process is gone or must be restarted (ARF)
 PROCESS_KINDS = frozenset({FaultKind.HANG, FaultKind.LOST})
-
-
-@dataclass(frozen=True)
-class Features:
-    """Which strategies the job enabled (SPEC 1)."""
-
-    high_availability: bool = True      # --enable-high-availability: dump (TTP)
-    hbm_repair: bool = False            # --enable-hbmfault-repair: retry (UCE)
-    worker_reboot: bool = False         # --enable-worker-reboot: recover (ARF)
-    no_replica: bool = False            # --distributed-optimizer-no-replica
-
-    @classmethod
-    def from_args(cls, args: Any) -> Features:
-        """From Megatron-style parsed arguments (HIGH_AVAILABILITY is already folded in)."""
-        return cls(
-            high_availability=bool(getattr(args, "enable_high_availability", False)),
-            hbm_repair=bool(getattr(args, "enable_hbmfault_repair", False)),
-            worker_reboot=bool(getattr(args, "enable_worker_reboot", False)),
-            no_replica=bool(getattr(args, "distributed_optimizer_no_replica", False)),
-        )
-
-    @classmethod
-    def from_names(cls, names: str) -> Features:
-        """From `dump,retry,recover,no_replica` (any subset; empty: dump only)."""
-        words = {w.strip().lower() for w in names.split(",") if w.strip()}
-        unknown = words - {"dump", "retry", "recover", "no_replica"}
-        if unknown:
-            raise ValueError(f"unknown features {sorted(unknown)} (allowed: dump, retry, "
-                             "recover, no_replica)")
-        return cls(True, "retry" in words, "recover" in words, "no_replica" in words)
-
-    def to_dict(self) -> dict[str, bool]:
-        return asdict(self)
 
 
 def strategy_for(kind: FaultKind, features: Features) -> Strategy | None:

@@ -43,9 +43,9 @@ from typing import Any, NoReturn, TypeVar
 
 import torch.distributed as dist
 
-from mindspeed_tft.arguments import TFTFeatures
 from mindspeed_tft.events import configure_events, emit
 from mindspeed_tft.faults import FaultInjector
+from mindspeed_tft.features import Features
 from mindspeed_tft.plugin.hooks import HookList, TrainerHooks
 from mindspeed_tft.plugin.state import TrainingState
 from mindspeed_tft.recovery.snapshot import StepSnapshots
@@ -209,9 +209,7 @@ class TFTPlugin:
     def __init__(self, args: argparse.Namespace,
                  initialize_model_parallel: InitializeModelParallel) -> None:
         self.args = args
-        self.features: TFTFeatures = getattr(args, "tft_features", None) or TFTFeatures.from_args(
-            args
-        )
+        self.features: Features = getattr(args, "tft_features", None) or Features.from_args(args)
         self.initialize_model_parallel = initialize_model_parallel
         self.replica_groups: ReplicaGroups | None = None
         self.controller: Any = None
@@ -237,7 +235,7 @@ class TFTPlugin:
         if not self.high_availability:
             return
         from mindspeed_tft import patches
-        from mindspeed_tft.control import ControlConfig, Controller, Features, Processor
+        from mindspeed_tft.control import ControlConfig, Controller, Processor
         from mindspeed_tft.recovery.actions import RecoveryActions
 
         config = ControlConfig.from_env()
@@ -246,8 +244,7 @@ class TFTPlugin:
             patches.install("gloo-collectives")
         rank, world_size = self.args.rank, self.args.world_size
         if rank == 0 and os.environ.get(CONTROLLER_IN_LAUNCHER_ENV) != "1":
-            self.controller = Controller(world_size, config,
-                                         features=Features.from_args(self.args))
+            self.controller = Controller(world_size, config, features=self.features)
             self.controller.start()
         dense_map = ReplicaLayout.from_args(self.args).dense_map()
         keep_ports = [config.port, *(port for _, port in config.backups)]
