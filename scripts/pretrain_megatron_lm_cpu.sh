@@ -13,7 +13,6 @@
 #   (runs/megatron-lm) CKPT_DIR LOAD_DIR EVENTS LAUNCHER (torchrun) HA_ARGS EXTRA_ARGS
 set -eo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-source "${ROOT}/configs/models/tiny.sh"
 : "${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM clone (core_v0.12.1)}"
 [ -f "${MEGATRON_LM}/pretrain_gpt.py" ] || { echo "MEGATRON_LM=${MEGATRON_LM}: no pretrain_gpt.py there" >&2; exit 2; }
 
@@ -44,31 +43,15 @@ fi
 # megatron-core's torch RMSNorm, the one there is without Apex / Transformer Engine (CPU),
 # refuses sequence parallelism.
 if [ "${TP}" = 1 ]; then SP_ARGS=${SP_ARGS-"--sequence-parallel"}; else SP_ARGS=${SP_ARGS-""}; fi
+source "${ROOT}/configs/models/tiny.sh"
 GPT_ARGS="
     ${MODEL_ARGS/--use-mcore-models/}
     --tensor-model-parallel-size ${TP}
     --pipeline-model-parallel-size ${PP}
     ${SP_ARGS}
     --tokenizer-type NullTokenizer --vocab-size 4096
-    --micro-batch-size 2
-    --global-batch-size ${GBS}
-    --lr 1e-3
-    --train-iters ${TRAIN_ITERS}
-    --lr-decay-style cosine
-    --no-masked-softmax-fusion
-    --attention-softmax-in-fp32
-    --min-lr 1e-4
-    --weight-decay 1e-1
-    --lr-warmup-fraction 0.1
-    --clip-grad 1.0
-    --adam-beta1 0.9
-    --initial-loss-scale 65536
-    --adam-beta2 0.95
-    --no-gradient-accumulation-fusion
+    ${TRAIN_ARGS}
     --use-distributed-optimizer
-    --overlap-grad-reduce
-    --bf16
-    --seed 1234
     ${HA_ARGS}
 "
 CPU_ARGS="--transformer-impl local --no-rope-fusion --no-bias-swiglu-fusion

@@ -9,7 +9,6 @@
 # Extra command-line arguments are passed to pretrain_gpt.py.
 set -eo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-source "${ROOT}/configs/models/tiny.sh"
 
 NPROC=${NPROC:-4}
 TP=${TP:-1}
@@ -24,35 +23,19 @@ LAUNCHER=${LAUNCHER:-torchrun}
 MASTER_PORT=${MASTER_PORT:-$((20000 + RANDOM % 20000))}
 HA_ARGS=${HA_ARGS:-"--enable-high-availability --enable-hbmfault-repair --enable-worker-reboot"}
 
+source "${ROOT}/configs/models/tiny.sh"
 GPT_ARGS="
     ${MODEL_ARGS}
     --tensor-model-parallel-size ${TP}
     --pipeline-model-parallel-size ${PP}
     --sequence-parallel
     ${TOKENIZER_ARGS:-"--tokenizer-type NullTokenizer --vocab-size 4096"}
-    --micro-batch-size 2
-    --global-batch-size ${GBS}
-    --lr 1e-3
-    --train-iters ${TRAIN_ITERS}
-    --lr-decay-style cosine
+    ${TRAIN_ARGS}
     --use-fused-rmsnorm
     --use-flash-attn
-    --no-masked-softmax-fusion
-    --attention-softmax-in-fp32
-    --min-lr 1e-4
-    --weight-decay 1e-1
-    --lr-warmup-fraction 0.1
-    --clip-grad 1.0
-    --adam-beta1 0.9
-    --initial-loss-scale 65536
-    --adam-beta2 0.95
-    --no-gradient-accumulation-fusion
     ${DIST_OPT_ARGS-"--use-distributed-optimizer"}
     --use-fused-swiglu
     --use-fused-rotary-pos-emb
-    --overlap-grad-reduce
-    --bf16
-    --seed 1234
     ${HA_ARGS}
 "
 DATA_ARGS=${DATA_ARGS:-"--mock-data --split 949,50,1"}

@@ -56,6 +56,15 @@ class JobResult:
         """Events called `name`, in order."""
         return [e for e in self.events if e["event"] == name]
 
+    def pids(self) -> dict[int, list[int]]:
+        """Rank -> the processes that ran it, in order (from each process's
+        `replica_layout` event): one for a rank whose process survived everything."""
+        pids: dict[int, list[int]] = {}
+        for event in self.named("replica_layout"):
+            if event["pid"] not in pids.setdefault(event["rank"], []):
+                pids[event["rank"]].append(event["pid"])
+        return pids
+
     def exit_codes(self) -> dict[int, int]:
         """Each rank's exit code, as torchrun's failure summary reports it."""
         import re

@@ -31,14 +31,6 @@ def _reference(reference_job):
     return reference_job(ha_args=ARF_ARGS, launcher="tft-run", **CONFIG)
 
 
-def _pids(job) -> dict[int, list[int]]:
-    pids: dict[int, list[int]] = {}
-    for event in job.named("replica_layout"):
-        if event["pid"] not in pids.setdefault(event["rank"], []):
-            pids[event["rank"]].append(event["pid"])
-    return pids
-
-
 def _assert_full_replica_layout(job) -> None:
     """Every rank is a one-rank optimizer instance holding its DP group's whole state."""
     layouts = {e["rank"]: e for e in job.named("replica_layout")}
@@ -64,7 +56,7 @@ def test_killed_worker_is_replaced_from_the_other_full_replica(reference_job, tm
     assert all(e["match"] for e in job.named("replica_check"))
     _assert_full_replica_layout(job)
     # rank 5 got a new process, the 7 survivors kept theirs
-    pids = _pids(job)
+    pids = job.pids()
     assert sorted(pids) == RANKS
     for rank, processes in pids.items():
         assert len(processes) == (2 if rank == 5 else 1), (rank, processes)

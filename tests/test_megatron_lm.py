@@ -37,14 +37,6 @@ ROUTES = {
 GUIDE_SHAPE = ["--no-load-optim", "--no-load-rng"]
 
 
-def _pids(job) -> dict[int, list[int]]:
-    pids: dict[int, list[int]] = {}
-    for event in job.named("replica_layout"):
-        if event["pid"] not in pids.setdefault(event["rank"], []):
-            pids[event["rank"]].append(event["pid"])
-    return pids
-
-
 def _python_env(megatron_lm) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(megatron_lm)
@@ -145,7 +137,7 @@ def test_uce_on_optimizer_state_and_params_is_repaired_in_place(
     assert job.returncode == 0, job.describe()
     assert [e["strategy"] for e in job.named("strategy")] == ["retry", "retry"]
     assert [(e["rank"], e["iteration"]) for e in job.named("shard_received")] == [(1, 3), (2, 6)]
-    pids = _pids(job)
+    pids = job.pids()
     assert sorted(pids) == [0, 1, 2, 3] and all(len(p) == 1 for p in pids.values())
     assert job.losses() == reference.losses()
     assert all(e["match"] for e in job.named("replica_check"))
@@ -168,7 +160,7 @@ def test_worker_reboot_under_tft_run_restarts_only_the_killed_rank(
     assert job.returncode == 0, job.describe()
     assert "is a Megatron-LM training script: its workers run it through" in job.output
     assert [e["strategy"] for e in job.named("strategy")] == ["recover"]
-    pids = _pids(job)
+    pids = job.pids()
     assert sorted(pids) == [0, 1, 2, 3]
     assert {r: len(p) for r, p in pids.items()} == {r: 2 if r == rank else 1 for r in range(4)}
     assert job.losses() == reference.losses()
@@ -191,7 +183,7 @@ def test_no_replica_worker_reboot_reloads_the_periodic_checkpoint(
     assert job.returncode == 0, job.describe()
     assert sorted(e["rank"] for e in job.named("rolled_back")) == [0, 1, 2, 3]
     assert {e["iteration"] for e in job.named("rolled_back")} == {4}
-    assert [len(p) for _, p in sorted(_pids(job).items())] == [1, 1, 1, 2]
+    assert [len(p) for _, p in sorted(job.pids().items())] == [1, 1, 1, 2]
     assert job.losses() == plain.losses()
 
 

@@ -25,13 +25,6 @@ LAYOUTS = {
 COPIED = {"optimizer", "param"}  # the other targets hold nothing to copy back
 
 
-def _pids(job) -> dict[int, set[int]]:
-    pids: dict[int, set[int]] = {}
-    for event in job.named("replica_layout"):
-        pids.setdefault(event["rank"], set()).add(event["pid"])
-    return pids
-
-
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("fault", ["uce:optimizer", "uce:param", "uce:grad", "uce:activation",
                                    "comm"])
@@ -57,7 +50,7 @@ def test_repaired_in_place_and_bit_exact(layout, fault, reference_job, tmp_path)
     assert sorted(e["rank"] for e in job.named("rolled_back")) == [0, 1, 2, 3]
 
     # Same processes before and after the repair: one pid per rank.
-    pids = _pids(job)
+    pids = job.pids()
     assert sorted(pids) == [0, 1, 2, 3] and all(len(p) == 1 for p in pids.values())
     # Every loss equals the fault-free run's; the replicas agree after every step.
     assert job.losses() == reference.losses()
@@ -95,7 +88,7 @@ def test_uce_with_no_replica_reloads_the_checkpoint_and_continues(reference_job,
     iterations = [e["iteration"] for e in job.named("iteration")]
     assert iterations == [*range(1, 8), *range(6, 21)]  # 6 and 7 recomputed
     assert job.losses() == reference.losses()
-    assert all(len(p) == 1 for p in _pids(job).values())
+    assert all(len(p) == 1 for p in job.pids().values())
 
 
 def test_uce_before_the_first_update_exits_with_a_clear_message(tmp_path):

@@ -41,21 +41,13 @@ LAYOUTS = {
 PHASES = [("forward", 0), ("backward", 0), ("optimizer", 1)]
 
 
-def _pids(job) -> dict[int, list[int]]:
-    pids: dict[int, list[int]] = {}
-    for event in job.named("replica_layout"):
-        if event["pid"] not in pids.setdefault(event["rank"], []):
-            pids[event["rank"]].append(event["pid"])
-    return pids
-
-
 def _assert_repaired(job, reference, restarted: dict[int, int]) -> None:
     """The job finished with the reference's losses; exactly `restarted` ranks (rank ->
     restarts) got new processes and every other rank kept its one process."""
     assert job.returncode == 0, job.describe()
     assert job.losses() == reference.losses()
     assert all(e["match"] for e in job.named("replica_check"))
-    pids = _pids(job)
+    pids = job.pids()
     assert sorted(pids) == [0, 1, 2, 3]
     for rank, processes in pids.items():
         assert len(processes) == 1 + restarted.get(rank, 0), (rank, processes)
@@ -138,7 +130,7 @@ def test_no_replica_reloads_the_periodic_checkpoint(reference_job, tmp_path):
     assert {e["iteration"] for e in job.named("rolled_back")} == {5}
     assert [e["iteration"] for e in job.named("iteration")] == [*range(1, 9), *range(6, 21)]
     assert job.losses() == reference.losses()
-    pids = _pids(job)
+    pids = job.pids()
     assert [len(pids[r]) for r in range(4)] == [1, 1, 1, 2]
 
 

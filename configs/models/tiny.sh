@@ -1,6 +1,8 @@
 # Tiny Llama-shaped model preset for CPU runs (demo, tests, benchmarks): same architecture
 # flags as configs/models/llama2-7b.sh at a size a laptop trains in seconds.
-# Sourced by scripts/pretrain_tiny_cpu.sh; defines MODEL_ARGS.
+# Sourced by scripts/pretrain_tiny_cpu.sh and scripts/pretrain_megatron_lm_cpu.sh (after they
+# set GBS and TRAIN_ITERS); defines MODEL_ARGS and TRAIN_ARGS, the training flags both hosts
+# share (the guide's Llama2 script's, at this size), so their losses can be compared.
 MODEL_ARGS="
     --use-mcore-models
     --num-layers ${TINY_NUM_LAYERS:-4}
@@ -18,4 +20,24 @@ MODEL_ARGS="
     --position-embedding-type rope
     --normalization RMSNorm
     --swiglu
+"
+TRAIN_ARGS="
+    --micro-batch-size 2
+    --global-batch-size ${GBS:-16}
+    --lr 1e-3
+    --train-iters ${TRAIN_ITERS:-40}
+    --lr-decay-style cosine
+    --no-masked-softmax-fusion
+    --attention-softmax-in-fp32
+    --min-lr 1e-4
+    --weight-decay 1e-1
+    --lr-warmup-fraction 0.1
+    --clip-grad 1.0
+    --adam-beta1 0.9
+    --initial-loss-scale 65536
+    --adam-beta2 0.95
+    --no-gradient-accumulation-fusion
+    --overlap-grad-reduce
+    --bf16
+    --seed 1234
 "
