@@ -7,7 +7,7 @@ data-parallel group of size d, against SPEC 2's formula (bf16 params):
     bf16 grads (--bf16 --grad-reduce-in-bf16):  4 + 16 N / d
     fp32 grads (--bf16, Megatron-LM's default): 6 + 12 N / d
 
-How: for every d in --dims and N in {1, 2, d/2} (N | d, N < d) and each grad dtype it
+How: for every d in --dims and N in {1, 2, d/2, d} (N | d) and each grad dtype it
 launches a real d-rank CPU job (torchrun, gloo; DP = d, TP = PP = 1) of pretrain_gpt.py's GPT
 model through `bench/_memory_worker.py`, which sets the job up with the trainer's own code
 (initialize_megatron, TFTPlugin.setup, setup_model_and_optimizer, mock data) and runs real
@@ -68,8 +68,9 @@ class Case:
 
 
 def replica_counts(d: int) -> list[int]:
-    """N in {1, 2, d/2} with N | d and N < d, deduplicated, ascending."""
-    return sorted({n for n in (1, 2, d // 2) if n >= 1 and d % n == 0 and n < d})
+    """N in {1, 2, d/2, d} with N | d, deduplicated, ascending (N = d: every rank holds the
+    whole optimizer state)."""
+    return sorted({n for n in (1, 2, d // 2, d) if n >= 1 and d % n == 0})
 
 
 def formula(d: int, n: int, grad: str) -> float:

@@ -19,7 +19,8 @@ pytestmark = pytest.mark.multiproc
 DUMP_EXIT_CODE = 75
 LAYOUTS = {
     "dp4": {"layout": "dp4", "ha_args": HA_ARGS, **STANDARD},
-    # d = 2: the distributed optimizer cannot keep 2 replicas (N < d), the bf16 one is N = d
+    # d = 2 with the bf16 optimizer, its own replica (N = d); the distributed optimizer at
+    # N = d is covered by test_full_replicas and test_megatron_lm
     "tp2dp2": {"layout": "tp2dp2", "ha_args": HA_ARGS, "dist_opt": False,
                "train_iters": 10, "save_interval": 5},
 }

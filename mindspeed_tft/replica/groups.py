@@ -117,7 +117,7 @@ class ReplicaGroups:
 
     @property
     def sharded(self) -> bool:
-        """True when the distributed optimizer keeps N < d replicas (with N > 1)."""
+        """True when the distributed optimizer keeps N > 1 replicas (1 < N <= d)."""
         return self.layout.distributed_optimizer and self.dense.replica_num > 1
 
     def build(self) -> None:
