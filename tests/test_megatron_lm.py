@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.jobs import run_megatron_job
+from tests.jobs import free_port, run_megatron_job
 
 pytestmark = pytest.mark.multiproc
 
@@ -45,9 +45,12 @@ def _python_env(megatron_lm) -> dict[str, str]:
 
 
 def test_help_lists_the_flags_with_and_without_the_import(megatron_lm):
+    tft_run = str(Path(sys.executable).parent / "tft-run")
     for command in (
         [sys.executable, "-m", "mindspeed_tft.megatron", "pretrain_gpt.py", "--help"],
-        [sys.executable, "pretrain_gpt_tft.py", "--help"],
+        [sys.executable, "pretrain_gpt_tft.py", "--help"],  # the one-line import
+        [tft_run, "--nproc-per-node", "1", "--master-port", str(free_port()),
+         "pretrain_gpt.py", "--help"],  # no change at all
     ):
         done = subprocess.run(command, cwd=megatron_lm, env=_python_env(megatron_lm),
                               capture_output=True, text=True, timeout=120)
