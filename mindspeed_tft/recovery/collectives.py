@@ -68,6 +68,9 @@ def _abandonable_wait(original: Any) -> Any:
             return original(self, timeout)
         if id(self) in _p2p_works:
             try:
+                if _abandoned.is_set():  # posted after the connections were shut down
+                    raise CollectivesAbandoned(
+                        f"FORCE STOP: point-to-point operation abandoned ({_abandon_reason})")
                 return original(self)
             finally:
                 _p2p_works.discard(id(self))

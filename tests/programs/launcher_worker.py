@@ -68,14 +68,7 @@ def main() -> int:
     t_ready = time.time()
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
-    env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)}
-    record = {"pid": os.getpid(), "ppid": os.getppid(), "t_start": T_START, "t_ready": t_ready,
-              "spare": spare, "rank": rank, "env": env}
-    tmp = out / f".start.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, out / f"start.{os.getpid()}.json")
-
-    if args.store:
+    if args.store:  # before the start record: a test that saw the record sees the check-in
         from datetime import timedelta
 
         from torch.distributed import TCPStore
@@ -83,6 +76,13 @@ def main() -> int:
         store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                          is_master=False, timeout=timedelta(seconds=30))
         store.add(f"tftest/checkin/{rank}", 1)
+    env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)}
+    record = {"pid": os.getpid(), "ppid": os.getppid(), "t_start": T_START, "t_ready": t_ready,
+              "spare": spare, "rank": rank, "env": env}
+    tmp = out / f".start.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, out / f"start.{os.getpid()}.json")
+
     processor = None
     if args.processor:
         from mindspeed_tft.control import ControlConfig, Processor
