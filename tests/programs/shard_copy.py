@@ -103,7 +103,7 @@ def main() -> None:
 
     train_step(pretrain_gpt.forward_step, state, hooks)
     state.iteration += 1
-    check.on_step_end(state)  # raises if the replicas disagree after a step on the copy
+    check.after_step(state.iteration, optimizer, model)  # raises if the replicas disagree
     # one file per rank: lines printed by four processes to one pipe can interleave
     Path(f"shard_copy_rank{me}.json").write_text(json.dumps(
         {"rank": me, "before": before, "wiped": wiped, "after": after, "copied": copied,
