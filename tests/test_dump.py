@@ -68,8 +68,12 @@ def _assert_resumes_like_the_reference(reference, faulty, config, tmp_path, iter
         assert loss == expected[it], (it, loss, expected[it])
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-@pytest.mark.parametrize(("kind", "rank", "step", "phase", "dump_iteration"), FAULTS)
+# every fault on dp4; one on tp2dp2 (Megatron-LM's loop repeats the kill on DP4 and TP2xDP2:
+# tests/test_megatron_lm.py), which keeps the suite inside CI's time
+CASES = [("dp4", *fault) for fault in FAULTS] + [("tp2dp2", *FAULTS[1])]
+
+
+@pytest.mark.parametrize(("layout", "kind", "rank", "step", "phase", "dump_iteration"), CASES)
 def test_fault_produces_a_dump_that_resumes_bit_exact(
     layout, kind, rank, step, phase, dump_iteration, reference_job, tmp_path
 ):

@@ -25,9 +25,12 @@ LAYOUTS = {
 COPIED = {"optimizer", "param"}  # the other targets hold nothing to copy back
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-@pytest.mark.parametrize("fault", ["uce:optimizer", "uce:param", "uce:grad", "uce:activation",
-                                   "comm"])
+FAULTS = ["uce:optimizer", "uce:param", "uce:grad", "uce:activation", "comm"]
+# every target on dp4; optimizer state and a comm error on tp2dp2 (the suite's time budget)
+CASES = [("dp4", fault) for fault in FAULTS] + [("tp2dp2", "uce:optimizer"), ("tp2dp2", "comm")]
+
+
+@pytest.mark.parametrize(("layout", "fault"), CASES)
 def test_repaired_in_place_and_bit_exact(layout, fault, reference_job, tmp_path):
     config, step = LAYOUTS[layout]
     reference = reference_job(ha_args=HA_ARGS, **config)

@@ -56,8 +56,13 @@ def _assert_repaired(job, reference, restarted: dict[int, int]) -> None:
         r for r, n in restarted.items() for _ in range(n))
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-@pytest.mark.parametrize(("phase", "behind"), PHASES)
+# every phase on dp4, a backward-pass kill on tp2dp2 and pp2dp2 (Megatron-LM's loop repeats
+# DP4 and PP2xDP2 under tft-run: tests/test_megatron_lm.py), within the suite's time budget
+CASES = [("dp4", *phase) for phase in PHASES] + [
+    (layout, *PHASES[1]) for layout in ("tp2dp2", "pp2dp2")]
+
+
+@pytest.mark.parametrize(("layout", "phase", "behind"), CASES)
 def test_killed_worker_is_replaced_and_training_is_bit_exact(
     layout, phase, behind, reference_job, tmp_path
 ):
