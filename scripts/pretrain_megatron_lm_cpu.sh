@@ -33,7 +33,9 @@ HA_ARGS=${HA_ARGS-"--enable-high-availability --enable-hbmfault-repair --enable-
 
 mkdir -p "${RUN_DIR}"
 MLM="${MEGATRON_LM}"
-if [ -d "${MLM}/megatron/core/datasets" ] && [ ! -w "${MLM}/megatron/core/datasets" ]; then
+# (by the mode bits too: root passes -w on a read-only tree)
+if [ -d "${MLM}/megatron/core/datasets" ] && { [ ! -w "${MLM}/megatron/core/datasets" ] \
+    || [ -z "$(find "${MLM}/megatron/core/datasets" -maxdepth 0 -perm -u=w)" ]; }; then
     MLM="${RUN_DIR}/megatron-lm"
     [ -d "${MLM}" ] || { cp -r "${MEGATRON_LM}" "${MLM}" && chmod -R u+w "${MLM}"; }
 fi
