@@ -1,10 +1,11 @@
 """Optimizer replicas on real multi-process jobs (torchrun, gloo).
 
-For d=4 N=2, d=8 N=2 and N=4, and TP=2 x DP=4 N=2 over 20 iterations: every holder of a
+For d=4 N=2 and d=8 N=4 over 20 iterations: every holder of a
 shard holds bit-identical state after every step (replica_check events, SHA-256 of main
 params, moments and step); the replica groups megatron-core built are the ones the map
-names; HA-on losses equal HA-off losses within 1e-5 relative; two HA-on runs are
-bit-identical. A shard copied from one holder into another equals the original.
+names; HA-on losses equal HA-off losses within 1e-5 relative (that runs are deterministic,
+bit for bit, every fault test's comparison with its reference shows). A shard copied from
+one holder into another equals the original.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from tests.jobs import HA_ARGS, LAYOUTS, REPO, STANDARD, free_port
 
 pytestmark = pytest.mark.multiproc
 
-CASES = [("dp4", 2), ("dp8", 4), ("tp2dp4", 2)]  # N = 2 of d = 8: the same code as dp4
+# N = 2 of d = 4 and N = 4 of d = 8; with TP the replicas are tested at N = d = 2 (TP2xDP2, in
+# Megatron-LM's loop and the dump/UCE tests): 8-rank TP2xDP4 jobs do not fit CI's time
+CASES = [("dp4", 2), ("dp8", 4)]
 
 
 def ha_args(n: int) -> str:
@@ -87,18 +90,6 @@ def test_ha_on_losses_match_ha_off(layout, n, reference_job):
     assert sorted(on_losses) == sorted(off_losses) == list(range(1, 21))
     for iteration in off_losses:
         assert on_losses[iteration] == pytest.approx(off_losses[iteration], rel=1e-5)
-
-
-def test_two_ha_on_runs_are_bit_identical(reference_job, tmp_path):
-    from tests.jobs import run_tiny_job
-
-    first = reference_job("dp4", ha_args=HA_ARGS, **STANDARD)
-    second = run_tiny_job(tmp_path, ha_args=HA_ARGS, **STANDARD)
-    assert second.returncode == 0, second.describe()
-    assert second.losses() == first.losses()
-    digests = lambda job: [(e["iteration"], e["rank"], e["digest"])  # noqa: E731
-                           for e in job.named("replica_check")]
-    assert sorted(digests(second)) == sorted(digests(first))
 
 
 def test_shard_copied_to_another_holder_equals_the_original(tmp_path):

@@ -34,7 +34,6 @@ LAYOUTS = {
     "dp4": {"layout": "dp4", **STANDARD},
     # d = 2: the bf16 optimizer is its own replica (N = d)
     "tp2dp2": {"layout": "tp2dp2", "dist_opt": False, "train_iters": 10, "save_interval": 5},
-    "pp2dp2": {"layout": "pp2dp2", "dist_opt": False, "train_iters": 10, "save_interval": 5},
 }
 # (phase, the iteration the job rolls back to): a kill inside the update of step s leaves the
 # survivors' update done, so the lock step is s + 1
@@ -56,10 +55,9 @@ def _assert_repaired(job, reference, restarted: dict[int, int]) -> None:
         r for r, n in restarted.items() for _ in range(n))
 
 
-# every phase on dp4, a backward-pass kill on tp2dp2 and pp2dp2 (Megatron-LM's loop repeats
-# DP4 and PP2xDP2 under tft-run: tests/test_megatron_lm.py), within the suite's time budget
-CASES = [("dp4", *phase) for phase in PHASES] + [
-    (layout, *PHASES[1]) for layout in ("tp2dp2", "pp2dp2")]
+# every phase on dp4, a backward-pass kill on tp2dp2 (Megatron-LM's loop repeats DP4 and the
+# pipeline layout PP2xDP2 under tft-run: tests/test_megatron_lm.py), within CI's time budget
+CASES = [("dp4", *phase) for phase in PHASES] + [("tp2dp2", *PHASES[1])]
 
 
 @pytest.mark.parametrize(("layout", "phase", "behind"), CASES)
