@@ -154,8 +154,6 @@ TABLE: tuple[Moment, ...] = (
         _p("megatron.training.initialize:_initialize_distributed",
            "join the control plane before torch.distributed starts; a restarted worker "
            "joins the rebuilt process groups of the running job instead", MLM),
-        _p("megatron.training.training:setup_model_and_optimizer",
-           "build the replica groups, keep model / optimizer / scheduler for recovery", MLM),
         _p("megatron.training.training:load_checkpoint",
            "a restarted worker gets its state from its peers, not from --load", MLM),
         _p("megatron.training.training:build_train_valid_test_datasets",

@@ -15,9 +15,8 @@ Nothing of Megatron-LM is copied or edited; the functions below wrap Megatron-LM
   instead, then rebuilds model, optimizer and data exactly as at start-up while its
   collectives are answered locally (`_LocalCollectives`: its peers are mid-training) and
   `--load` is skipped (its state comes from its peers).
-- `setup_model_and_optimizer`, `build_train_valid_test_datasets`: what recovery needs is
-  kept (model chunks, optimizer, scheduler, the datasets to rebuild the data iterators at a
-  sample count).
+- `build_train_valid_test_datasets`: the datasets are kept, to rebuild the data iterators
+  at a sample count (model, optimizer and scheduler arrive with `train`).
 - `train`: runs under the fault handler (`TFTPlugin.run`) with the host's `TrainingState`;
   after a repair it is entered again with the rebuilt data iterators and the training
   config as it was at its first entry.
@@ -199,7 +198,6 @@ class MegatronHost:
         self.plugin: TFTPlugin | None = None
         self.state: TrainingState | None = None
         self.hooks: TrainerHooks = TrainerHooks()
-        self.setup: tuple[list[torch.nn.Module], Any, Any] | None = None
         self.datasets: tuple[Any, Any, Any] | None = None
         self.datasets_provider: Any = None
         self.local = _LocalCollectives()
@@ -285,15 +283,6 @@ def wrap_initialize_distributed(original: Callable[..., Any]) -> Callable[..., A
     return initialize_distributed
 
 
-def wrap_setup_model_and_optimizer(original: Callable[..., Any]) -> Callable[..., Any]:
-    def setup_model_and_optimizer(*args: Any, **kwargs: Any) -> Any:
-        result = original(*args, **kwargs)
-        _host.setup = result
-        return result
-
-    return setup_model_and_optimizer
-
-
 def wrap_load_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
     def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
         if _host.rejoining:
@@ -343,7 +332,9 @@ def _checkpoint_state_dict(rng_state: dict[str, Any]) -> dict[str, Any]:
     from megatron.training.checkpointing import generate_state_dict
 
     args = _args()
-    model, optimizer, scheduler = _host.setup  # type: ignore[misc]
+    state = _host.state
+    assert state is not None, "mindspeed-tft: no training state yet"
+    model, optimizer, scheduler = state.model, state.optimizer, state.opt_param_scheduler
     rng = dict(rng_state)
     rng.setdefault("cuda_rng_state", rng["torch_rng_state"])
     state_dict = generate_state_dict(
@@ -363,7 +354,9 @@ def _load_in_place(root: str) -> int:
     from megatron.training import checkpointing
 
     args = _args()
-    model, optimizer, scheduler = _host.setup  # type: ignore[misc]
+    state = _host.state
+    assert state is not None, "mindspeed-tft: no training state yet"
+    model, optimizer, scheduler = state.model, state.optimizer, state.opt_param_scheduler
     saved = {name: getattr(args, name) for name in ("no_load_optim", "no_load_rng", "finetune")}
     args.no_load_optim = args.no_load_rng = args.finetune = False
     # Megatron-LM's load expects a fresh start (it asserts these are 0) and sets them
@@ -410,7 +403,6 @@ def wrap_train(original: Callable[..., Any]) -> Callable[..., Any]:
             after_rollback=_after_rollback,
         )
         _host.state = state
-        _host.setup = (model, optimizer, opt_param_scheduler)
         plugin.attach(state)
         hooks = plugin.hooks()
         _host.hooks = hooks
@@ -546,7 +538,6 @@ def install_patches() -> None:
     initialize._initialize_distributed = wrap_initialize_distributed(
         initialize._initialize_distributed)
     for name, wrap in (
-        ("setup_model_and_optimizer", wrap_setup_model_and_optimizer),
         ("load_checkpoint", wrap_load_checkpoint),
         ("build_train_valid_test_datasets", wrap_build_datasets),
         ("train", wrap_train),
