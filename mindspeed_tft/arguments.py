@@ -35,6 +35,9 @@ Megatron's own validation (it needs ``data_parallel_size`` and friends) and:
    - ``args.tft_features``: a frozen `Features`, the one summary the rest of the plugin
      reads; ``describe()`` gives the startup log line.
 
+6. reads the environment the plugin will use (`check_environment`): a bad ``TFT_INJECT`` or
+   ``TTP_*`` value stops the start here, before the model is built.
+
 Every refusal is a `TFTArgumentError` (a ValueError) whose message names the flag or value and
 says what is allowed.
 
@@ -210,7 +213,24 @@ def validate_tft_args(
         args.optimizer_replica_num_effective if replicated else 1
     )
     args.tft_features = Features.from_args(args)
+    check_environment(args, environ)
     return args
+
+
+def check_environment(args: argparse.Namespace, environ: Mapping[str, str]) -> None:
+    """Read every environment variable the plugin will use, now, before anything expensive
+    (model build, checkpoint load): ``TFT_INJECT`` and its companions always, the control
+    plane's ``TTP_*`` with high availability. Raises `TFTArgumentError` naming the variable.
+    The plugin reads them again where it uses them, with the same readers."""
+    from mindspeed_tft.control.config import ControlConfig, ControlConfigError
+    from mindspeed_tft.faults import FaultInjector, FaultSpecError
+
+    try:
+        FaultInjector.from_env(getattr(args, "rank", 0) or 0, environ, store=None)
+        if args.enable_high_availability:
+            ControlConfig.from_env(environ)
+    except (FaultSpecError, ControlConfigError) as error:
+        raise TFTArgumentError(str(error)) from None
 
 
 # --- internals -------------------------------------------------------------------------------

@@ -10,28 +10,31 @@ files and logging. `ControlConfig.from_env()` builds it from the environment:
 | `CONTROLLER_ADDR` | address the controller binds (overrides `TTP_ADDR`) | TTP_ADDR | error |
 | `PROCESSOR_ADDR` | address processors connect to (overrides `TTP_ADDR`) | TTP_ADDR | error |
 | `TTP_PORT` | controller port, 1..65535 | 8000 | error |
-| `TTP_HEARTBEAT_INTERVAL` | seconds between heartbeats, 0.05..60 | 2 | fallback + warning |
-| `TTP_HEARTBEAT_MISSES` | missed intervals before a rank is lost, 1..100 | 3 | fallback + warning |
-| `TTP_NORMAL_ACTION_TIME_LIMIT` | seconds an action callback may take, 30..1800 | 180 | fallback + warning |
-| `TTP_REGISTER_TIMEOUT` | seconds for all ranks to register, 1..86400 | 600 | fallback + warning |
-| `TTP_HANG_TIMEOUT_MIN` | floor of the hang timeout in seconds, 0.1..86400 | 60 | fallback + warning |
-| `TTP_HANG_TIMEOUT_FACTOR` | hang timeout = factor x slowest recent step, 1..1000 | 5 | fallback + warning |
-| `TTP_HANG_INITIAL_TIMEOUT` | hang timeout before the first step, 1..86400 | 1800 | fallback + warning |
-| `TTP_PARK_TIMEOUT` | seconds a stopped rank's training thread has to come back before it is hung, 0.5..900 | 30 | fallback + warning |
-| `TTP_EXIT_GRACE` | seconds an exit order gives the training thread before the process ends, 0.5..600 | 10 | fallback + warning |
+| `TTP_HEARTBEAT_INTERVAL` | seconds between heartbeats, 0.05..60 | 2 | error |
+| `TTP_HEARTBEAT_MISSES` | missed intervals before a rank is lost, 1..100 | 3 | error |
+| `TTP_NORMAL_ACTION_TIME_LIMIT` | seconds an action callback may take, 30..1800 | 180 | error |
+| `TTP_REGISTER_TIMEOUT` | seconds for all ranks to register, 1..86400 | 600 | error |
+| `TTP_HANG_TIMEOUT_MIN` | floor of the hang timeout in seconds, 0.1..86400 | 60 | error |
+| `TTP_HANG_TIMEOUT_FACTOR` | hang timeout = factor x slowest recent step, 1..1000 | 5 | error |
+| `TTP_HANG_INITIAL_TIMEOUT` | hang timeout before the first step, 1..86400 | 1800 | error |
+| `TTP_PARK_TIMEOUT` | seconds a stopped rank's training thread has to come back before it is hung, 0.5..900 | 30 | error |
+| `TTP_EXIT_GRACE` | seconds an exit order gives the training thread before the process ends, 0.5..600 | 10 | error |
 | `TTP_BACKUP_ADDRS` | up to 2 backup controllers, `ip:port,[v6]:port` | none | error |
 | `TTP_CURVE_SERVER_KEY` | server certificate (secret on controllers, public on processors) | off | error |
 | `TTP_CURVE_CLIENT_KEY` | client secret certificate | none | error |
 | `TTP_CURVE_AUTHORIZED_KEYS` | client public certificate file or folder the controller accepts | the client key | error |
 | `TTP_LOG_PATH` | log folder (file `ttp_log.log`) | logs | - |
-| `TTP_LOG_LEVEL` | DEBUG, INFO, WARNING, ERROR | INFO | fallback + warning |
-| `TTP_LOG_MODE` | ONLY_ONE (one file) or PER_PROC (one file per process) | ONLY_ONE | fallback + warning |
-| `TTP_LOG_STDOUT` | 0 or 1 | 0 | fallback + warning |
+| `TTP_LOG_LEVEL` | DEBUG, INFO, WARNING, ERROR | INFO | error |
+| `TTP_LOG_MODE` | ONLY_ONE (one file) or PER_PROC (one file per process) | ONLY_ONE | error |
+| `TTP_LOG_STDOUT` | 0 or 1 | 0 | error |
 
 `TTP_ADDR` names the controller; `CONTROLLER_ADDR` and `PROCESSOR_ADDR` override it per role:
 the controller binds `controller_addr` (it may be a wildcard such as 0.0.0.0 or ::), the
 processors connect to `processor_addr` (never a wildcard). The range checks apply to values
 read from the environment; code (tests) may set shorter times through the constructor.
+Every variable is checked when the configuration is read, at start-up: a value that cannot
+be used stops the start with an error naming the variable and what is allowed; nothing
+falls back silently.
 """
 
 from __future__ import annotations
@@ -103,8 +106,8 @@ def parse_hostport(value: str, name: str) -> tuple[str, int]:
     return parse_ip(host, name, allow_wildcard=False), parse_port(port, name)
 
 
-def _number(env: Mapping[str, str], name: str, default: float, lo: float, hi: float,
-            warnings: list[str], *, integer: bool = False) -> float:
+def _number(env: Mapping[str, str], name: str, default: float, lo: float, hi: float, *,
+            integer: bool = False) -> float:
     raw = env.get(name)
     if raw is None or raw.strip() == "":
         return default
@@ -114,20 +117,19 @@ def _number(env: Mapping[str, str], name: str, default: float, lo: float, hi: fl
         value = float("nan")
     if not (lo <= value <= hi):  # also false for nan
         kind = "an integer" if integer else "a number"
-        warnings.append(f"{name}={raw!r} is not {kind} in [{lo:g}, {hi:g}]; using the default {default:g}")
-        return default
+        raise ControlConfigError(f"{name}={raw!r} is not {kind} in [{lo:g}, {hi:g}] "
+                                 f"(unset: {default:g})")
     return value
 
 
-def _choice(env: Mapping[str, str], name: str, default: str, allowed: tuple[str, ...],
-            warnings: list[str]) -> str:
+def _choice(env: Mapping[str, str], name: str, default: str, allowed: tuple[str, ...]) -> str:
     raw = env.get(name)
     if raw is None or raw.strip() == "":
         return default
     value = raw.strip().upper()
     if value not in allowed:
-        warnings.append(f"{name}={raw!r} is not one of {', '.join(allowed)}; using the default {default}")
-        return default
+        raise ControlConfigError(f"{name}={raw!r} is not one of {', '.join(allowed)} "
+                                 f"(unset: {default})")
     return value
 
 
@@ -179,7 +181,7 @@ class ControlConfig:
     log_level: str = "INFO"
     log_mode: str = "ONLY_ONE"
     log_stdout: bool = False
-    #: fallbacks taken while reading the environment (already logged)
+    #: what setup_logging warns about on every start (e.g. a switched-off safety)
     warnings: list[str] = field(default_factory=list, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -219,7 +221,6 @@ class ControlConfig:
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> ControlConfig:
         """Read the environment (default `os.environ`); keyword overrides win over it."""
         env = os.environ if env is None else env
-        warnings: list[str] = []
         ttp_addr = parse_ip(env.get("TTP_ADDR") or DEFAULT_ADDR, "TTP_ADDR")
         ctrl = env.get("CONTROLLER_ADDR")
         proc = env.get("PROCESSOR_ADDR")
@@ -228,25 +229,23 @@ class ControlConfig:
             "processor_addr": parse_ip(proc, "PROCESSOR_ADDR", allow_wildcard=False)
             if proc else parse_ip(ttp_addr, "TTP_ADDR", allow_wildcard=False),
             "port": parse_port(env.get("TTP_PORT") or DEFAULT_PORT),
-            "heartbeat_interval": _number(env, "TTP_HEARTBEAT_INTERVAL", 2.0, 0.05, 60, warnings),
-            "heartbeat_misses": int(_number(env, "TTP_HEARTBEAT_MISSES", 3, 1, 100, warnings,
+            "heartbeat_interval": _number(env, "TTP_HEARTBEAT_INTERVAL", 2.0, 0.05, 60),
+            "heartbeat_misses": int(_number(env, "TTP_HEARTBEAT_MISSES", 3, 1, 100,
                                             integer=True)),
-            "action_time_limit": _number(env, "TTP_NORMAL_ACTION_TIME_LIMIT", 180, 30, 1800,
-                                         warnings),
-            "register_timeout": _number(env, "TTP_REGISTER_TIMEOUT", 600, 1, 86400, warnings),
-            "hang_timeout_min": _number(env, "TTP_HANG_TIMEOUT_MIN", 60, 0.1, 86400, warnings),
-            "hang_timeout_factor": _number(env, "TTP_HANG_TIMEOUT_FACTOR", 5, 1, 1000, warnings),
-            "park_timeout": _number(env, "TTP_PARK_TIMEOUT", 30, 0.5, 900, warnings),
-            "exit_grace": _number(env, "TTP_EXIT_GRACE", 10, 0.5, 600, warnings),
-            "hang_initial_timeout": _number(env, "TTP_HANG_INITIAL_TIMEOUT", 1800, 1, 86400,
-                                            warnings),
+            "action_time_limit": _number(env, "TTP_NORMAL_ACTION_TIME_LIMIT", 180, 30, 1800),
+            "register_timeout": _number(env, "TTP_REGISTER_TIMEOUT", 600, 1, 86400),
+            "hang_timeout_min": _number(env, "TTP_HANG_TIMEOUT_MIN", 60, 0.1, 86400),
+            "hang_timeout_factor": _number(env, "TTP_HANG_TIMEOUT_FACTOR", 5, 1, 1000),
+            "park_timeout": _number(env, "TTP_PARK_TIMEOUT", 30, 0.5, 900),
+            "exit_grace": _number(env, "TTP_EXIT_GRACE", 10, 0.5, 600),
+            "hang_initial_timeout": _number(env, "TTP_HANG_INITIAL_TIMEOUT", 1800, 1, 86400),
             "curve_server_key": _path(env, "TTP_CURVE_SERVER_KEY"),
             "curve_client_key": _path(env, "TTP_CURVE_CLIENT_KEY"),
             "curve_authorized_keys": _path(env, "TTP_CURVE_AUTHORIZED_KEYS"),
             "log_path": (env.get("TTP_LOG_PATH") or "").strip() or "logs",
-            "log_level": _choice(env, "TTP_LOG_LEVEL", "INFO", LOG_LEVELS, warnings),
-            "log_mode": _choice(env, "TTP_LOG_MODE", "ONLY_ONE", LOG_MODES, warnings),
-            "log_stdout": _choice(env, "TTP_LOG_STDOUT", "0", ("0", "1"), warnings) == "1",
+            "log_level": _choice(env, "TTP_LOG_LEVEL", "INFO", LOG_LEVELS),
+            "log_mode": _choice(env, "TTP_LOG_MODE", "ONLY_ONE", LOG_MODES),
+            "log_stdout": _choice(env, "TTP_LOG_STDOUT", "0", ("0", "1")) == "1",
         }
         backups = (env.get("TTP_BACKUP_ADDRS") or "").strip()
         if backups:
@@ -262,11 +261,7 @@ class ControlConfig:
             raise ControlConfigError(
                 "TTP_CURVE_CLIENT_KEY is set but TTP_CURVE_SERVER_KEY is not: CURVE needs both"
             )
-        config = cls(**values)
-        config.warnings = warnings
-        for w in warnings:
-            log.warning("%s", w)
-        return config
+        return cls(**values)
 
 
 _logging_done = False

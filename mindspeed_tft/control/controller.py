@@ -805,10 +805,14 @@ def main(argv: list[str] | None = None) -> int:
                       ("register_timeout", "register_timeout")):
         if getattr(args, name) is not None:
             overrides[key] = getattr(args, name)
-    config = ControlConfig.from_env(**overrides)
+    try:
+        config = ControlConfig.from_env(**overrides)
+        features = Features.from_names(args.features)
+    except ValueError as error:  # ControlConfigError names the variable; a bad --features
+        parser.error(str(error))
     setup_logging(config)
     configure_events(args.events)
-    ctrl = Controller(args.world_size, config, features=Features.from_names(args.features),
+    ctrl = Controller(args.world_size, config, features=features,
                       role=args.role, backup_index=args.backup_index, bind_addr=args.addr,
                       port=args.port)
     if args.snapshot:

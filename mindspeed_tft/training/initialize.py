@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import sys
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
@@ -101,7 +102,7 @@ def initialize_megatron(
     args.local_rank = _env_int("LOCAL_RANK", 0) if args.local_rank is None else args.local_rank
     validate_args(args, world_size=_env_int("WORLD_SIZE", 1))
     if extra_args_validator is not None:
-        args = extra_args_validator(args)
+        args = _validated(extra_args_validator, args)
     args.platform = platform
     args.distributed_backend = distributed_backend(args.distributed_backend)
     set_args(args)
@@ -109,6 +110,20 @@ def initialize_megatron(
     if init_distributed:
         initialize_distributed_state(args)
     return args
+
+
+def _validated(validator: Callable[[argparse.Namespace], argparse.Namespace],
+               args: argparse.Namespace) -> argparse.Namespace:
+    """The extra validator's result; a refused flag or environment value ends the process
+    with exit code 2 and one line naming it (rank 0 prints it), no traceback."""
+    from mindspeed_tft.arguments import TFTArgumentError
+
+    try:
+        return validator(args)
+    except TFTArgumentError as error:
+        if args.rank == 0:
+            print(f"[mindspeed-tft] error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 def initialize_distributed_state(args: argparse.Namespace) -> None:

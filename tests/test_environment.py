@@ -1,0 +1,59 @@
+"""Every environment value the plugin reads is checked at start-up, in both hosts (this
+project's trainer and Megatron-LM's own `pretrain_gpt.py`), before the model is built: a bad
+`TFT_INJECT` or `TTP_*` value ends the process with exit code 2 and one line naming the
+variable and what is allowed, no traceback, no fallback.
+
+Each case is one real process started as rank 0 of 4, so it stops in argument validation,
+before torch.distributed: a start that went on would wait for 3 ranks that never come.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ARGS = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
+        "--max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 16 "
+        "--train-iters 4 --lr 1e-3 --bf16 --use-distributed-optimizer --mock-data "
+        "--tokenizer-type NullTokenizer --vocab-size 4096 --enable-high-availability").split()
+CASES = [
+    ({"TFT_INJECT": "kill:rank=x,step=3"},
+     "TFT_INJECT item 1 'kill:rank=x,step=3': rank must be a non-negative integer, got 'x'"),
+    ({"TTP_HEARTBEAT_MISSES": "abc"},
+     "TTP_HEARTBEAT_MISSES='abc' is not an integer in [1, 100] (unset: 3)"),
+    ({"TTP_NORMAL_ACTION_TIME_LIMIT": "5"},
+     "TTP_NORMAL_ACTION_TIME_LIMIT='5' is not a number in [30, 1800] (unset: 180)"),
+]
+
+
+def _start(command: list[str], cwd: Path, env: dict[str, str], extra_path: str = "") -> \
+        subprocess.CompletedProcess:
+    full = {k: v for k, v in os.environ.items()
+            if not k.startswith(("TTP_", "TFT_")) and k != "HIGH_AVAILABILITY"}
+    full.update(env, RANK="0", WORLD_SIZE="4", LOCAL_RANK="0",
+                PYTHONPATH=os.pathsep.join(p for p in (extra_path, str(REPO)) if p))
+    return subprocess.run(command, cwd=cwd, env=full, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize(("env", "message"), CASES)
+def test_reference_trainer_refuses_a_bad_environment_value(env, message, tmp_path):
+    done = _start([sys.executable, str(REPO / "pretrain_gpt.py"), *ARGS], tmp_path, env)
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert f"[mindspeed-tft] error: {message}" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize(("env", "message"), CASES[:2])
+def test_megatron_lm_refuses_a_bad_environment_value(env, message, megatron_lm):
+    done = _start([sys.executable, "-m", "mindspeed_tft.megatron", "pretrain_gpt.py", *ARGS,
+                   "--transformer-impl", "local"], megatron_lm, env, str(megatron_lm))
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert f"[mindspeed-tft] error: {message}" in done.stderr
+    assert "Traceback" not in done.stderr
