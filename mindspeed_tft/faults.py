@@ -21,8 +21,10 @@ Kinds (what happens when an item fires):
   P was not stopped within T s")``.
 
 Keys: ``rank`` (global rank, required, integer >= 0), ``step`` (required, integer >= 0),
-``phase`` = forward | backward | optimizer | save | after (default forward), ``target`` =
-optimizer | param | grad | activation (uce only; default optimizer). Kinds, keys and values are
+``phase`` = forward | backward | optimizer | save | after | publish (default forward),
+``target`` = optimizer | param | grad | activation (uce only; default optimizer), ``point`` =
+written | synced | aside | renamed | tracker (required with phase publish, allowed only with
+it). Kinds, keys and values are
 lowercase; whitespace around items, keys and values is ignored. An unset or blank variable
 means no faults. Anything else that does not follow these rules raises `FaultSpecError` at
 startup, naming the item (1-based) and the bad part::
@@ -36,6 +38,23 @@ during step s; ``save`` during a periodic checkpoint save made at the end of ste
 iteration s+1), after its files are written and before they are published; ``after`` once step
 s is complete (iteration is s+1). An item whose phase point never comes (e.g. ``save`` at a step
 without a save) never fires.
+
+Phase ``publish`` fires inside `mindspeed_tft.recovery.layout.publish_checkpoint`, in the
+process that publishes a checkpoint of iteration s+1 (a periodic save at the end of step s,
+or a dying-gasp checkpoint of lock step s+1; rank: that process's global rank), at the
+publishing point ``point`` (`PUBLISH_POINTS`, in the order they come):
+
+- ``written``: every file is in ``iter_X_tmp``, nothing is fsynced yet;
+- ``synced``: the files and folders of ``iter_X_tmp`` are fsynced, nothing is renamed yet;
+- ``aside``: only where ``iter_X`` already exists and the file system cannot exchange two
+  names atomically: the old ``iter_X`` was renamed to ``iter_X_old``, the new one is not in
+  place yet (the one moment a tracker naming X points at no folder);
+- ``renamed``: ``iter_X`` is the new checkpoint (the old copy, if any, is ``iter_X_old``),
+  the tracker is not written yet;
+- ``tracker``: the tracker names X (fsynced); the old copy is not removed yet.
+
+`fire_publish_point` is what the publisher calls; it reads ``TFT_INJECT`` once per process
+(with `parse_fault_spec`, like everything here).
 
 Once per job: before an item acts, it is recorded as fired (a kill leaves no chance afterwards)
 in every ledger available, and it acts only if none of them had it already:
@@ -80,8 +99,11 @@ HANG_SLICE_SECONDS = 0.05
 STORE_KEY_PREFIX = "tft_inject/fired/"
 
 KINDS = ("kill", "raise", "uce", "comm", "hang")
-KEYS = ("rank", "step", "phase", "target")
-PHASES = ("forward", "backward", "optimizer", "save", "after")
+KEYS = ("rank", "step", "phase", "target", "point")
+PHASES = ("forward", "backward", "optimizer", "save", "after", "publish")
+PUBLISH_PHASE = "publish"
+#: the points of publishing a checkpoint, in order (see the module docstring)
+PUBLISH_POINTS = ("written", "synced", "aside", "renamed", "tracker")
 TARGETS = ("optimizer", "param", "grad", "activation")
 DEFAULT_PHASE = "forward"
 DEFAULT_TARGET = "optimizer"
@@ -103,16 +125,21 @@ class FaultItem:
     phase: str = DEFAULT_PHASE
     target: str | None = None
     index: int = 1
+    point: str | None = None
 
     @property
     def marker(self) -> str:
         """The name under which this item is recorded as fired (store key suffix, file name)."""
         name = f"fired-{self.index}-{self.kind}-rank{self.rank}-step{self.step}-{self.phase}"
+        if self.point:
+            name = f"{name}-{self.point}"
         return f"{name}-{self.target}" if self.target else name
 
     def describe(self) -> str:
         """The item in ``TFT_INJECT`` syntax, defaults spelled out."""
         text = f"{self.kind}:rank={self.rank},step={self.step},phase={self.phase}"
+        if self.point:
+            text = f"{text},point={self.point}"
         return f"{text},target={self.target}" if self.target else text
 
 
@@ -167,7 +194,17 @@ def _parse_item(item: str, index: int) -> FaultItem:
     elif "target" in values:
         raise fail(f"target is only allowed for uce, not for {kind}")
 
-    return FaultItem(kind, numbers["rank"], numbers["step"], phase, target, index)
+    point: str | None = None
+    if phase == PUBLISH_PHASE:
+        if "point" not in values:
+            raise fail(f"phase publish needs point=P; allowed: {', '.join(PUBLISH_POINTS)}")
+        point = values["point"]
+        if point not in PUBLISH_POINTS:
+            raise fail(f"unknown point {point!r}; allowed: {', '.join(PUBLISH_POINTS)}")
+    elif "point" in values:
+        raise fail(f"point is only allowed with phase publish, not with phase {phase}")
+
+    return FaultItem(kind, numbers["rank"], numbers["step"], phase, target, index, point)
 
 
 def parse_hang_seconds(text: str | None) -> float:
@@ -259,9 +296,9 @@ class FaultInjector:
         self.hang_seconds = hang_seconds
         self._fired: set[int] = set()
         self._lock = threading.Lock()
-        self._by_point: dict[tuple[int, str], list[FaultItem]] = {}
+        self._by_point: dict[tuple[int, str, str | None], list[FaultItem]] = {}
         for item in self.items:
-            self._by_point.setdefault((item.step, item.phase), []).append(item)
+            self._by_point.setdefault((item.step, item.phase, item.point), []).append(item)
 
     @classmethod
     def from_env(
@@ -290,15 +327,20 @@ class FaultInjector:
         """This rank's items that have not fired in this process."""
         return tuple(item for item in self.items if item.index not in self._fired)
 
-    def fire(self, step: int, phase: str, **context: Any) -> None:
-        """Fire the items for (``step``, ``phase``) that no ledger has recorded yet, in order.
+    def fire(self, step: int, phase: str, point: str | None = None, **context: Any) -> None:
+        """Fire the items for (``step``, ``phase``, ``point``) that no ledger has recorded
+        yet, in order (``point``: one of `PUBLISH_POINTS` with phase publish, else None).
 
         Context: ``corrupt`` (``Callable[[str], None]``): corrupts the given target memory in
         place, for uce. Other keys are ignored.
         """
         if phase not in PHASES:
             raise ValueError(f"unknown phase {phase!r}; allowed: {', '.join(PHASES)}")
-        for item in self._by_point.get((step, phase), ()):
+        if (point is None) != (phase != PUBLISH_PHASE) or (
+                point is not None and point not in PUBLISH_POINTS):
+            raise ValueError(f"phase {phase} with point {point!r}: phase publish takes one of "
+                             f"{', '.join(PUBLISH_POINTS)}, other phases none")
+        for item in self._by_point.get((step, phase, point), ()):
             if self._claim(item):
                 self._act(item, context)
 
@@ -325,8 +367,11 @@ class FaultInjector:
         events.emit(
             "fault_injected", self.rank, kind=item.kind, step=item.step, phase=item.phase,
             target=item.target, item=item.index,
+            **({"point": item.point} if item.point else {}),
         )
         where = f"rank {self.rank} step {item.step} phase {item.phase}"
+        if item.point:
+            where = f"{where} point {item.point}"
         logger.warning("TFT_INJECT: firing %s", item.describe())
         if item.kind == "kill":
             for stream in (sys.stdout, sys.stderr):
@@ -357,3 +402,43 @@ class FaultInjector:
             raise RuntimeError(
                 f"TFT_INJECT hang: {where} was not stopped within {self.hang_seconds:g} s"
             )
+
+
+# --- publishing points -----------------------------------------------------------------------
+
+_publish_injectors: dict[int, FaultInjector] = {}
+_publish_lock = threading.Lock()
+
+
+def _own_rank() -> int:
+    """This process's global rank: torch.distributed's when it is initialized, else the
+    launcher's ``RANK``, else 0 (a process outside any job)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank())
+    text = os.environ.get("RANK")
+    if text is None or not text.strip():
+        return 0
+    if not _NON_NEGATIVE_INT.fullmatch(text.strip()):
+        raise FaultSpecError(f"RANK={text!r}: allowed: a non-negative integer")
+    return int(text)
+
+
+def fire_publish_point(iteration: int, point: str) -> None:
+    """The publisher of the checkpoint of ``iteration`` reached ``point`` (`PUBLISH_POINTS`):
+    fire this rank's ``phase=publish`` items for step ``iteration - 1`` at that point.
+
+    ``TFT_INJECT`` is parsed on the first call of the process (per rank), so this costs a
+    dictionary look-up when nothing is injected."""
+    rank = _own_rank()
+    with _publish_lock:
+        injector = _publish_injectors.get(rank)
+        if injector is None:
+            injector = FaultInjector.from_env(rank)
+            injector = FaultInjector(
+                [item for item in injector.items if item.phase == PUBLISH_PHASE], rank,
+                state_dir=injector.state_dir, hang_seconds=injector.hang_seconds,
+            )
+            _publish_injectors[rank] = injector
+    if injector:
+        injector.fire(iteration - 1, PUBLISH_PHASE, point)

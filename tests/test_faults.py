@@ -60,6 +60,11 @@ def test_item_marker_and_describe():
     assert item.marker == "fired-4-uce-rank2-step1-save-grad"
     assert item.describe() == "uce:rank=2,step=1,phase=save,target=grad"
     assert FaultItem("kill", 0, 3).marker == "fired-1-kill-rank0-step3-forward"
+    publish = FaultItem("kill", 0, 9, "publish", index=2, point="renamed")
+    assert publish.marker == "fired-2-kill-rank0-step9-publish-renamed"
+    assert publish.describe() == "kill:rank=0,step=9,phase=publish,point=renamed"
+    assert parse_fault_spec(" kill : rank=0, step=9, phase=publish, point=renamed ") == [
+        FaultItem("kill", 0, 9, "publish", None, 1, "renamed")]
 
 
 @pytest.mark.parametrize(
@@ -97,18 +102,27 @@ def test_item_marker_and_describe():
          "got ''"),
         ("kill:rank=0,step=1,when=3",
          "TFT_INJECT item 1 'kill:rank=0,step=1,when=3': unknown key 'when'; allowed: rank, "
-         "step, phase, target"),
+         "step, phase, target, point"),
         ("kill:rank=0,step=1,rank=2",
          "TFT_INJECT item 1 'kill:rank=0,step=1,rank=2': duplicate key 'rank'"),
         ("kill:rank=0,step",
          "TFT_INJECT item 1 'kill:rank=0,step': 'step' is not key=value; allowed keys: rank, "
-         "step, phase, target"),
+         "step, phase, target, point"),
         ("kill:rank=0,,step=1",
          "TFT_INJECT item 1 'kill:rank=0,,step=1': '' is not key=value; allowed keys: rank, "
-         "step, phase, target"),
+         "step, phase, target, point"),
         ("kill:rank=0,step=1,phase=fwd",
          "TFT_INJECT item 1 'kill:rank=0,step=1,phase=fwd': unknown phase 'fwd'; allowed: "
-         "forward, backward, optimizer, save, after"),
+         "forward, backward, optimizer, save, after, publish"),
+        ("kill:rank=0,step=1,phase=publish",
+         "TFT_INJECT item 1 'kill:rank=0,step=1,phase=publish': phase publish needs "
+         "point=P; allowed: written, synced, aside, renamed, tracker"),
+        ("kill:rank=0,step=1,phase=publish,point=fsync",
+         "TFT_INJECT item 1 'kill:rank=0,step=1,phase=publish,point=fsync': unknown point "
+         "'fsync'; allowed: written, synced, aside, renamed, tracker"),
+        ("kill:rank=0,step=1,phase=save,point=synced",
+         "TFT_INJECT item 1 'kill:rank=0,step=1,phase=save,point=synced': point is only "
+         "allowed with phase publish, not with phase save"),
         ("uce:rank=0,step=1,target=hbm",
          "TFT_INJECT item 1 'uce:rank=0,step=1,target=hbm': unknown target 'hbm'; allowed: "
          "optimizer, param, grad, activation"),
@@ -240,8 +254,18 @@ def test_fire_rejects_unknown_phase():
     with pytest.raises(ValueError) as info:
         injector_for("").fire(0, "update")
     assert str(info.value) == (
-        "unknown phase 'update'; allowed: forward, backward, optimizer, save, after"
+        "unknown phase 'update'; allowed: forward, backward, optimizer, save, after, publish"
     )
+
+
+def test_fire_takes_a_point_with_phase_publish_only():
+    injector = injector_for("")
+    for phase, point in (("publish", None), ("publish", "fsync"), ("save", "synced")):
+        with pytest.raises(ValueError) as info:
+            injector.fire(0, phase, point)
+        assert str(info.value) == (
+            f"phase {phase} with point {point!r}: phase publish takes one of written, synced, "
+            "aside, renamed, tracker, other phases none")
 
 
 def test_hang_is_bounded(emitted):

@@ -289,9 +289,23 @@ def wrap_load_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
             print(f"[mindspeed-tft] rank {_args().rank}: restarted worker: its state comes from "
                   "its peers, not from --load", flush=True)
             return 0, 0
+        _repair_interrupted_publish(getattr(_args(), kwargs.get("load_arg", "load"), None))
         return original(*args, **kwargs)
 
     return load_checkpoint
+
+
+def _repair_interrupted_publish(root: str | None) -> None:
+    """Before Megatron-LM's loader reads `root`: put back an `iter_X` that a publish of this
+    project's (a dump) left as `iter_X_old` when it was killed between its two renames
+    (only where the file system cannot exchange names; `layout.resolve_checkpoint`)."""
+    from mindspeed_tft.recovery.layout import resolve_checkpoint
+
+    if root:
+        try:
+            resolve_checkpoint(root)
+        except ValueError:  # not an iteration number ("release"): Megatron-LM's to read
+            pass
 
 
 def wrap_build_datasets(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -362,6 +376,7 @@ def _load_in_place(root: str) -> int:
     # Megatron-LM's load expects a fresh start (it asserts these are 0) and sets them
     args.consumed_train_samples = args.skipped_train_samples = args.consumed_valid_samples = 0
     args._tft_repair_root = root
+    _repair_interrupted_publish(root)
     try:
         scheduler.num_steps = 0  # megatron-core's scheduler advances by the loaded count
         iteration, flops = checkpointing.load_checkpoint(model, optimizer, scheduler,

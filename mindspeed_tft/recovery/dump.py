@@ -14,8 +14,14 @@ through the checkpoint directory instead, in three stages driven by the controll
    samples and RNG of the lock step. With the non-distributed fp16/bf16 optimizer every rank
    holds the whole state, and the assembler writes the checkpoint from its own memory.
 3. `publish` — one rank renames `iter_L_tmp` to `iter_L` and updates
-   `latest_checkpointed_iteration.txt` (atomically), so a half-written dump is never taken
-   for a checkpoint.
+   `latest_checkpointed_iteration.txt` (`layout.publish_checkpoint`: everything fsynced
+   first, an existing `iter_L` exchanged atomically, never moved away first), so a
+   half-written dump is never taken for a checkpoint, and a crash while publishing leaves the
+   tracker on a complete one.
+
+Every file is fsynced by its writer. Shard files are read back weights-only
+(`layout.load_file`): a shard file planted in the save directory cannot run code in the
+assembling rank.
 """
 
 from __future__ import annotations
@@ -30,8 +36,11 @@ from mindspeed_tft.recovery.interface import RecoverableState
 from mindspeed_tft.recovery.layout import (
     DISTRIB_OPTIM_FILENAME,
     MODEL_FILENAME,
+    CheckpointError,
     iteration_dir_name,
+    load_file,
     publish_checkpoint,
+    save_file,
     this_rank_dir_name,
 )
 from mindspeed_tft.recovery.snapshot import StepSnapshot, restore_scheduler
@@ -98,7 +107,7 @@ def write_shard(state: RecoverableState, root: str, lock_step: int, chunk: int, 
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"shard_{index:03d}.pt")
     partial = path + ".partial"
-    torch.save(shard_record(state, lock_step, chunk, index), partial)
+    save_file(shard_record(state, lock_step, chunk, index), partial)
     os.replace(partial, path)
     return path
 
@@ -114,7 +123,13 @@ def _read_shards(
         path = os.path.join(directory, f"shard_{index:03d}.pt")
         if not os.path.isfile(path):
             raise DumpError(f"shard {index} of {directory} was not written: cannot assemble")
-        shard = torch.load(path, map_location="cpu", weights_only=False)
+        try:
+            shard = load_file(path)
+        except CheckpointError as error:
+            raise DumpError(f"shard {index} cannot be assembled: {error}") from error
+        if not isinstance(shard, dict) or not {"iteration", "shard", "optimizers"} <= set(shard):
+            raise DumpError(f"{path} is not a shard file (expected a dict with iteration, "
+                            f"shard, optimizers; got {type(shard).__name__})")
         if shard["iteration"] != lock_step or shard["shard"] != index:
             raise DumpError(
                 f"{path} holds shard {shard['shard']} of iteration {shard['iteration']}, "
@@ -181,11 +196,11 @@ def assemble(
         in_memory = {own_shard["shard"]: own_shard} if own_shard is not None else None
         shards = _read_shards(shards_dir, chunk, lock_step, in_memory)
         states = [_assemble_parameter_state(opt, i, shards) for i, opt in enumerate(opts)]
-        torch.save(states[0] if len(states) == 1 else states,
-                   os.path.join(rank_dir, DISTRIB_OPTIM_FILENAME))
+        save_file(states[0] if len(states) == 1 else states,
+                  os.path.join(rank_dir, DISTRIB_OPTIM_FILENAME))
     _set_lock_step_bookkeeping(state, snapshot)
-    torch.save(state.checkpoint_state_dict(snapshot.rng_state),
-               os.path.join(rank_dir, MODEL_FILENAME))
+    save_file(state.checkpoint_state_dict(snapshot.rng_state),
+              os.path.join(rank_dir, MODEL_FILENAME))
     if opts:
         shutil.rmtree(os.path.join(rank_dir, SHARDS_DIRNAME), ignore_errors=True)
     return rank_dir

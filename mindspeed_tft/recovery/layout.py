@@ -14,17 +14,39 @@ Layout under the save directory (SPEC 11)::
 
 The content of `model_optim_rng.pt` is the host's (see `RecoverableState`); the RNG state
 inside it is `get_rng_state()`'s dict, the keys Megatron-LM uses.
+
+Publishing (`publish_checkpoint`) is crash-safe: a process killed at any point of it leaves
+the tracker on a complete checkpoint. Every file and folder of `iter_X_tmp` is fsynced
+before any rename; an existing `iter_X` is never moved away before its replacement is
+complete: the two are exchanged in one atomic `renameat2(RENAME_EXCHANGE)` (the old copy then
+goes to `iter_X_old` and is removed after the tracker is written). Where the file system
+cannot exchange names, the old `iter_X` is renamed to `iter_X_old` just before the new one is
+renamed in; `resolve_checkpoint` (every loader of this project) puts a tracker's missing
+`iter_X` back from `iter_X_old`, the one state a crash between those two renames leaves.
+The tracker is replaced through a fsynced temporary file, then the folder is fsynced.
+
+Loading (`load_file`) is weights-only: tensors, containers and numbers, plus the explicit
+`CHECKPOINT_SAFE_GLOBALS` that `model_optim_rng.pt` needs (argparse.Namespace, numpy RNG
+state); anything else in a pickle is refused, and every error names the file.
 """
 
 from __future__ import annotations
 
+import argparse
+import ctypes
+import errno
 import os
+import pickle
 import random
 import shutil
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 import torch
+
+from mindspeed_tft.faults import fire_publish_point
+from mindspeed_tft.features import Features
 
 CHECKPOINT_VERSION = 3.0
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
@@ -70,29 +92,183 @@ def read_tracker(root: str) -> int | None:
 
 
 def write_tracker(root: str, iteration: int) -> None:
-    """Replace the tracker atomically (write a temporary file, then rename)."""
+    """Replace the tracker atomically and durably (write and fsync a temporary file, rename
+    it over the tracker, fsync the folder)."""
     tmp = os.path.join(root, f".{TRACKER_FILENAME}.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(str(iteration))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(root, TRACKER_FILENAME))
+    fsync_dir(root)
+
+
+def fsync_dir(path: str) -> None:
+    """Make the entries of folder `path` (creations, renames) durable."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    except OSError as error:  # some file systems cannot fsync a folder: nothing to do there
+        if error.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(top: str) -> None:
+    """fsync every file under `top`, then every folder, deepest first, `top` last."""
+    for dirpath, _dirnames, filenames in os.walk(top, topdown=False):
+        for name in filenames:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(dirpath)
+
+
+def save_file(obj: Any, path: str) -> None:
+    """`torch.save` to `path`, then fsync it (the writer's own flush, which a shared file
+    system needs before another node publishes the folder)."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+_libc: Any = None
+
+
+def exchange_paths(a: str, b: str) -> bool:
+    """Swap the names `a` and `b` in one atomic step (Linux `renameat2(RENAME_EXCHANGE)`).
+
+    False where the platform or file system cannot (nothing was changed then)."""
+    global _libc
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(None, use_errno=True)
+        except OSError:
+            _libc = False
+    renameat2 = getattr(_libc, "renameat2", None) if _libc else None
+    if renameat2 is None:
+        return False
+    rc = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EXDEV):
+        return False
+    raise OSError(err, f"renameat2(RENAME_EXCHANGE) of {a} and {b}: {os.strerror(err)}")
+
+
+#: tests set it to False to take the path of file systems without RENAME_EXCHANGE
+USE_EXCHANGE = True
 
 
 def publish_checkpoint(root: str, iteration: int) -> str:
-    """Rename `iter_X_tmp` to `iter_X` (replacing an older copy) and point the tracker at it."""
+    """Publish the complete `iter_X_tmp` under `root` as `iter_X` and point the tracker at it.
+
+    Crash-safe (see the module docstring): fsync everything, then rename `iter_X_tmp` to
+    `iter_X`, or exchange it with an existing `iter_X`, then write the tracker, then remove
+    the old copy. `TFT_INJECT` items of phase publish fire at each point
+    (`mindspeed_tft.faults.PUBLISH_POINTS`). Returns the published folder."""
     final = os.path.join(root, iteration_dir_name(iteration))
-    tmp = final + "_tmp"
-    if os.path.exists(final):
-        stale = final + "_old"
-        shutil.rmtree(stale, ignore_errors=True)
-        os.replace(final, stale)
-        os.replace(tmp, final)
-        shutil.rmtree(stale, ignore_errors=True)
+    tmp, old = final + "_tmp", final + "_old"
+    if not os.path.isdir(tmp):
+        raise FileNotFoundError(f"{tmp} does not exist: there is no checkpoint to publish")
+    try:  # a crash between the renames of an earlier publish: repair it first
+        resolve_checkpoint(root)
+    except (ValueError, CheckpointError):  # a damaged tracker: this publish replaces it
+        pass
+    fire_publish_point(iteration, "written")
+    fsync_tree(tmp)
+    fsync_dir(root)
+    fire_publish_point(iteration, "synced")
+    if os.path.lexists(final):
+        if os.path.lexists(old):  # left by an earlier publish, after its iter_X was complete
+            shutil.rmtree(old)
+        if USE_EXCHANGE and exchange_paths(tmp, final):
+            os.replace(tmp, old)  # the old copy, out of the way of the next iter_X_tmp
+        else:
+            os.replace(final, old)
+            fsync_dir(root)
+            fire_publish_point(iteration, "aside")
+            os.replace(tmp, final)
     else:
         os.replace(tmp, final)
+    fsync_dir(root)
+    fire_publish_point(iteration, "renamed")
     write_tracker(root, iteration)
+    fire_publish_point(iteration, "tracker")
+    shutil.rmtree(old, ignore_errors=True)  # published already: a leftover is removed next time
     return final
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded; the message names the file or folder."""
+
+
+def resolve_checkpoint(root: str) -> tuple[int, str] | None:
+    """The tracker's iteration under `root` and its folder; None without a tracker.
+
+    A tracker whose `iter_X` is missing while `iter_X_old` exists was left by a crash
+    between the two renames of a publish without RENAME_EXCHANGE: `iter_X_old`, complete,
+    is renamed back (any number of ranks may call this at once). A tracker naming a folder
+    that does not exist otherwise is a `CheckpointError`."""
+    iteration = read_tracker(root)
+    if iteration is None:
+        return None
+    final = os.path.join(root, iteration_dir_name(iteration))
+    if not os.path.isdir(final):
+        old = final + "_old"
+        try:  # every rank may try: one rename wins, the others find it done
+            os.replace(old, final)
+            fsync_dir(root)
+        except OSError:
+            pass
+        if not os.path.isdir(final):
+            raise CheckpointError(
+                f"{os.path.join(root, TRACKER_FILENAME)} names iteration {iteration}, but "
+                f"{final} does not exist: the checkpoint directory was damaged or moved"
+            )
+    return iteration, final
+
+
+#: What `model_optim_rng.pt` holds beyond tensors, containers and numbers: Megatron-LM's
+#: `args` (an argparse.Namespace; the reference trainer's carries its `Features`) and the
+#: numpy RNG state (an ndarray of uint32).
+CHECKPOINT_SAFE_GLOBALS: tuple[Any, ...] = (
+    argparse.Namespace,
+    Features,
+    np.ndarray,
+    np.dtype,
+    type(np.dtype(np.uint32)),
+    (getattr(np, "_core", None) or np.core).multiarray._reconstruct,
+)
+
+
+def load_file(path: str, safe_globals: Iterable[Any] = ()) -> Any:
+    """`torch.load(path, weights_only=True)` on CPU with `safe_globals` allowed on top of
+    torch's weights-only set; any failure is a `CheckpointError` naming `path`."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path} does not exist")
+    try:
+        with torch.serialization.safe_globals(list(safe_globals)):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [""]
+        detail = next((line for line in lines if "GLOBAL" in line), lines[0])
+        raise CheckpointError(
+            f"{path} was refused: it holds something other than tensors and the allowed "
+            f"types (weights-only load, nothing in it was run): "
+            f"{detail.split('. ')[0].rstrip('.')}"
+        ) from error
+    except Exception as error:
+        raise CheckpointError(
+            f"{path} cannot be read (truncated or corrupt?): {type(error).__name__}: {error}"
+        ) from error
 
 
 def get_rng_state() -> dict[str, Any]:

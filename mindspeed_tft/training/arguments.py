@@ -174,6 +174,9 @@ def _add_checkpointing_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-save-optim", action="store_true")
     g.add_argument("--no-save-rng", action="store_true")
     g.add_argument("--finetune", action="store_true")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="If '--load' is set, but checkpoint is not found (e.g., path typo), "
+                   "then exit (code 1) instead of random initialization.")
     g.add_argument("--ckpt-format", default="torch", choices=["torch"])
 
 

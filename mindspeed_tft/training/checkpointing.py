@@ -4,10 +4,19 @@ complete.
 
 `model_optim_rng.pt` holds what Megatron-LM's holds: `args` (with `consumed_train_samples`),
 `checkpoint_version`, `iteration`, `model`, `optimizer` (non-parameter state),
-`opt_param_scheduler`, `rng_state`. Every rank writes into `iter_XXXXXXX_tmp`; after all
-ranks wrote, rank 0 renames it to `iter_XXXXXXX` and then replaces the tracker file
-atomically. Loading restores the exact trajectory: model, optimizer, scheduler, data position
-(`consumed_train_samples`) and every RNG.
+`opt_param_scheduler`, `rng_state`. Every rank writes into `iter_XXXXXXX_tmp` (and fsyncs
+what it wrote); after all ranks wrote, rank 0 publishes it (`layout.publish_checkpoint`:
+fsync, rename or atomic exchange with an existing `iter_XXXXXXX`, then the tracker), so a
+crash at any point leaves the tracker on a complete checkpoint. Loading restores the exact
+trajectory: model, optimizer, scheduler, data position (`consumed_train_samples`) and every
+RNG. Files are loaded weights-only (`layout.load_file`, with `CHECKPOINT_SAFE_GLOBALS` for
+`model_optim_rng.pt`); a truncated, corrupt or refused file is a `CheckpointError` naming it.
+
+`--load` of a directory without a checkpoint (no tracker file) follows Megatron-LM
+core_v0.12.1's `_load_base_checkpoint`: a loud warning on rank 0 and training from iteration
+0; with `--exit-on-missing-checkpoint`, every rank exits instead, with code
+`MISSING_CHECKPOINT_EXIT_CODE` (1; Megatron-LM's `sys.exit()` exits 0, which reads as
+success to a scheduler).
 """
 
 from __future__ import annotations
@@ -24,16 +33,24 @@ import torch.distributed as dist
 
 from mindspeed_tft.events import emit
 from mindspeed_tft.recovery.layout import (
+    CHECKPOINT_SAFE_GLOBALS,
     CHECKPOINT_VERSION,
     DISTRIB_OPTIM_FILENAME,
     MODEL_FILENAME,
+    TRACKER_FILENAME,
+    CheckpointError,
     get_rng_state,
     iteration_dir_name,
+    load_file,
     publish_checkpoint,
-    read_tracker,
+    resolve_checkpoint,
+    save_file,
     set_rng_state,
     this_rank_dir_name,
 )
+
+#: exit code of every rank when `--load` has no checkpoint and `--exit-on-missing-checkpoint`
+MISSING_CHECKPOINT_EXIT_CODE = 1
 
 
 def _model_state(model: list[torch.nn.Module]) -> dict[str, Any]:
@@ -100,11 +117,14 @@ def save_checkpoint(
     if args.use_distributed_optimizer and not args.no_save_optim:
         # Collective over the data-parallel group; data-parallel rank 0 writes.
         os.makedirs(rank_dir, exist_ok=True)
-        optimizer.save_parameter_state(os.path.join(rank_dir, DISTRIB_OPTIM_FILENAME))
+        distrib_file = os.path.join(rank_dir, DISTRIB_OPTIM_FILENAME)
+        optimizer.save_parameter_state(distrib_file)
+        if os.path.isfile(distrib_file):  # megatron-core's writer: data-parallel rank 0
+            _fsync_file(distrib_file)
 
     if _is_data_parallel_writer():
         os.makedirs(rank_dir, exist_ok=True)
-        torch.save(checkpoint_state_dict(state), os.path.join(rank_dir, MODEL_FILENAME))
+        save_file(checkpoint_state_dict(state), os.path.join(rank_dir, MODEL_FILENAME))
 
     if hooks is not None:
         hooks.on_phase(state, "save", iteration - 1)
@@ -118,33 +138,103 @@ def save_checkpoint(
     return final
 
 
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _checkpoint_args_value(checkpoint_args: argparse.Namespace, name: str, default: Any) -> Any:
     return getattr(checkpoint_args, name, default)
+
+
+def missing_checkpoint(root: str | None, exit_on_missing: bool, rank: int) -> None:
+    """`--load root` found no checkpoint: Megatron-LM core_v0.12.1's rule. Rank 0 warns
+    (Megatron-LM's lines, then which folder and what to do); with `exit_on_missing`
+    every rank exits with `MISSING_CHECKPOINT_EXIT_CODE`, otherwise training starts from
+    iteration 0."""
+    tracker = os.path.join(root, TRACKER_FILENAME) if root else "because load directory is " \
+        "not defined"
+    why = "the folder does not exist" if root and not os.path.isdir(root) else \
+        f"it has no {TRACKER_FILENAME}"
+    if rank == 0:
+        print(f"WARNING: could not find the metadata file {tracker}", flush=True)
+        if exit_on_missing:
+            print(">> '--exit-on-missing-checkpoint' set ... exiting. <<", flush=True)
+            print(f"[mindspeed-tft] ERROR: --load {root}: no checkpoint ({why}); exiting with "
+                  f"code {MISSING_CHECKPOINT_EXIT_CODE} (--exit-on-missing-checkpoint)",
+                  file=sys.stderr, flush=True)
+        else:
+            print("    will not load any checkpoints and will start from random", flush=True)
+            print(f"[mindspeed-tft] WARNING: --load {root}: no checkpoint ({why}); training "
+                  "starts from iteration 0 (--exit-on-missing-checkpoint makes this an error)",
+                  file=sys.stderr, flush=True)
+    if exit_on_missing:
+        sys.exit(MISSING_CHECKPOINT_EXIT_CODE)
+
+
+def _rank_dir_or_error(root: str, iteration: int, directory: str) -> str:
+    rank_dir = os.path.join(directory, this_rank_dir_name())
+    if not os.path.isdir(rank_dir):
+        found = sorted(n for n in os.listdir(directory) if n.startswith("mp_rank_"))
+        raise CheckpointError(
+            f"checkpoint iteration {iteration} of {root} has no {rank_dir} for this rank; it "
+            f"holds {found or 'no mp_rank_* folder'}: the tensor/pipeline layout must match "
+            "the one that saved it"
+        )
+    return rank_dir
+
+
+def _load_parameter_state(optimizer: Any, path: str) -> None:
+    """megatron-core's `load_parameter_state(path)` (the DP-zero format: data-parallel rank 0
+    reads the file and scatters it), with the file read by `load_file`: weights-only, and an
+    error that names it."""
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    states = None
+    for idx, opt in enumerate(chained):
+        if not hasattr(opt, "load_parameter_state_from_dp_zero") or getattr(
+                opt, "is_stub_optimizer", False):
+            continue
+        if states is None and dist.get_rank(opt.data_parallel_group) == 0:
+            states = load_file(path)
+        state = None
+        if states is not None:
+            state = states if len(chained) == 1 else states[idx]
+        opt.load_parameter_state_from_dp_zero(state)
 
 
 def load_checkpoint(state: Any, root: str | None = None) -> int:
     """Load the latest checkpoint under `root` (default `args.load`) into `state`.
 
-    Returns the loaded iteration (0 when there is no checkpoint: training starts fresh).
+    Returns the loaded iteration, 0 when `root` has no checkpoint (an explicit `root`, a
+    repair; for `args.load`, `missing_checkpoint`'s rule applies first). Raises
+    `CheckpointError` naming the file or folder that cannot be loaded.
     """
     args = state.args
+    startup = root is None
     root = root or args.load
-    iteration = read_tracker(root) if root else None
-    if iteration is None:
-        if dist.get_rank() == 0:
-            print(f"[mindspeed-tft] no checkpoint found at {root}; training from scratch",
-                  flush=True)
+    found = resolve_checkpoint(root) if root else None
+    if found is None:
+        if startup:
+            missing_checkpoint(root, getattr(args, "exit_on_missing_checkpoint", False),
+                               dist.get_rank())
+        elif dist.get_rank() == 0:
+            print(f"[mindspeed-tft] no checkpoint found at {root}", flush=True)
         return 0
-    rank_dir = os.path.join(root, iteration_dir_name(iteration), this_rank_dir_name())
+    iteration, directory = found
+    rank_dir = _rank_dir_or_error(root, iteration, directory)
     model_file = os.path.join(rank_dir, MODEL_FILENAME)
-    if not os.path.isfile(model_file):
-        raise FileNotFoundError(
-            f"checkpoint iteration {iteration} of {root} has no {MODEL_FILENAME} for this rank "
-            f"({model_file}); the tensor/pipeline layout must match the one that saved it"
-        )
-    # The file holds an argparse.Namespace (Megatron-LM's format), so it is not weights-only.
-    state_dict = torch.load(model_file, map_location="cpu", weights_only=False)
-    _load_model_state(state.model, state_dict)
+    # Megatron-LM's format: args is an argparse.Namespace, the RNG state has numpy arrays
+    state_dict = load_file(model_file, CHECKPOINT_SAFE_GLOBALS)
+    if not isinstance(state_dict, dict) or "iteration" not in state_dict:
+        raise CheckpointError(f"{model_file} is not a model_optim_rng.pt (no iteration in it)")
+    try:
+        _load_model_state(state.model, state_dict)
+    except (KeyError, RuntimeError) as error:
+        raise CheckpointError(f"{model_file}: the model state does not fit this model: "
+                              f"{error}") from error
 
     optimizer = state.optimizer
     if not args.no_load_optim and not args.finetune:
@@ -152,7 +242,7 @@ def load_checkpoint(state: Any, root: str | None = None) -> int:
             raise ValueError(f"{model_file} holds no optimizer state; load with --no-load-optim")
         optimizer.load_state_dict(state_dict["optimizer"])
         if args.use_distributed_optimizer:
-            optimizer.load_parameter_state(os.path.join(rank_dir, DISTRIB_OPTIM_FILENAME))
+            _load_parameter_state(optimizer, os.path.join(rank_dir, DISTRIB_OPTIM_FILENAME))
         # megatron-core's scheduler advances by the saved step count: start from 0 (this also
         # makes a reload into a live scheduler, a repair from the checkpoint, correct)
         state.opt_param_scheduler.num_steps = 0
