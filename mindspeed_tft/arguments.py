@@ -223,12 +223,15 @@ def check_environment(args: argparse.Namespace, environ: Mapping[str, str]) -> N
     plane's ``TTP_*`` with high availability. Raises `TFTArgumentError` naming the variable.
     The plugin reads them again where it uses them, with the same readers."""
     from mindspeed_tft.control.config import ControlConfig, ControlConfigError
+    from mindspeed_tft.control.transport import check_bind
     from mindspeed_tft.faults import FaultInjector, FaultSpecError
 
     try:
         FaultInjector.from_env(getattr(args, "rank", 0) or 0, environ, store=None)
         if args.enable_high_availability:
-            ControlConfig.from_env(environ)
+            config = ControlConfig.from_env(environ)
+            if getattr(args, "rank", 0) == 0:  # rank 0 may host the controller (torchrun)
+                check_bind(config, config.controller_addr, "the controller")
     except (FaultSpecError, ControlConfigError) as error:
         raise TFTArgumentError(str(error)) from None
 

@@ -28,6 +28,11 @@ CASES = [
      "TTP_HEARTBEAT_MISSES='abc' is not an integer in [1, 100] (unset: 3)"),
     ({"TTP_NORMAL_ACTION_TIME_LIMIT": "5"},
      "TTP_NORMAL_ACTION_TIME_LIMIT='5' is not a number in [30, 1800] (unset: 180)"),
+    ({"CONTROLLER_ADDR": "0.0.0.0"},  # rank 0 hosts the controller under torchrun
+     "the controller would listen on 0.0.0.0, which is not a loopback address, without CURVE "
+     "keys: anyone who reaches it could end the job. Set TTP_CURVE_SERVER_KEY and "
+     "TTP_CURVE_AUTHORIZED_KEYS (python -m mindspeed_tft.control.keys DIR), or "
+     "TTP_ALLOW_INSECURE=1 to run an unauthenticated control plane anyway"),
 ]
 
 

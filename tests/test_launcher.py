@@ -28,7 +28,7 @@ WORKER = REPO / "tests" / "programs" / "launcher_worker.py"
 BIN = Path(sys.executable).parent
 ARF = ["--enable-high-availability", "--enable-worker-reboot"]
 #: variables that differ between two launches of the same job by design
-PER_LAUNCH = {"MASTER_PORT", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_RUN_ID"}
+PER_LAUNCH = {"MASTER_PORT", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_RUN_ID", "TFT_LAUNCHER_PID"}
 
 
 def alive(pid: int) -> bool:
@@ -448,8 +448,10 @@ def test_replacement_launcher_rejoins_a_running_job(job: Job) -> None:
     for r in (2, 3):
         before, after = first[r][0]["env"], ranks[r][1]["env"]
         assert after.pop("TFT_WORKER_RESTART_COUNT") == "1"
-        assert {k: v for k, v in after.items() if k != "TORCHELASTIC_ERROR_FILE"} == {
-            k: v for k, v in before.items() if k != "TORCHELASTIC_ERROR_FILE"}
+        assert after.pop("TFT_LAUNCHER_PID") == str(replacement.proc.pid)
+        per_process = ("TORCHELASTIC_ERROR_FILE", "TFT_LAUNCHER_PID")
+        assert {k: v for k, v in after.items() if k not in per_process} == {
+            k: v for k, v in before.items() if k not in per_process}
         assert after["RANK"] == str(r) and after["WORLD_SIZE"] == "4"
     assert "node 1 rejoins a running job" in replacement.text()
     assert alive(first[0][0]["pid"]) and alive(first[1][0]["pid"])  # node 0 untouched

@@ -2,17 +2,35 @@
 
 Up to two backups run beside the active controller, on other nodes. A backup binds its own
 address, connects to the active controller as a client and announces itself (`backup`
-message; only addresses listed in `TTP_BACKUP_ADDRS` are accepted). The active controller
-sends every backup a full `sync` (state, epoch, features, rank table with replica layouts)
-every interval and right after each transition.
+message, accepted only from a peer holding the server key pair under CURVE and the job's
+token when there is one, for an address listed in `TTP_BACKUP_ADDRS`). The active
+controller sends every backup a full `sync` (state, epoch, features, rank table with
+replica layouts) every interval and right after each transition.
 
 A processor that loses the active controller fails over to the backups in order. A backup
 answers as `standby`, or redirects processors back while the active controller is alive.
-It takes charge only when the active controller has been silent for interval x misses AND
-more than half of the ranks heartbeat to it; two controllers therefore can never both be in
-charge, and with half the ranks gone none is. On taking charge it keeps the synced state
-(an incident under way is handled again from the start) and declares lost the ranks that do
-not show up within one timeout.
+It takes charge when the active controller has been silent for interval x misses:
+
+- with more than half of the ranks heartbeating to it, fully: it keeps the synced state (an
+  incident under way is handled again from the start) and declares lost the ranks that do
+  not show up within one timeout; the job may go on training (a repair);
+- with half of the ranks or fewer (but at least one), only after waiting one more timeout
+  plus an interval (every surviving rank has then had the time to fail over to it), and
+  *dump-only*: the absent ranks are declared lost at once and every fault is handled with
+  the dump strategy (a dying-gasp checkpoint from the survivors' replicas, then exit 75, or
+  exit 1 when they do not hold a complete copy). It never resumes training.
+
+Why that is safe (split brain): the backup cannot tell a dead active controller from one
+cut off from it. If the active one is alive with the other ranks, both may act, but a
+minority backup only stops its ranks and writes a checkpoint: no training step is taken
+on either side without all ranks (every step needs a collective with the ranks that
+stopped), the dump is of a step all ranks had completed (the lock step), and the active
+controller sees those ranks leave and handles that as a fault of its own. Two controllers
+can never both resume training: resuming needs a majority.
+
+`absent_ranks_return = False` (a backup in a `tft-run` launcher: the active controller
+lived in node 0's launcher, with node 0's ranks and the job's store) makes any takeover
+with absent ranks dump-only: those ranks cannot be restarted, so a repair could not work.
 
 Every controller holds one `BackupSync` (`controller.backups`): on the active controller it
 keeps the backups that joined in sync; on a backup it owns the upstream link to the active
@@ -22,6 +40,7 @@ machine and drop counter, and reaches the rest of the controller only through `B
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Protocol
 
@@ -34,7 +53,7 @@ from .config import ControlConfig, parse_hostport
 from .protocol import CONTROLLER, DropCounter, Message, MsgType, ProtocolError, decode, encode
 from .ranktable import CONNECTED, Health, RankInfo, RankTable
 from .states import INCIDENT_STATES, State, StateMachine
-from .transport import CurveKeys, connect_dealer, hostport, new_routing_id
+from .transport import CurveKeys, connect_dealer, hostport, new_routing_id, token_ok
 
 log = logging.getLogger("mindspeed_tft.control.backup")
 
@@ -76,6 +95,9 @@ class BackupSync:
         self.backup_index = backup_index
         #: addresses a backup may announce (`TTP_BACKUP_ADDRS`)
         self.allowed = {hostport(a, p) for a, p in config.backups}
+        #: CURVE: the ZAP User-Id a backup must present (the server's public key: backups
+        #: hold the server pair); set by the controller, None without CURVE
+        self.server_key: str | None = None
         #: on the active controller: the backups that joined, by connection
         self.peers: dict[bytes, dict[str, Any]] = {}
         #: on a backup: the link to the active controller (None once in charge)
@@ -83,6 +105,10 @@ class BackupSync:
         self._last_sync = 0.0
         self._next_hello = 0.0
         self._next_sync = 0.0
+        #: whether ranks absent at a takeover may come back (see the module docstring)
+        self.absent_ranks_return = True
+        #: the takeover was dump-only
+        self.dump_only = False
 
     # -- both roles -----------------------------------------------------------------------
     def addresses(self) -> list[str]:
@@ -103,9 +129,21 @@ class BackupSync:
         self.upstream = None
 
     # -- active controller ------------------------------------------------------------------
-    def on_backup(self, identity: bytes, msg: Message, now: float) -> None:
-        """A backup announced itself (or said it is still there)."""
+    def on_backup(self, identity: bytes, msg: Message, now: float,
+                  peer_key: str | None = None) -> None:
+        """A backup announced itself (or said it is still there).
+
+        A backup is recognised by what it holds, not by the endpoint it names: under CURVE
+        the connection's key must be the server's (`peer_key`, the ZAP User-Id), and the
+        job's token (`TTP_JOB_TOKEN`) must match when there is one. Without either (CURVE
+        off on loopback, no token) any local peer naming a `TTP_BACKUP_ADDRS` entry is
+        taken for a backup."""
         ep = msg.payload["endpoint"]
+        if (self.server_key is not None and peer_key != self.server_key) or not token_ok(
+                self.config, msg.payload.get("token")):
+            self.drops.drop("backup_refused", f"{ep[:80]} without the backup key or token")
+            self.host.mark_dirty()
+            return
         try:
             key = hostport(*parse_hostport(ep, "backup endpoint"))
         except ValueError:
@@ -119,6 +157,7 @@ class BackupSync:
                                 "last_seen": now}
         if new:
             log.info("backup controller %s joined", key)
+            self.host.mark_dirty()
             self.sync(now)
 
     def sync_soon(self) -> None:
@@ -156,11 +195,9 @@ class BackupSync:
     # -- backup controller ------------------------------------------------------------------
     def connect(self, ctx: zmq.Context, curve: CurveKeys | None, now: float) -> None:
         """Connect to the active controller (a backup, when it starts)."""
-        client_keys = None
-        if curve is not None:
-            if curve.client_secret is None:
-                raise ValueError("a CURVE backup controller needs TTP_CURVE_CLIENT_KEY too")
-            client_keys = curve
+        # CURVE: a backup's client pair is the server pair, which the active controller
+        # recognises as a backup's (only controller hosts hold its secret)
+        client_keys = None if curve is None else curve.as_backup_client()
         self.upstream = connect_dealer(
             ctx, self.config.processor_addr, self.config.port, routing_id=new_routing_id(),
             max_bytes=_SYNC_MAX_BYTES, curve=client_keys)
@@ -213,6 +250,12 @@ class BackupSync:
             if health in (Health.DONE, Health.LOST, Health.EXITING) or not row.identity:
                 row.health = health
 
+    def _hello_payload(self) -> dict[str, Any]:
+        hello: dict[str, Any] = {"endpoint": self.host.endpoint, "index": self.backup_index}
+        if self.config.job_token is not None:
+            hello["token"] = self.config.job_token
+        return hello
+
     def active_alive(self, now: float) -> bool:
         """Did the active controller sync within the heartbeat timeout?"""
         return now - self._last_sync <= self.config.lost_after
@@ -222,7 +265,7 @@ class BackupSync:
         if self.upstream is not None and now >= self._next_hello:
             self._next_hello = now + self.config.heartbeat_interval
             frame = encode(MsgType.BACKUP, CONTROLLER, self.host.next_seq(),
-                           {"endpoint": self.host.endpoint, "index": self.backup_index})
+                           self._hello_payload())
             try:
                 self.upstream.send(frame, zmq.NOBLOCK)
             except zmq.ZMQError:
@@ -231,19 +274,28 @@ class BackupSync:
             return
         live = sum(1 for r in self.table.all()
                    if r.identity and now - r.last_seen <= self.config.lost_after)
-        if 2 * live > self.world_size:
+        if 2 * live > self.world_size and (live == self.world_size
+                                           or self.absent_ranks_return):
             self._take_over(now, live)
+        elif live and now - self._last_sync > (2 * self.config.lost_after
+                                               + self.config.heartbeat_interval):
+            self._take_over(now, live, dump_only=True)  # every survivor had time to come
 
-    def _take_over(self, now: float, live: int) -> None:
-        log.warning("backup %d takes charge: active controller silent, %d of %d ranks here",
-                    self.backup_index, live, self.world_size)
+    def _take_over(self, now: float, live: int, dump_only: bool = False) -> None:
+        log.warning("backup %d takes charge%s: active controller silent, %d of %d ranks here",
+                    self.backup_index, " (dump-only)" if dump_only else "", live,
+                    self.world_size)
         host = self.host
         host.become_active()
+        self.dump_only = dump_only
+        if dump_only:  # every fault is handled with a dump (strategy.strategy_for)
+            host.adopt(host.epoch, dataclasses.replace(host.features, worker_reboot=False,
+                                                       hbm_repair=False))
         if self.upstream is not None:
             self.upstream.close(0)
             self.upstream = None
         emit("controller_takeover", CONTROLLER_RANK, endpoint=host.endpoint, epoch=host.epoch,
-             live=live, backup_index=self.backup_index)
+             live=live, backup_index=self.backup_index, dump_only=dump_only)
         synced = self.sm.state
         faulty = self._survey(now)
         if synced in (State.EXIT, State.FINAL):
@@ -280,7 +332,9 @@ class BackupSync:
         faulty: list[tuple[int, FaultKind]] = []
         for row in self.table.all():
             if not row.identity or now - row.last_seen > self.config.lost_after:
-                if row.health in CONNECTED:  # give it one timeout to fail over here
+                if row.health in CONNECTED and self.dump_only:  # had its time to come
+                    row.health = Health.LOST
+                elif row.health in CONNECTED:  # give it one timeout to fail over here
                     row.last_seen = now
             elif row.health not in (Health.DONE, Health.EXITING):
                 if row.health is Health.HUNG:

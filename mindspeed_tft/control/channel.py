@@ -5,7 +5,10 @@ heartbeats with the rank's step and data status, sends the queued reports and re
 reports a hang once the watchdog fires, and fails over to the next controller address
 (the backups from `TTP_BACKUP_ADDRS` and from the registration reply) when the controller
 has been silent for interval x (misses + 1), or goes back to the first one when a backup
-redirects it. Because heartbeats come from this thread, they keep flowing while the training
+redirects it. A rank that was registered and has heard from no active controller (the
+active one, or a backup once in charge) for `controller_lost_timeout` seconds gives up:
+the channel calls `on_controller_lost` once (the processor then exits with code 77).
+Because heartbeats come from this thread, they keep flowing while the training
 thread is stuck. Each order (`action` message) is handed once to the processor's `Orders`
 lanes; nothing here waits for the training thread or for a callback.
 
@@ -20,6 +23,7 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import zmq
@@ -53,8 +57,14 @@ class Channel:
 
     def __init__(self, rank: int, world_size: int, config: ControlConfig, *, view: RankView,
                  orders: Orders, addresses: list[tuple[str, int]],
-                 replica: dict[str, Any] | None, host: str) -> None:
+                 replica: dict[str, Any] | None, host: str,
+                 on_controller_lost: Callable[[float], None] | None = None) -> None:
         self.rank = rank
+        #: called once (on the I/O thread) with the seconds of silence when no active
+        #: controller was heard for `config.controller_lost_timeout`
+        self.on_controller_lost = on_controller_lost
+        self._last_active = 0.0
+        self._gave_up = False
         self.world_size = world_size
         self.config = config
         self.replica = replica
@@ -196,6 +206,7 @@ class Channel:
             if self.reject is not None:
                 return
             self.orders.check(now)
+            self._check_controller_lost(now)
             switch_to = self._failover_target(now)
             if switch_to is not None:
                 self._switch_to = None
@@ -217,6 +228,19 @@ class Channel:
             except zmq.Again:
                 return
             self._on_frames(frames, now)
+
+    def _check_controller_lost(self, now: float) -> None:
+        """Give up once no active controller was heard for `controller_lost_timeout`."""
+        if self._gave_up or not self._ever_registered or self.on_controller_lost is None:
+            return
+        silent = now - self._last_active
+        if silent > self.config.controller_lost_timeout:
+            self._gave_up = True
+            where = ", ".join(f"{a}:{p}" for a, p in self.addresses)
+            log.error("rank %d: no active controller for %.1fs (TTP_CONTROLLER_LOST_TIMEOUT="
+                      "%g; tried %s): giving up", self.rank, silent,
+                      self.config.controller_lost_timeout, where)
+            self.on_controller_lost(silent)
 
     def _failover_target(self, now: float) -> int | None:
         """The address to switch to: asked for (redirect), or the next after a silence."""
@@ -264,9 +288,12 @@ class Channel:
 
     def _register_payload(self) -> dict[str, Any]:
         step, status, _ = self.view.position()
-        return {"world_size": self.world_size, "pid": os.getpid(), "host": self.host[:255],
-                "replica": self.replica, "failover": self._ever_registered,
-                "step": step, "status": status}
+        payload = {"world_size": self.world_size, "pid": os.getpid(), "host": self.host[:255],
+                   "replica": self.replica, "failover": self._ever_registered,
+                   "step": step, "status": status}
+        if self.config.job_token is not None:  # the job's secret (over CURVE: encrypted)
+            payload["token"] = self.config.job_token
+        return payload
 
     # -- incoming -------------------------------------------------------------------------
     def _on_frames(self, frames: list[bytes], now: float) -> None:
@@ -284,6 +311,9 @@ class Channel:
         self._last_heard = now
         p = msg.payload
         t = msg.type
+        if t == MsgType.ACTION or (t in (MsgType.ACK, MsgType.REGISTERED)
+                                   and p.get("role") == "active"):
+            self._last_active = now
         if t == MsgType.ACK:
             self.last_ack = now
             self.controller_state = p["state"]

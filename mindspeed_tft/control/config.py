@@ -19,10 +19,13 @@ files and logging. `ControlConfig.from_env()` builds it from the environment:
 | `TTP_HANG_INITIAL_TIMEOUT` | hang timeout before the first step, 1..86400 | 1800 | error |
 | `TTP_PARK_TIMEOUT` | seconds a stopped rank's training thread has to come back before it is hung, 0.5..900 | 30 | error |
 | `TTP_EXIT_GRACE` | seconds an exit order gives the training thread before the process ends, 0.5..600 | 10 | error |
+| `TTP_CONTROLLER_LOST_TIMEOUT` | seconds a registered rank goes on with no active controller (none answering, backups included) before it exits with code 77; at least a failover (3 x interval x misses + 2 x interval), at most 3600 | 120 (or that failover time if longer) | error |
 | `TTP_BACKUP_ADDRS` | up to 2 backup controllers, `ip:port,[v6]:port` | none | error |
-| `TTP_CURVE_SERVER_KEY` | server certificate (secret on controllers, public on processors) | off | error |
-| `TTP_CURVE_CLIENT_KEY` | client secret certificate | none | error |
+| `TTP_CURVE_SERVER_KEY` | server certificate: `server.key_secret` on controller and backup hosts, the public `server.key` on worker-only nodes | off | error |
+| `TTP_CURVE_CLIENT_KEY` | client secret certificate (processors) | none | error |
 | `TTP_CURVE_AUTHORIZED_KEYS` | client public certificate file or folder the controller accepts | the client key | error |
+| `TTP_JOB_TOKEN` | per-job secret every REGISTER (and backup) must carry, 16..256 printable characters; `tft-run` on one node makes one when unset | none | error |
+| `TTP_ALLOW_INSECURE` | 1: let a controller bind a non-loopback address without CURVE (warned on every start) | 0 | error |
 | `TTP_LOG_PATH` | log folder (file `ttp_log.log`) | logs | - |
 | `TTP_LOG_LEVEL` | DEBUG, INFO, WARNING, ERROR | INFO | error |
 | `TTP_LOG_MODE` | ONLY_ONE (one file) or PER_PROC (one file per process) | ONLY_ONE | error |
@@ -143,6 +146,18 @@ def _path(env: Mapping[str, str], name: str) -> str | None:
     return path
 
 
+def _token(env: Mapping[str, str], name: str) -> str | None:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return None
+    if not (16 <= len(raw) <= 256 and raw.isascii() and raw.isprintable() and raw.strip() == raw):
+        raise ControlConfigError(
+            f"{name} is not 16..256 printable ASCII characters without surrounding blanks "
+            f"(it has {len(raw)}; e.g. python -c 'import secrets; print(secrets.token_hex(32))')"
+        )
+    return raw
+
+
 @dataclass
 class ControlConfig:
     """Everything the control plane needs; see the module docstring for the variables."""
@@ -161,6 +176,10 @@ class ControlConfig:
     curve_server_key: str | None = None
     curve_client_key: str | None = None
     curve_authorized_keys: str | None = None
+    #: per-job secret carried by REGISTER and backup announcements (None: not checked)
+    job_token: str | None = field(default=None, repr=False)
+    #: a controller may bind a non-loopback address without CURVE (TTP_ALLOW_INSECURE=1)
+    allow_insecure: bool = False
     max_message_bytes: int = 1 << 20
     #: seconds a processor waits for the controller's decision after reporting an error;
     #: None: derived from the action time limit (enough for stop, clean, repair, rollback)
@@ -177,6 +196,11 @@ class ControlConfig:
     #: exit code of a rank ordered to end so that its launcher restarts it (ARF: a hung rank
     #: under the recover strategy); `tft-run` restarts a worker exiting with it
     reboot_exit_code: int = 76
+    #: seconds a registered rank goes on without hearing from an active controller (the
+    #: active one and the backups all silent) before it gives up: it exits with
+    #: `controller_lost_exit_code` (77: "the control plane is gone", no checkpoint written)
+    controller_lost_timeout: float = 120.0
+    controller_lost_exit_code: int = 77
     log_path: str = "logs"
     log_level: str = "INFO"
     log_mode: str = "ONLY_ONE"
@@ -238,10 +262,14 @@ class ControlConfig:
             "hang_timeout_factor": _number(env, "TTP_HANG_TIMEOUT_FACTOR", 5, 1, 1000),
             "park_timeout": _number(env, "TTP_PARK_TIMEOUT", 30, 0.5, 900),
             "exit_grace": _number(env, "TTP_EXIT_GRACE", 10, 0.5, 600),
+            "controller_lost_timeout": _number(env, "TTP_CONTROLLER_LOST_TIMEOUT", 120, 5,
+                                               3600),
             "hang_initial_timeout": _number(env, "TTP_HANG_INITIAL_TIMEOUT", 1800, 1, 86400),
             "curve_server_key": _path(env, "TTP_CURVE_SERVER_KEY"),
             "curve_client_key": _path(env, "TTP_CURVE_CLIENT_KEY"),
             "curve_authorized_keys": _path(env, "TTP_CURVE_AUTHORIZED_KEYS"),
+            "job_token": _token(env, "TTP_JOB_TOKEN"),
+            "allow_insecure": _choice(env, "TTP_ALLOW_INSECURE", "0", ("0", "1")) == "1",
             "log_path": (env.get("TTP_LOG_PATH") or "").strip() or "logs",
             "log_level": _choice(env, "TTP_LOG_LEVEL", "INFO", LOG_LEVELS),
             "log_mode": _choice(env, "TTP_LOG_MODE", "ONLY_ONE", LOG_MODES),
@@ -256,6 +284,18 @@ class ControlConfig:
                     f"TTP_BACKUP_ADDRS={backups!r} names {len(values['backups'])} backup "
                     f"controllers; at most {MAX_BACKUPS} are allowed"
                 )
+        # a rank must not give up on its controller before a backup could take charge
+        interval = values["heartbeat_interval"]
+        failover = 3 * interval * values["heartbeat_misses"] + 2 * interval
+        if (env.get("TTP_CONTROLLER_LOST_TIMEOUT") or "").strip():
+            if values["controller_lost_timeout"] < failover:
+                raise ControlConfigError(
+                    f"TTP_CONTROLLER_LOST_TIMEOUT={env['TTP_CONTROLLER_LOST_TIMEOUT']!r} is "
+                    f"shorter than a failover to a backup controller ({failover:g}s = 3 x "
+                    "TTP_HEARTBEAT_INTERVAL x TTP_HEARTBEAT_MISSES + 2 x TTP_HEARTBEAT_INTERVAL);"
+                    f" allowed: {failover:g}..3600")
+        else:
+            values["controller_lost_timeout"] = max(120.0, failover)
         values.update(overrides)
         if values["curve_client_key"] and not values["curve_server_key"]:
             raise ControlConfigError(

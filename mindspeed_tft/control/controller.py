@@ -38,27 +38,50 @@ from ..features import Features
 from . import local
 from .backup import BackupSync
 from .classify import FaultKind
-from .config import ControlConfig, setup_logging
+from .config import ControlConfig, ControlConfigError, setup_logging
 from .incident import Incident, IncidentFlow
-from .protocol import CONTROLLER, DropCounter, Message, MsgType, ProtocolError, decode, encode
+from .protocol import (
+    CONTROLLER,
+    TO_CONTROLLER,
+    DropCounter,
+    Limits,
+    Message,
+    MsgType,
+    ProtocolError,
+    decode,
+    encode,
+    peek,
+)
 from .ranktable import CONNECTED, Health, RankInfo, RankTable
 from .states import State, StateMachine
 from .strategy import StrategyPlanner
 from .transport import (
     MONITOR_EVENTS,
     MONITOR_NAMES,
+    REFUSED,
+    REFUSED_FOR_NOW,
+    ConnectionCap,
     CurveKeys,
     bind_router,
     bound_port,
+    check_bind,
     hostport,
     raise_fd_limit,
     start_authenticator,
+    token_ok,
+    user_id,
 )
 
 log = logging.getLogger("mindspeed_tft.control.controller")
 
 _DRAIN_BATCH = 4096
 _BATCH_WAIT = 0.01  # seconds; heartbeats wait at most this long to be read (not during incidents)
+#: seconds the loop reads input before it supervises again, however much is queued
+_DRAIN_SLICE = 0.05
+#: seconds of queued input read before a silent rank is declared lost (its heartbeats may wait)
+_LOST_DRAIN = 0.5
+#: types an unregistered connection may send (anything else is dropped before decoding)
+_UNBOUND_TYPES = frozenset({MsgType.REGISTER, MsgType.BACKUP})
 
 
 class Controller:
@@ -91,6 +114,11 @@ class Controller:
         self.sm = StateMachine(State.INIT, emit_events=False)  # INIT is announced on start
         self.sm.listeners.append(self._on_transition)
         self.drops = DropCounter(log)
+        #: per-type frame caps and msgpack limits for this world size (protocol.Limits)
+        self.limits = Limits.for_world(world_size, self.config.max_message_bytes)
+        #: open connections; beyond a connection per rank twice over (replacements while
+        #: the old connection times out), two backups and a margin, handshakes are refused
+        self.connection_cap = ConnectionCap(2 * world_size + 64)
         self.epoch = 0
         self.flow: IncidentFlow | None = None
         self.incidents = 0
@@ -104,6 +132,10 @@ class Controller:
         self.connections: dict[str, int] = {}
         self._auth: Any = None
         self._curve: CurveKeys | None = None
+        #: CURVE: the last frame received (its ZAP User-Id is the sender's public key)
+        self._peer_frame: Any = None
+        #: CURVE: the client key each rank first registered with (rank -> z85 key)
+        self._rank_keys: dict[int, str] = {}
         self._thread: threading.Thread | None = None
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
@@ -236,12 +268,18 @@ class Controller:
     def _setup(self) -> None:
         cfg = self.config
         raise_fd_limit(self.world_size + 512)
+        what = f"{self.role} controller"
+        warning = check_bind(cfg, self.bind_addr, what)  # no unauthenticated network bind
+        if warning is not None:
+            log.warning("%s", warning)
         self._ctx = zmq.Context()
         self._curve = CurveKeys.from_config(cfg, server=True)
+        # the ZAP handler checks CURVE keys and caps the connections (NULL mechanism too)
+        self._auth = start_authenticator(self._ctx, self._curve, self.connection_cap)
         if self._curve is not None:
-            self._auth = start_authenticator(self._ctx, self._curve)
+            self.backups.server_key = self._curve.server_user_id
         self._router = bind_router(self._ctx, self.bind_addr, self._port_wanted,
-                                   max_bytes=cfg.max_message_bytes, curve=self._curve)
+                                   max_bytes=cfg.max_message_bytes, curve=self._curve, zap=True)
         self.port = bound_port(self._router)
         self._monitor = self._router.get_monitor_socket(MONITOR_EVENTS)
         self._started = self._now = time.monotonic()
@@ -323,13 +361,23 @@ class Controller:
                 # thousands of ranks cost hundreds of wake-ups a second, not thousands
                 time.sleep(_BATCH_WAIT)
 
-    def _drain(self, sock: zmq.Socket, handler: Any) -> int:
+    def _drain(self, sock: zmq.Socket, handler: Any, budget: float = _DRAIN_SLICE) -> int:
+        """Handle what `sock` has queued, for at most `budget` seconds (and `_DRAIN_BATCH`
+        frames): supervision runs between slices however busy the input is. `self._now` is
+        stamped as each frame is taken, so liveness is when the frame was read, not when
+        the slice began."""
+        deadline = time.monotonic() + budget
         for n in range(_DRAIN_BATCH):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                # CURVE: the router's frames as zmq.Frame, which carry the peer's key
+                frames = sock.recv_multipart(
+                    zmq.NOBLOCK, copy=sock is not self._router or self._curve is None)
             except zmq.Again:
                 return n
+            self._now = now = time.monotonic()
             handler(frames)
+            if now > deadline:
+                return n + 1
         return _DRAIN_BATCH
 
     def _run_commands(self) -> None:
@@ -371,18 +419,25 @@ class Controller:
         self._write_snapshot()
 
     # -- frames from processors -------------------------------------------------------------
-    def _on_frames(self, frames: list[bytes]) -> None:
+    def _on_frames(self, frames: list[Any]) -> None:
+        if self._curve is not None:  # zmq.Frame: keep the last one for its ZAP User-Id
+            self._peer_frame = frames[-1]
+            frames = [f.bytes for f in frames]
         if len(frames) != 2:
             self.drops.drop("frames", f"{len(frames) - 1} frames")
             return
         identity, frame = frames
         try:
-            msg = decode(frame, self.config.max_message_bytes)
+            # the type from the header, its size cap, and whether this connection may send
+            # it at all, before anything is decoded: a refused frame costs microseconds
+            t = peek(frame, self.limits, TO_CONTROLLER)
+            if t not in _UNBOUND_TYPES and self.table.lookup(identity) is None:
+                raise ProtocolError("unregistered", t)
+            msg = decode(frame, limits=self.limits, mtype=t)
         except ProtocolError as e:
             self.drops.drop(e.reason, e.detail)
             self._snapshot_dirty = True
             return
-        t = msg.type
         if t == MsgType.HEARTBEAT:
             self._on_heartbeat(identity, msg)
         elif t == MsgType.REGISTER:
@@ -394,7 +449,7 @@ class Controller:
         elif t == MsgType.BYE:
             self._on_bye(identity, msg)
         elif t == MsgType.BACKUP and self.role == "active":
-            self.backups.on_backup(identity, msg, self._now)
+            self.backups.on_backup(identity, msg, self._now, self._peer_key())
         else:
             self.drops.drop("unexpected_type", t)
             self._snapshot_dirty = True
@@ -454,13 +509,22 @@ class Controller:
                 {"state": self.sm.state.value, "epoch": self.epoch, "role": self._role_name()})
         self.raw_send(identity, frame)
 
+    def _peer_key(self) -> str | None:
+        """The CURVE public key (z85) of the frame being handled; None without CURVE."""
+        return None if self._curve is None else user_id(self._peer_frame)
+
     def _on_register(self, identity: bytes, msg: Message) -> None:
         p, rank, now = msg.payload, msg.sender, self._now
+        # a refusal says nothing about the job (no world size, no rank state): the details
+        # go to this controller's log only
+        if not token_ok(self.config, p.get("token")):
+            self.drops.drop("bad_token", f"register claiming rank {rank}")
+            self._send(identity, MsgType.REJECT, REFUSED)
+            return
         if not (0 <= rank < self.world_size) or p["world_size"] != self.world_size:
-            self.drops.drop("bad_register", f"rank {rank} world {p['world_size']}")
-            self._send(identity, MsgType.REJECT, {
-                "reason": f"rank {rank} of world size {p['world_size']} does not fit this job "
-                          f"(world size {self.world_size})", "retry": False})
+            self.drops.drop("bad_register", f"rank {rank} of world size {p['world_size']} "
+                            f"(this job: {self.world_size})")
+            self._send(identity, MsgType.REJECT, REFUSED)
             return
         bound = self.table.lookup(identity)
         if bound is not None and bound.rank != rank:
@@ -481,9 +545,15 @@ class Controller:
             return
         if row is not None and row.identity and not self._rebindable(row, now):
             self.drops.drop("rank_taken", f"rank {rank} registers from a second connection")
-            self._send(identity, MsgType.REJECT, {
-                "reason": f"rank {rank} is registered from another connection that is still "
-                          "alive; retrying until it is declared lost", "retry": True})
+            self._send(identity, MsgType.REJECT, REFUSED_FOR_NOW)
+            return
+        key = self._peer_key()
+        owner = self._rank_keys.get(rank)
+        if key is not None and owner is not None and key != owner:
+            # CURVE: a rank is bound to the key it first registered with; only a process
+            # holding that key (its replacement) takes it back
+            self.drops.drop("rank_key", f"rank {rank} registers with another CURVE key")
+            self._send(identity, MsgType.REJECT, REFUSED)
             return
         failover = bool(p.get("failover", False))
         state = self.sm.state
@@ -493,6 +563,8 @@ class Controller:
                                    p.get("step", 0), p.get("status", "updated"))
         info.last_seq = msg.seq
         info.fresh = fresh
+        if key is not None:
+            self._rank_keys.setdefault(rank, key)
         if prev_health in (Health.DONE,) and failover:
             info.health = Health.DONE
         self._snapshot_dirty = True
@@ -581,15 +653,17 @@ class Controller:
         (including peers libzmq cut off for frames far over the size limit)."""
         try:
             event = int.from_bytes(frames[0][:2], "little")
+            value = int.from_bytes(frames[0][2:6], "little")
         except (IndexError, TypeError):
             return
         name = MONITOR_NAMES.get(event)
         if name is None:
             return
+        self.connection_cap.on_event(event, value)  # accepted/disconnected: which fds are open
         n = self.connections.get(name, 0) + 1
         self.connections[name] = n
         self._snapshot_dirty = True
-        if name != "disconnected" and (n <= 10 or n % 1000 == 0):
+        if name not in ("disconnected", "accepted") and (n <= 10 or n % 1000 == 0):
             log.warning("connection event #%d: %s", n, name)
 
     # -- faults -----------------------------------------------------------------------------
@@ -622,6 +696,10 @@ class Controller:
 
     def _supervise(self, now: float) -> None:
         overdue = self.table.overdue(now, self.config.lost_after)
+        if overdue and self._router is not None:
+            # their heartbeats may be queued behind other input: read it first (bounded)
+            self._drain(self._router, self._on_frames, _LOST_DRAIN)
+            overdue = self.table.overdue(now, self.config.lost_after)  # still silent
         for row in overdue:
             silent = now - row.last_seen
             self._declare_lost(row, f"silent for {silent:.1f}s", f"no heartbeat for {silent:.1f}s")
@@ -751,7 +829,8 @@ class Controller:
             "ranks": {str(k): v for k, v in self.table.snapshot().items()},
             "dropped": dict(self.drops.counts),
             "dropped_total": self.drops.total,
-            "connections": dict(self.connections),
+            "connections": {**self.connections, "open": len(self.connection_cap.open),
+                            "refused_over_cap": self.connection_cap.refused},
             "backups": self.backups.joined(),
             "incident": None if self.flow is None else {
                 "id": self.flow.incident.id,
@@ -831,7 +910,10 @@ def main(argv: list[str] | None = None) -> int:
                     json.dump({"port": ctrl.port, "pid": os.getpid()}, f)
                 os.replace(tmp, args.ready_file)
         threading.Thread(target=_announce, daemon=True).start()
-    return ctrl.run()
+    try:
+        return ctrl.run()
+    except ControlConfigError as error:  # at start: e.g. a network bind without CURVE keys
+        parser.error(str(error))
 
 
 if __name__ == "__main__":

@@ -39,6 +39,28 @@ log = logging.getLogger("mindspeed_tft.control.processor")
 #: an order's callback, bound to its payload
 Callback = Callable[[], "dict[str, Any] | None"]
 
+#: seconds between two "still waiting" log lines of a long wait
+WAIT_LOG_SECONDS = 60.0
+
+
+class WaitLog:
+    """Says every `WAIT_LOG_SECONDS` what a long wait still waits for (no wait is silent for
+    longer)."""
+
+    def __init__(self, rank: int, what: str, limit: float) -> None:
+        self.rank = rank
+        self.what = what
+        self.limit = limit
+        self.start = time.monotonic()
+        self._next = self.start + WAIT_LOG_SECONDS
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        if now >= self._next:
+            self._next = now + WAIT_LOG_SECONDS
+            log.warning("rank %d: still waiting for %s (%.0fs of at most %gs)", self.rank,
+                        self.what, now - self.start, self.limit)
+
 
 class ProcessorError(RuntimeError):
     """The processor cannot do its job (e.g. no controller accepted its registration)."""
@@ -118,6 +140,7 @@ class Gate:
         """Hold point before optimizer update `step` (see `processor`)."""
         limit = self.config.effective_decision_timeout() if timeout is None else timeout
         deadline = time.monotonic() + limit
+        waiting = WaitLog(self.rank, f"the end of a pause before update {step}", limit)
         with self._cond:
             while True:
                 if self._pending is not None or (self._stopped and not (
@@ -130,7 +153,8 @@ class Gate:
                 if remaining <= 0:
                     raise ForceStop(f"rank {self.rank} paused for more than {limit:g}s")
                 self.watchdog.pause()  # held on purpose: not a hang
-                self._cond.wait(remaining)
+                self._cond.wait(min(remaining, 5.0))
+                waiting.tick()
                 if self._watching:
                     self.watchdog.resume()
             if self._status == "updating" and self._updating_step == step:
@@ -180,6 +204,7 @@ class Gate:
         """Wait for the controller's decision, running handed-over work meanwhile."""
         limit = self.config.effective_decision_timeout() if timeout is None else timeout
         deadline = time.monotonic() + limit
+        waiting = WaitLog(self.rank, "the controller's decision after an error", limit)
         with self._cond:
             self._in_handler = True
             self._cond.notify_all()
@@ -193,6 +218,7 @@ class Gate:
                         return Decision("exit", self.config.failure_exit_code,
                                         reason=f"no decision from the controller within {limit:g}s")
                     self._cond.wait(min(remaining, 1.0))
+                    waiting.tick()
                 decision = self._pending
                 if decision.action == "resume":
                     self._pending = None
@@ -204,6 +230,8 @@ class Gate:
     def serve_training_thread(self, until: Callable[[], bool], timeout: float) -> None:
         """Run handed-over work in the calling (training) thread until `until()` is true."""
         deadline = time.monotonic() + timeout
+        waiting = WaitLog(self.rank, "the repair that brings this process into the job",
+                          timeout)
         with self._cond:
             self._training_thread_id = threading.get_ident()
             while not until():
@@ -218,6 +246,7 @@ class Gate:
                     raise ProcessorError(f"rank {self.rank}: the repair did not arrive within "
                                          f"{timeout:g}s")
                 self._cond.wait(min(remaining, 0.5))
+                waiting.tick()
 
     def run_in_training_thread(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
         """Run `fn` in the training thread; its result, or its exception raised here."""

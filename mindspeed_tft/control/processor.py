@@ -36,6 +36,10 @@ after `exit_grace` seconds (a hung training thread), ends it with `os._exit(code
 
 If the controller goes silent for interval x (misses + 1), the processor fails over to the next
 controller address (backups from `TTP_BACKUP_ADDRS` and from the registration reply).
+A rank that heard from no active controller for `TTP_CONTROLLER_LOST_TIMEOUT` seconds
+(default 120) ends itself as an exit order would, with code 77
+(`ControlConfig.controller_lost_exit_code`): nobody is left to decide for it, and a rank
+must not train on, or wait, unsupervised.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -51,7 +56,7 @@ from . import local
 from .channel import Channel
 from .classify import FaultKind
 from .config import ControlConfig, setup_logging
-from .gate import Callback, Decision, Gate, ProcessorError
+from .gate import Callback, Decision, Gate, ProcessorError, WaitLog
 from .orders import Order, Orders
 from .protocol import ACTIONS, DropCounter, MsgType
 from .watchdog import ProgressWatchdog
@@ -93,8 +98,10 @@ class Processor:
         self._channel = Channel(
             rank, world_size, self.config, view=self._gate, orders=self._orders,
             addresses=list(controllers or [(self.config.processor_addr, self.config.port)]),
-            replica=replica, host=self.host)
+            replica=replica, host=self.host, on_controller_lost=self._controller_lost)
         self._exit_timer: threading.Timer | None = None
+        #: the code of the exit ordered (None: none yet)
+        self._exit_ordered: int | None = None
 
     # -- lifecycle --------------------------------------------------------------------
     def register_callback(self, action: str, fn: ActionCallback) -> None:
@@ -126,8 +133,17 @@ class Processor:
             return
         self._channel.post(MsgType.BYE, {"code": int(code)})
         self._channel.flush(timeout)
-        if local.local_controllers():
-            local.wait_local_controllers(self.config.effective_decision_timeout())
+        if local.local_controllers():  # plain torchrun: this process hosts the controller
+            limit = self.config.effective_decision_timeout()
+            waiting = WaitLog(self.rank, "the controller in this process to end the job",
+                              limit)
+            deadline = time.monotonic() + limit
+            while not local.wait_local_controllers(min(5.0, deadline - time.monotonic())):
+                if time.monotonic() >= deadline:
+                    log.error("rank %d: the controller in this process did not end the job "
+                              "within %gs; leaving", self.rank, limit)
+                    break
+                waiting.tick()
         self._shutdown()
 
     def close(self) -> None:
@@ -296,9 +312,24 @@ class Processor:
             strategy=str(payload.get("strategy", "")), payload=payload))
         return result or {}
 
+    def _controller_lost(self, silent: float) -> None:
+        """No active controller for `controller_lost_timeout` (I/O thread): exit with 77 as
+        an exit order would, unless an exit was ordered already."""
+        if self._exit_ordered is not None:
+            return
+        code = self.config.controller_lost_exit_code
+        reason = (f"no active controller for {silent:.0f}s (TTP_CONTROLLER_LOST_TIMEOUT="
+                  f"{self.config.controller_lost_timeout:g})")
+        print(f"[mindspeed-tft] rank {self.rank}: {reason}; exiting with {code}", flush=True)
+        now = time.monotonic()
+        self._orders.submit(Order(-1, "exit", {"code": code, "reason": reason},
+                                  now + self.config.action_time_limit), now)
+
     def _do_exit(self, payload: dict[str, Any]) -> dict[str, Any]:
         code = payload.get("code")
         code = code if isinstance(code, int) else self.config.failure_exit_code
+        if self._exit_ordered is None:
+            self._exit_ordered = code
         reason = str(payload.get("reason", ""))
         log.warning("rank %d ordered to exit with code %d: %s", self.rank, code, reason)
         self._gate.halt()

@@ -9,15 +9,19 @@ rank (`CONTROLLER` = -1 for controllers); `seq` a per-sender counter that only g
 `payload` a map checked against the schema of its type (`SCHEMAS`): required and optional
 keys with their types and ranges; unknown keys are refused.
 
-`decode` never unpickles and never trusts a length: frames over the size limit are refused
-before decoding, msgpack runs with limits on every container and string and no extension
-types, and anything that does not match its schema raises `ProtocolError` with a short
-reason. Receivers count and log those (`DropCounter`) and carry on; nothing that arrives
-can crash or block them.
+`decode` never unpickles and never trusts a length, and what a frame can cost is bounded
+before any of it is decoded: `peek` reads the fixed header (`0x95`, the version, the type as
+a msgpack fixstr: what every msgpack packer writes) in constant time, and a frame longer than
+its type's cap (`Limits`: a heartbeat is tens of bytes, a sync one row per rank) is refused
+there. Only then does msgpack run, with limits on every container and string sized by the
+world size (`Limits.for_world`) and no extension types; anything that does not match its
+schema raises `ProtocolError` with a short reason. Receivers count and log those
+(`DropCounter`) and carry on; nothing that arrives can crash or block them.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Callable
@@ -188,6 +192,7 @@ SCHEMAS: dict[str, Schema] = {
         "world_size": (_int(1, MAX_RANK + 1), True),
         "pid": (_int(0, 1 << 31), True),
         "host": (_str(255), True),
+        "token": (_str(256), False),  # TTP_JOB_TOKEN, when the job has one
         "replica": (_nullable(_replica), False),
         "failover": (_bool, False),
         "step": (_step, False),
@@ -240,6 +245,7 @@ SCHEMAS: dict[str, Schema] = {
     MsgType.BACKUP: {
         "endpoint": (_str(300), True),
         "index": (_int(0, 7), True),
+        "token": (_str(256), False),  # TTP_JOB_TOKEN, when the job has one
     },
     MsgType.SYNC: {
         "state": (_str(32), True),
@@ -279,16 +285,118 @@ def encode(mtype: str, sender: int, seq: int, payload: dict[str, Any], *,
     return msgpack.packb([PROTOCOL_VERSION, mtype, sender, seq, payload], use_bin_type=True)
 
 
-def decode(frame: bytes, max_bytes: int = 1 << 20) -> Message:
-    """Decode and check one frame; raises ProtocolError (never anything else)."""
-    if len(frame) > max_bytes:
-        raise ProtocolError("oversized", f"{len(frame)} bytes > {max_bytes}")
+#: what the controller's ROUTER takes (from processors and backups); anything else is dropped
+#: as `unexpected_type` before decoding
+TO_CONTROLLER = frozenset({MsgType.REGISTER, MsgType.HEARTBEAT, MsgType.REPORT, MsgType.RESULT,
+                           MsgType.BYE, MsgType.BACKUP})
+_HEADER = 0x95  # a msgpack fixarray of 5 elements
+
+
+class Limits:
+    """What one frame may cost, by message type, for a job of `world_size` ranks.
+
+    `caps[type]`: the most bytes a frame of that type may have (checked by `peek` before
+    decoding); `unpack_kwargs`: msgpack's limits on arrays, maps, strings and binaries. A
+    heartbeat, bye or backup announcement is a few dozen bytes; a registration carries its
+    replica layout (holders lists, at most one entry per rank); a report or result carries
+    text and a small map; orders and the backup sync carry up to one row per rank. Every cap
+    is at most `max_bytes`, the protocol limit (ZMQ_MAXMSGSIZE of every socket)."""
+
+    __slots__ = ("world_size", "max_bytes", "caps", "unpack_kwargs")
+
+    def __init__(self, world_size: int, max_bytes: int) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size={world_size} must be >= 1")
+        if max_bytes < 1024:
+            raise ValueError(f"max_bytes={max_bytes} must be >= 1024")
+        self.world_size = world_size
+        self.max_bytes = max_bytes
+        per_rank = 5 * world_size  # a rank number is at most 5 bytes of msgpack
+        sync_row = 96 + 16 * 128  # [rank, step, status, health, replica of <= 16 optimizers]
+        caps = {
+            MsgType.HEARTBEAT: 128,
+            MsgType.BYE: 64,
+            MsgType.BACKUP: 1024,  # endpoint (<= 300) and job token (<= 256)
+            MsgType.REGISTER: 4096 + 16 * (256 + per_rank),
+            MsgType.REPORT: 2 * MAX_TEXT + 8192,
+            MsgType.RESULT: 2 * MAX_TEXT + 65536 + 8 * per_rank,
+            MsgType.REGISTERED: 4096,
+            MsgType.ACK: 256,
+            MsgType.REJECT: 2 * MAX_TEXT,
+            MsgType.REDIRECT: 2 * MAX_TEXT,
+            MsgType.ACTION: 65536 + 16 * per_rank,
+            MsgType.SYNC: 65536 + world_size * sync_row,
+        }
+        self.caps = {t: min(c, max_bytes) for t, c in caps.items()}
+        containers = world_size + 64  # one entry per rank, plus a payload's own keys
+        self.unpack_kwargs = {
+            t: {"max_array_len": containers, "max_map_len": containers,
+                "max_str_len": cap, "max_bin_len": cap, "max_ext_len": 0}
+            for t, cap in self.caps.items()}
+
+    @classmethod
+    def for_world(cls, world_size: int, max_bytes: int = 1 << 20) -> Limits:
+        """Limits for a job of `world_size` ranks under the protocol limit `max_bytes`."""
+        return cls(world_size, max_bytes)
+
+    @classmethod
+    def largest(cls, max_bytes: int = 1 << 20) -> Limits:
+        """Limits when the world size is not known (every container up to
+        `MAX_RANKS_PER_MESSAGE` entries, every type up to `max_bytes`)."""
+        limits = cls(1, max(max_bytes, 1024))
+        limits.caps = dict.fromkeys(SCHEMAS, max_bytes)
+        limits.unpack_kwargs = {
+            t: {"max_array_len": MAX_RANKS_PER_MESSAGE, "max_map_len": 1 << 16,
+                "max_str_len": max_bytes, "max_bin_len": max_bytes, "max_ext_len": 0}
+            for t in SCHEMAS}
+        return limits
+
+
+@functools.lru_cache(maxsize=8)
+def _largest(max_bytes: int) -> Limits:
+    return Limits.largest(max_bytes)
+
+
+def peek(frame: bytes, limits: Limits, accept: frozenset[str] | None = None) -> str:
+    """The type of a frame, read from its header without decoding the rest; raises
+    ProtocolError (`malformed`, `version`, `unknown_type`, `unexpected_type` when `accept`
+    does not hold it, `oversized` past the type's cap). Constant time."""
+    size = len(frame)
+    if size > limits.max_bytes:
+        raise ProtocolError("oversized", f"{size} bytes > {limits.max_bytes}")
+    if size < 4 or frame[0] != _HEADER:
+        raise ProtocolError("malformed", "not a 5-element array")
+    if frame[1] != PROTOCOL_VERSION:
+        raise ProtocolError("version", f"header byte {frame[1]:#04x}")
+    head = frame[2]
+    if not 0xA0 <= head <= 0xBF:  # the type is a short string
+        raise ProtocolError("unknown_type", f"type header byte {head:#04x}")
+    end = 3 + (head & 0x1F)
+    mtype = frame[3:end].decode("ascii", "replace")
+    cap = limits.caps.get(mtype)
+    if cap is None:
+        raise ProtocolError("unknown_type", repr(mtype)[:64])
+    if accept is not None and mtype not in accept:
+        raise ProtocolError("unexpected_type", mtype)
+    if size > cap:
+        raise ProtocolError("oversized", f"{mtype}: {size} bytes > {cap}")
+    return mtype
+
+
+def decode(frame: bytes, max_bytes: int = 1 << 20, *, limits: Limits | None = None,
+           accept: frozenset[str] | None = None, mtype: str | None = None) -> Message:
+    """Decode and check one frame; raises ProtocolError (never anything else).
+
+    `limits`: the per-type caps and msgpack limits (default `Limits.largest(max_bytes)`);
+    `accept`: the types this receiver takes; `mtype`: the type `peek` already returned
+    (the header is then not read again)."""
+    if limits is None:
+        limits = _largest(max_bytes)
+    if mtype is None:
+        mtype = peek(frame, limits, accept)
     try:
-        obj = msgpack.unpackb(
-            frame, raw=False, use_list=True, strict_map_key=True,
-            max_str_len=max_bytes, max_bin_len=max_bytes,
-            max_array_len=MAX_RANKS_PER_MESSAGE, max_map_len=1 << 16, max_ext_len=0,
-        )
+        obj = msgpack.unpackb(frame, raw=False, use_list=True, strict_map_key=True,
+                              **limits.unpack_kwargs[mtype])
     except Exception as e:  # msgpack raises several types (ValueError, ExtraData, ...)
         raise ProtocolError("malformed", type(e).__name__) from None
     if type(obj) is not list or len(obj) != 5:

@@ -4,20 +4,33 @@ TCP over IPv4 or IPv6. Processors choose a random 16-byte routing id for their D
 keep it across reconnects, so the controller can bind a rank to one connection: the id is
 never sent in a payload, and a second connection cannot take it while the first is alive
 without knowing it. Frames over the protocol's size limit are refused (and counted) by
-`protocol.decode`; frames over 4x that limit make libzmq drop the sender's connection
-(ZMQ_MAXMSGSIZE) before any of our code sees them, which the controller's socket monitor
-counts as a disconnect.
+`protocol.peek` from the header alone (per message type); frames over the protocol limit
+itself make libzmq drop the sender's connection (ZMQ_MAXMSGSIZE) before any of our code sees
+them, which the controller's socket monitor counts as a disconnect. Every socket also bounds
+what a peer can hold: a controller queues at most `ROUTER_RCVHWM` frames per connection
+(then libzmq stops reading that peer), a peer that never completes the ZMTP handshake is
+dropped after `HANDSHAKE_IVL_MS`, and ZMTP heartbeats drop a peer silent for
+`ZMQ_HEARTBEAT_TIMEOUT_MS` (a dead node leaves no half-open connection behind).
 
-Optional CURVE (`ControlConfig.curve`): controllers are CURVE servers with the server key
-pair, processors (and backups talking to the active controller) CURVE clients with the
-client key pair; a ZAP handler in each controller process admits only the authorized client
-public keys. A peer with a wrong or no key never completes the handshake, so it can neither
-send anything that reaches the controller's code nor receive anything. Key files are ZeroMQ
-certificates (`python -m mindspeed_tft.control.keys DIR` writes a set).
+CURVE (`ControlConfig.curve`): controllers and backups are CURVE servers with the server key
+pair; processors are CURVE clients with the client key pair and pin the server's PUBLIC key,
+so a peer without the server secret can never pose as a controller (nor as a backup a
+controller named). A ZAP handler in each controller process admits the authorized client
+public keys plus the server's own public key, which is how backups authenticate to the
+active controller: their client pair IS the server pair, held only on controller hosts. The
+ZAP handler sets each connection's User-Id to the peer's z85 public key; the controller
+reads it per frame (`user_id`) to recognise backups and to bind a rank to the key it
+registered with. A peer with a wrong or no key never completes the handshake, so it can
+neither send anything that reaches the controller's code nor receive anything. Key files
+are ZeroMQ certificates (`python -m mindspeed_tft.control.keys DIR` writes one set per role).
+
+Without CURVE a controller only binds loopback addresses unless `TTP_ALLOW_INSECURE=1`
+(`check_bind`); the per-job token (`TTP_JOB_TOKEN`) then authenticates registrations.
 """
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
 import logging
 import os
@@ -114,9 +127,26 @@ class CurveKeys:
     client_secret: bytes | None
     authorized: frozenset[bytes]
 
+    @property
+    def server_user_id(self) -> str:
+        """The ZAP User-Id of a peer holding the server key pair (a backup controller)."""
+        return self.server_public.decode("ascii")
+
+    def as_backup_client(self) -> CurveKeys:
+        """A backup's keys towards the active controller: the server pair as client pair."""
+        if self.server_secret is None:
+            raise ControlConfigError("a backup controller needs the server's secret key "
+                                     "(TTP_CURVE_SERVER_KEY=.../server.key_secret)")
+        return CurveKeys(self.server_public, None, self.server_public, self.server_secret,
+                         frozenset())
+
     @classmethod
     def from_config(cls, config: ControlConfig, *, server: bool) -> CurveKeys | None:
-        """Keys for a controller (`server=True`) or a processor; None when CURVE is off."""
+        """Keys for a controller (`server=True`) or a processor; None when CURVE is off.
+
+        A controller needs the server SECRET (`TTP_CURVE_SERVER_KEY=.../server.key_secret`);
+        a processor needs only the server's public key (`.../server.key`, or the secret file,
+        of which it reads the public half) and its client pair (`TTP_CURVE_CLIENT_KEY`)."""
         if not config.curve:
             return None
         assert config.curve_server_key is not None
@@ -126,13 +156,14 @@ class CurveKeys:
             client_public, client_secret = load_cert(config.curve_client_key)
         if server and server_secret is None:
             raise ControlConfigError(
-                f"TTP_CURVE_SERVER_KEY={config.curve_server_key!r} has no secret key; a "
-                "controller needs the server's .key_secret file"
+                f"TTP_CURVE_SERVER_KEY={config.curve_server_key!r} holds no secret key; a "
+                "controller or backup needs the server's .key_secret file (processors on other "
+                "nodes take the public server.key)"
             )
         if not server and client_secret is None:
             raise ControlConfigError(
-                "CURVE is on (TTP_CURVE_SERVER_KEY) but TTP_CURVE_CLIENT_KEY does not name a "
-                "client .key_secret file"
+                "CURVE is on (TTP_CURVE_SERVER_KEY) but TTP_CURVE_CLIENT_KEY "
+                f"({config.curve_client_key!r}) does not name a client .key_secret file"
             )
         authorized: set[bytes] = set()
         if server:
@@ -145,8 +176,62 @@ class CurveKeys:
                     "CURVE is on but the controller knows no client key: set "
                     "TTP_CURVE_AUTHORIZED_KEYS or TTP_CURVE_CLIENT_KEY"
                 )
+            authorized.add(server_public)  # backups authenticate with the server pair
         return cls(server_public, server_secret, client_public, client_secret,
                    frozenset(authorized))
+
+
+def user_id(frame: Any) -> str | None:
+    """The ZAP User-Id (the peer's z85 public key under CURVE) of a received `zmq.Frame`."""
+    try:
+        value = frame.get("User-Id")
+    except (zmq.ZMQError, AttributeError):
+        return None
+    return value or None
+
+
+#: the REJECT payloads: they name what the peer may check on its side, nothing of the job
+REFUSED: dict[str, Any] = {
+    "reason": "the controller refused this registration (wrong TTP_JOB_TOKEN or CURVE key, "
+              "or a rank or world size this job does not have; the controller's log says "
+              "which)", "retry": False}
+REFUSED_FOR_NOW: dict[str, Any] = {
+    "reason": "the controller refused this registration for now (the rank is still held by a "
+              "live connection); retrying", "retry": True}
+
+
+def token_ok(config: ControlConfig, given: Any) -> bool:
+    """Does a peer's token match the job's `TTP_JOB_TOKEN` (always, when none is set)?"""
+    if config.job_token is None:
+        return True
+    return type(given) is str and hmac.compare_digest(given.encode(), config.job_token.encode())
+
+
+def check_bind(config: ControlConfig, addr: str, what: str) -> str | None:
+    """Refuse an unauthenticated controller on a non-loopback address.
+
+    Without CURVE, a controller reachable from other hosts lets anyone there read the job's
+    state and end it, so binding a non-loopback address (a wildcard such as 0.0.0.0 or ::
+    counts as non-loopback) needs CURVE keys or the explicit opt-out `TTP_ALLOW_INSECURE=1`.
+    Returns the warning to log on every start (opt-out, or loopback without a job token);
+    raises ControlConfigError otherwise."""
+    if config.curve:
+        return None
+    ip = ipaddress.ip_address(addr.strip("[]"))
+    if ip.is_loopback:
+        if config.job_token is None:
+            return (f"{what} on {addr} without CURVE keys and without TTP_JOB_TOKEN: any "
+                    "process of this host can register ranks and send reports")
+        return None
+    if not config.allow_insecure:
+        raise ControlConfigError(
+            f"{what} would listen on {addr}, which is not a loopback address, without CURVE "
+            "keys: anyone who reaches it could end the job. Set TTP_CURVE_SERVER_KEY and "
+            "TTP_CURVE_AUTHORIZED_KEYS (python -m mindspeed_tft.control.keys DIR), or "
+            "TTP_ALLOW_INSECURE=1 to run an unauthenticated control plane anyway"
+        )
+    return (f"INSECURE: {what} listens on {addr} without CURVE (TTP_ALLOW_INSECURE=1): anyone "
+            "who reaches it can read the job's state and end it")
 
 
 class _KeyCheck:
@@ -162,45 +247,120 @@ class _KeyCheck:
         return ok
 
 
-def start_authenticator(ctx: zmq.Context, keys: CurveKeys) -> Any:
-    """Run a ZAP handler (a ThreadAuthenticator) checking client keys; stop it on close."""
+class ConnectionCap:
+    """The TCP connections a controller's ROUTER holds, and the most it lets complete the
+    handshake.
+
+    The controller's loop feeds it the ROUTER's monitor events (`on_event`: accepted and
+    disconnected, each carrying the connection's file descriptor); the ZAP handler asks
+    `admit` during every handshake and refuses a connection while more than `limit` are
+    open, so libzmq closes it (the peer sees an authentication failure and may retry).
+    Connections still in the handshake count too: they last at most the handshake
+    interval."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"limit={limit} must be >= 1")
+        self.limit = limit
+        self.open: set[int] = set()
+        #: handshakes refused because the cap was reached
+        self.refused = 0
+
+    def on_event(self, event: int, value: int) -> None:
+        if event == zmq.EVENT_ACCEPTED:
+            self.open.add(value)
+        elif event == zmq.EVENT_DISCONNECTED:
+            self.open.discard(value)
+
+    def admit(self) -> bool:
+        if len(self.open) <= self.limit:
+            return True
+        self.refused += 1
+        if self.refused <= 10 or self.refused % 1000 == 0:
+            log.warning("refused connection #%d: %d open, at most %d", self.refused,
+                        len(self.open), self.limit)
+        return False
+
+
+def start_authenticator(ctx: zmq.Context, keys: CurveKeys | None,
+                        cap: ConnectionCap | None = None) -> Any:
+    """Run a ZAP handler (a ThreadAuthenticator) checking client keys (CURVE; `keys` None:
+    NULL, no keys) and the connection cap; stop it on close. A ROUTER asks it only when it
+    has a ZAP domain (`bind_router(zap=True)`)."""
     from zmq.auth.thread import ThreadAuthenticator
 
-    auth = ThreadAuthenticator(ctx, log=logging.getLogger("mindspeed_tft.control.zap"))
+    class Capped(ThreadAuthenticator):
+        async def handle_zap_message(self, msg: list[bytes]) -> None:
+            if cap is not None and len(msg) >= 6 and not cap.admit():
+                self._send_zap_reply(msg[1], b"300", b"too many connections")
+                return
+            await super().handle_zap_message(msg)
+
+    auth = Capped(ctx, log=logging.getLogger("mindspeed_tft.control.zap"))
     auth.start()
-    auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=_KeyCheck(keys.authorized))
+    if keys is not None:
+        auth.configure_curve_callback(domain=ZAP_DOMAIN,
+                                      credentials_provider=_KeyCheck(keys.authorized))
     return auth
 
 
-def _common(sock: zmq.Socket, addr: str, max_bytes: int) -> None:
+#: frames a controller's ROUTER queues per connection before libzmq stops reading that
+#: connection (TCP back-pressure on that peer alone; a rank sends one heartbeat per interval)
+ROUTER_RCVHWM = 64
+#: ZMTP heartbeats (ms): a PING every IVL; a peer that sends nothing (not even a PONG) for
+#: TIMEOUT is dropped, so dead peers (a node gone without a FIN) do not keep connections open
+ZMQ_HEARTBEAT_IVL_MS = 2000
+ZMQ_HEARTBEAT_TIMEOUT_MS = 20000
+#: a connection that has not completed the ZMTP handshake within this is dropped
+HANDSHAKE_IVL_MS = 5000
+
+
+def _common(sock: zmq.Socket, addr: str, max_bytes: int, handshake_ms: int = HANDSHAKE_IVL_MS,
+            heartbeat_ms: tuple[int, int] = (ZMQ_HEARTBEAT_IVL_MS, ZMQ_HEARTBEAT_TIMEOUT_MS),
+            ) -> None:
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, 4 * max_bytes)
+    # libzmq cuts off a peer that sends a frame over the protocol limit before reading it
+    sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, handshake_ms)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, heartbeat_ms[0])
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, heartbeat_ms[1])
+    sock.setsockopt(zmq.HEARTBEAT_TTL, heartbeat_ms[1])  # the peer's timeout of us
     if is_ipv6(addr):
         sock.setsockopt(zmq.IPV6, 1)
 
 
 def bind_router(ctx: zmq.Context, addr: str, port: int, *, max_bytes: int,
-                curve: CurveKeys | None = None) -> zmq.Socket:
-    """A ROUTER bound to addr:port (port 0: any free port; see `bound_port`)."""
+                curve: CurveKeys | None = None, zap: bool = False,
+                handshake_ms: int = HANDSHAKE_IVL_MS,
+                heartbeat_ms: tuple[int, int] = (ZMQ_HEARTBEAT_IVL_MS, ZMQ_HEARTBEAT_TIMEOUT_MS),
+                ) -> zmq.Socket:
+    """A ROUTER bound to addr:port (port 0: any free port; see `bound_port`).
+
+    zap: ask the ZAP handler (`start_authenticator`) about every connection even without
+    CURVE (the connection cap); handshake_ms: a connection that has not completed the ZMTP
+    handshake by then is dropped; heartbeat_ms: (ZMTP PING interval, silence after which a
+    peer is dropped)."""
     sock = ctx.socket(zmq.ROUTER)
-    _common(sock, addr, max_bytes)
+    _common(sock, addr, max_bytes, handshake_ms, heartbeat_ms)
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a processor's reconnect keeps its routing id
     sock.setsockopt(zmq.BACKLOG, 4096)  # thousands of ranks connect at once (capped by somaxconn)
-    sock.setsockopt(zmq.RCVHWM, 100_000)
+    sock.setsockopt(zmq.RCVHWM, ROUTER_RCVHWM)
     sock.setsockopt(zmq.SNDHWM, 10_000)
     if curve is not None:
         sock.setsockopt(zmq.CURVE_SERVER, 1)
         sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.server_public)
         sock.setsockopt(zmq.CURVE_SECRETKEY, curve.server_secret)
+    if curve is not None or zap:
         sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())
     sock.bind(endpoint(addr, port if port else "*"))
     return sock
 
 
-#: connection events a controller counts (never the per-connection successes: 16k ranks)
-MONITOR_EVENTS = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+#: connection events a controller counts (accepted and disconnected: the connection cap)
+MONITOR_EVENTS = (zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+                  | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
                   | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-MONITOR_NAMES = {zmq.EVENT_DISCONNECTED: "disconnected",
+MONITOR_NAMES = {zmq.EVENT_ACCEPTED: "accepted", zmq.EVENT_DISCONNECTED: "disconnected",
                  zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake_failed",
                  zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake_failed",
                  zmq.EVENT_HANDSHAKE_FAILED_AUTH: "auth_failed"}

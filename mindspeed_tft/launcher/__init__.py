@@ -12,6 +12,8 @@
   failed workers only, and replacement launchers that rejoin a running job
 - `pool` / `spare`: warm spare workers, the launcher's and the worker's side
   (`spare.wait_for_assignment()` at the top of the trainer's `pretrain()`)
+- `lifetime`: workers and spares never outlive their launcher (parent-death signal set
+  between fork and exec, `TFT_LAUNCHER_PID`, and `tie_to_launcher()` in the worker)
 """
 
 from .spare import wait_for_assignment

@@ -8,6 +8,17 @@ What changes, by feature (see `options`):
   every worker gets `TFT_CONTROLLER_IN_LAUNCHER=1` (so rank 0 does not start one), and each
   worker exit seen by node 0's launcher goes to `Controller.report_process_exit` at once.
   The launcher's exit waits, bounded, for the controller to reach FINAL.
+- backups: when the job spans several nodes and `TTP_BACKUP_ADDRS` is not set, the
+  launchers of nodes 1 and 2 each host a backup controller (on this host's address toward
+  the controller, any free port) and publish its endpoint in the rendezvous store
+  (`BACKUP_KEY`); node 0's launcher waits for them (bounded, `BACKUP_WAIT_SECONDS`) and gives
+  them to its controller, whose registration replies tell every processor where they are.
+  Such a backup knows that ranks absent at its takeover cannot come back (node 0's launcher
+  and the store went with the controller): it takes charge dump-only (`control.backup`).
+  With `TTP_BACKUP_ADDRS` set, a launcher hosts the backup whose address is one of its
+  host's, as before.
+- lifetimes: every worker and spare gets the parent-death signal and `TFT_LAUNCHER_PID`
+  (`lifetime`): a launcher killed by SIGKILL takes its workers with it.
 - worker reboot (ARF): a worker killed by a signal or exiting with the reboot code (76,
   `ControlConfig.reboot_exit_code`) is restarted at once as the same rank with the same
   environment plus `TFT_WORKER_RESTART_COUNT`, while the other workers keep running; a
@@ -47,8 +58,10 @@ from torch.distributed.elastic.multiprocessing.subprocess_handler import Subproc
 
 from mindspeed_tft import patches
 
+from .lifetime import TiedSubprocessHandler
 from .options import MAX_WORKER_RESTARTS_ENV, LauncherError, LaunchOptions
 from .pool import SparePool
+from .store import bind_static_store
 
 #: set in every worker under high availability (same name as `plugin.CONTROLLER_IN_LAUNCHER_ENV`)
 CONTROLLER_IN_LAUNCHER_ENV = "TFT_CONTROLLER_IN_LAUNCHER"
@@ -56,6 +69,10 @@ CONTROLLER_IN_LAUNCHER_ENV = "TFT_CONTROLLER_IN_LAUNCHER"
 WORKER_RESTART_COUNT_ENV = "TFT_WORKER_RESTART_COUNT"
 #: key (under the rendezvous' run-id prefix) of a node's record: what its workers are
 RECORD_KEY = "mindspeed_tft/launcher/node/{}"
+#: key of backup controller `i`'s endpoint ("" when it could not start)
+BACKUP_KEY = "mindspeed_tft/launcher/backup/{}"
+#: seconds node 0's launcher waits for the other nodes' backups to be published
+BACKUP_WAIT_SECONDS = 60.0
 
 _ORIGINAL_START_PROCESSES = _local_agent.start_processes
 
@@ -76,7 +93,7 @@ def describe_exit(returncode: int) -> str:
     return f"exited with code {returncode}"
 
 
-class _AppendingHandler(SubprocessHandler):
+class _AppendingHandler(TiedSubprocessHandler):
     """A `SubprocessHandler` that appends to the log files: a restarted worker's output
     follows its predecessor's in the same files (which `--tee` keeps following)."""
 
@@ -89,6 +106,16 @@ class _AppendingHandler(SubprocessHandler):
         self._stdout = open(out, "a") if out else None  # noqa: SIM115 (closed by close())
         self._stderr = open(err, "a") if err else None  # noqa: SIM115
         return super()._popen(args, env)
+
+
+def _address_toward(addr: str, port: int) -> str:
+    """This host's address on the route to `addr` (no packet is sent)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((addr, port))
+        return str(probe.getsockname()[0])
 
 
 def _is_local_address(addr: str) -> bool:
@@ -113,6 +140,20 @@ class TFTSubprocessContext(SubprocessContext):
         self.agent = agent
         self._first_final_failure: float | None = None
         self._final_since: float | None = None
+        self._next_wait_log = 0.0
+
+    def _start(self) -> None:
+        """torch's start, with workers that die with this launcher (`lifetime`)."""
+        if self.subprocess_handlers:
+            raise ValueError("the workers were started already")
+        self.subprocess_handlers = {
+            local_rank: TiedSubprocessHandler(
+                entrypoint=str(self.entrypoint), args=self.args[local_rank],
+                env=self.envs[local_rank], stdout=self.stdouts[local_rank],
+                stderr=self.stderrs[local_rank], local_rank_id=local_rank,
+                numa_options=getattr(self, "_numa_options", None))
+            for local_rank in range(self.nprocs)
+        }
 
     def _poll(self) -> RunProcsResult | None:
         agent = self.agent
@@ -137,13 +178,22 @@ class TFTSubprocessContext(SubprocessContext):
                 if self._first_final_failure is None:
                     self._first_final_failure = time.monotonic()
         now = time.monotonic()
-        if (agent.controller is not None and agent.controller.state.value == "FINAL"
+        acting = agent.acting_controller()
+        if (acting is not None and acting.state.value == "FINAL"
                 and self._final_since is None and self._running_local_ranks):
             # the job's end was decided: workers get the exit grace, then they are stopped
             # (also a worker restarted while the controller was deciding, which waits for a
             # repair that will not come)
             self._final_since = now
         final_grace = agent.control_config.exit_grace + agent.control_config.lost_after
+        if (self._first_final_failure is not None and self._running_local_ranks
+                and now >= self._next_wait_log):
+            if self._next_wait_log:  # no wait is silent for more than a minute
+                say(f"still waiting for workers {sorted(self._running_local_ranks)} (local "
+                    f"ranks) to end after a worker failed for good "
+                    f"({now - self._first_final_failure:.0f}s of at most "
+                    f"{agent.failure_grace:g}s)")
+            self._next_wait_log = now + 60.0
         if self._running_local_ranks and (
                 (self._first_final_failure is not None
                  and now - self._first_final_failure > agent.failure_grace)
@@ -207,6 +257,8 @@ class TFTElasticAgent(LocalElasticAgent):
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         first, self._first_rendezvous = self._first_rendezvous, False
         if not (first and self.options.worker_reboot and self._adopt_running_job(worker_group)):
+            # node 0: the store listens on --master-addr only, not every interface
+            bind_static_store(worker_group.spec.rdzv_handler)
             super()._rendezvous(worker_group)
         self._start_controller(worker_group)
 
@@ -270,17 +322,86 @@ class TFTElasticAgent(LocalElasticAgent):
             self._stop_controller(wait=0.0)
         world_size = worker_group.workers[0].world_size
         setup_logging(self.control_config)
-        controller = Controller(world_size, self.control_config,
+        config = self.control_config
+        if not config.backups and worker_group.group_world_size > 1:
+            config = config.replace(backups=self._published_backups(worker_group))
+        controller = Controller(world_size, config,
                                 features=Features.from_args(self.options.tft_args))
         controller.start()
         self.controller = controller
         say(f"controller for {world_size} ranks listening on {controller.endpoint}")
 
-    def _start_backup_controller(self, worker_group: WorkerGroup) -> None:
-        """Host a backup controller when `TTP_BACKUP_ADDRS` names an address of this host
-        (SPEC 4: up to 2 backups, on other nodes than the active controller's)."""
+    def _auto_backup_count(self, worker_group: WorkerGroup) -> int:
+        """How many backups the launchers start themselves (no `TTP_BACKUP_ADDRS`)."""
+        from mindspeed_tft.control.config import MAX_BACKUPS
+
+        if self.control_config.backups:
+            return 0
+        return min(MAX_BACKUPS, worker_group.group_world_size - 1)
+
+    def _published_backups(self, worker_group: WorkerGroup) -> list[tuple[str, int]]:
+        """Node 0: the endpoints the backups of nodes 1 and 2 published (bounded wait)."""
+        from datetime import timedelta
+
+        from mindspeed_tft.control.config import parse_hostport
+
+        count = self._auto_backup_count(worker_group)
+        keys = [BACKUP_KEY.format(i) for i in range(count)]
+        store = worker_group.store
+        if not keys or store is None:
+            return []
+        try:
+            store.wait(keys, timedelta(seconds=BACKUP_WAIT_SECONDS))
+        except Exception as error:  # a node that never published: go on without it
+            say(f"not every backup controller was published within {BACKUP_WAIT_SECONDS:g}s "
+                f"({error}); going on with those that were")
+        backups = []
+        for key in keys:
+            try:
+                if not store.check([key]):
+                    continue
+                endpoint = store.get(key).decode()
+            except Exception:
+                continue
+            if endpoint:
+                backups.append(parse_hostport(endpoint, "published backup"))
+        say(f"backup controllers: {', '.join(f'{a}:{p}' for a, p in backups) or 'none'}")
+        return backups
+
+    def _start_auto_backup(self, worker_group: WorkerGroup) -> None:
+        """Nodes 1 and 2 (no `TTP_BACKUP_ADDRS`): start a backup and publish its endpoint."""
         from mindspeed_tft.control import Controller, Features, setup_logging
 
+        index = worker_group.group_rank - 1
+        if self.backup_controller is not None or index >= self._auto_backup_count(worker_group):
+            return
+        config = self.control_config
+        endpoint = ""
+        try:
+            addr = _address_toward(config.processor_addr, config.port)
+            setup_logging(config)
+            controller = Controller(worker_group.workers[0].world_size, config,
+                                    features=Features.from_args(self.options.tft_args),
+                                    role="backup", backup_index=index, bind_addr=addr, port=0)
+            controller.backups.absent_ranks_return = False
+            controller.start()
+            self.backup_controller = controller
+            endpoint = controller.endpoint
+            say(f"backup controller {index} listening on {controller.endpoint}")
+        except Exception as error:
+            say(f"backup controller {index} not started: {error}")
+        if worker_group.store is not None:
+            worker_group.store.set(BACKUP_KEY.format(index), endpoint)
+
+    def _start_backup_controller(self, worker_group: WorkerGroup) -> None:
+        """Host a backup controller: one of the launchers' own (see the module docstring),
+        or the one `TTP_BACKUP_ADDRS` names at an address of this host (SPEC 4: up to 2
+        backups, on other nodes than the active controller's)."""
+        from mindspeed_tft.control import Controller, Features, setup_logging
+
+        if not self.control_config.backups:
+            self._start_auto_backup(worker_group)
+            return
         for index, (addr, port) in enumerate(self.control_config.backups):
             if self.backup_controller is not None or not _is_local_address(addr):
                 continue
@@ -300,6 +421,8 @@ class TFTElasticAgent(LocalElasticAgent):
     def _stop_controller(self, wait: float) -> None:
         backup, self.backup_controller = self.backup_controller, None
         if backup is not None:
+            if backup.role == "active" and wait > 0:  # it took charge: let it finish
+                backup.wait_final(wait)
             backup.stop()
         controller, self.controller = self.controller, None
         if controller is None:
@@ -313,11 +436,21 @@ class TFTElasticAgent(LocalElasticAgent):
                 f"(state {controller.state.value}); stopping it")
         controller.stop()
 
-    def report_exit(self, local_rank: int, returncode: int) -> None:
-        """Tell the controller hosted here (node 0) that a worker process ended."""
+    def acting_controller(self) -> Any:
+        """The controller in charge hosted here: node 0's, or a backup that took charge."""
         if self.controller is not None:
+            return self.controller
+        backup = self.backup_controller
+        if backup is not None and backup.role == "active":
+            return backup
+        return None
+
+    def report_exit(self, local_rank: int, returncode: int) -> None:
+        """Tell the controller in charge hosted here that a worker process ended."""
+        acting = self.acting_controller()
+        if acting is not None:
             rank = self._worker_group.workers[local_rank].global_rank
-            self.controller.report_process_exit(rank, returncode)
+            acting.report_process_exit(rank, returncode)
 
     # -- workers --------------------------------------------------------------------------
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
@@ -371,9 +504,10 @@ class TFTElasticAgent(LocalElasticAgent):
 
     def job_ending(self) -> bool:
         """The controller this launcher hosts decided to end the job (dump or exit)."""
-        if self.controller is None:
+        acting = self.acting_controller()
+        if acting is None:
             return False
-        return self.controller.state.value in ("DUMP", "EXIT", "FINAL")
+        return acting.state.value in ("DUMP", "EXIT", "FINAL")
 
     def on_worker_exit(self, context: TFTSubprocessContext, local_rank: int,
                        handler: SubprocessHandler, returncode: int) -> bool:

@@ -27,11 +27,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch.distributed.elastic.multiprocessing.subprocess_handler import (
-    SubprocessHandler,
-    get_subprocess_handler,
-)
+from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
+from .lifetime import TiedSubprocessHandler
 from .spare import (
     MAX_MESSAGE_BYTES,
     SPARE_ENV,
@@ -173,8 +171,10 @@ class SparePool:
         spare_id = self.started_total
         env = {SPARE_ENV: "1", SPARE_SOCKET_ENV: self.path, SPARE_ID_ENV: str(spare_id),
                SPARE_LAUNCHER_PID_ENV: str(os.getpid())}
-        handler = get_subprocess_handler(entrypoint=self.entrypoint, args=self.args, env=env,
-                                         stdout="", stderr="", local_rank_id=0)
+        # a spare dies with its launcher, even while it still imports (`lifetime`)
+        handler = TiedSubprocessHandler(entrypoint=self.entrypoint, args=self.args, env=env,
+                                        stdout="", stderr="", local_rank_id=0,
+                                        numa_options=None)
         self.spares.append(Spare(spare_id, handler, time.monotonic()))
 
     _refill_at = 0.0

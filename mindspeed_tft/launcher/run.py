@@ -7,6 +7,11 @@ Without high availability in the training command this is torchrun: the argument
 the mindspeed-tft agent (`agent.TFTElasticAgent`): the controller in node 0's launcher and,
 with worker reboot, restarts of failed workers only (see `agent` and `options`).
 
+On one node (`--nnodes 1`) with high availability and no `TTP_JOB_TOKEN`, the launcher makes
+a random per-job token and puts it into its own and its workers' environment: the controller
+then accepts registrations only from processes that carry it (see docs/design.md, "Security
+of the control plane"). With several nodes, set `TTP_JOB_TOKEN` on every node yourself.
+
 Exit codes: 0 when every worker succeeded; with high availability, 75 when the job ended with
 a dying-gasp checkpoint (the failed workers all exited with 75); otherwise torchrun's
 failure (the `ChildFailedError` summary, exit code 1); 2 for a bad launcher setting.
@@ -15,10 +20,13 @@ failure (the `ChildFailedError` summary, exit code 1); 2 for a bad launcher sett
 from __future__ import annotations
 
 import argparse
+import os
+import secrets
 import sys
 from collections.abc import Sequence
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+from torch.distributed.run import parse_min_max_nnodes
 
 from mindspeed_tft import patches
 
@@ -70,12 +78,22 @@ def launch(args: argparse.Namespace) -> int:
         return 0
 
     from mindspeed_tft.control.config import ControlConfig, ControlConfigError
+    from mindspeed_tft.control.transport import check_bind
 
     try:
-        dump_exit_code = ControlConfig.from_env().dump_exit_code
+        config = ControlConfig.from_env()
+        # this launcher hosts the controller (node 0) or a backup (nodes 1, 2): refuse an
+        # unauthenticated network bind now, not from inside torch's agent
+        check_bind(config, config.controller_addr, "the controller")
     except ControlConfigError as e:
         say(f"error: {e}")
         return 2
+    dump_exit_code = config.dump_exit_code
+    if config.job_token is None and parse_min_max_nnodes(args.nnodes)[1] == 1:
+        # one node: a per-job secret the controller (in this launcher) and the workers (its
+        # children) share, which other users' processes cannot read; with several nodes the
+        # user sets TTP_JOB_TOKEN on each (a launcher cannot pass it to other nodes unseen)
+        os.environ["TTP_JOB_TOKEN"] = secrets.token_hex(32)
     say(options.describe())
     try:
         with patches.swapped("torch.distributed.launcher.api:LocalElasticAgent",

@@ -20,7 +20,7 @@ The channel is a Unix socket named by `TFT_SPARE_SOCKET`, carrying one JSON obje
 `{"env": {...}, "stdout": path, "stderr": path}` (log paths where the launcher redirects
 worker output; empty otherwise), the spare answers `{"ok": true}`. Every wait is bounded: a
 spare whose launcher disappears (the socket closes, or its parent process is gone) exits at
-once with code 0.
+once with code 0; a spare still importing is killed by its parent-death signal (`lifetime`).
 """
 
 from __future__ import annotations

@@ -8,8 +8,15 @@ timeout, minutes. NCCL (and HCCL) can abort their communicators. gloo cannot: it
 `abort()` leaves the connections open, and the wait of some of its operations (every
 reduce-scatter) ignores timeouts. What does wake every gloo operation at once is what a
 dead peer does: closed connections. `abandon()` therefore shuts down (without closing: the
-file descriptors stay valid for gloo) every TCP connection of this process except those of
-the rendezvous store and the control plane. Every operation of this rank, and every
+file descriptors stay valid for gloo) the TCP connections of the job's process groups, and
+only those: `install_connection_tracking()` (called by the plugin before any group exists)
+wraps torch's `_new_process_group_helper`, through which every process group is made
+(`init_process_group`, `new_group`, the rebuilds), and records the sockets each creation
+opened (the socket inodes of /proc/self/fd after it, less those before). A user's own
+connections (loggers, data streams) are left alone; so are those of the rendezvous store
+and the control plane (`keep_ports`), even when made while a group was built. A connection
+another thread of the process opens while a group is being built is taken for the
+group's: the window is the group's creation. Every operation of this rank, and every
 operation of a peer waiting on this rank, then fails with "Connection closed by peer"; the
 training threads land in the fault handler, where the error counts as a consequence of the
 stop. The process lives on: recovery rebuilds the process groups on new connections.
@@ -163,15 +170,56 @@ def _socket_fds() -> Iterable[tuple[int, int]]:
             yield int(name), int(link[8:-1])
 
 
-def shutdown_connections(keep_ports: Iterable[int]) -> int:
-    """Shut down every established TCP connection of this process whose local or remote
-    port is not in `keep_ports`; returns how many."""
+#: socket inodes opened while process groups were created (`install_connection_tracking`)
+_group_sockets: set[int] = set()
+_tracking_installed = False
+
+
+def _socket_inodes() -> set[int]:
+    return {inode for _, inode in _socket_fds()}
+
+
+def _tracked(create: Any) -> Any:
+    @functools.wraps(create)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        before = _socket_inodes()
+        try:
+            return create(*args, **kwargs)
+        finally:
+            after = _socket_inodes()
+            _group_sockets.intersection_update(after)  # forget the closed ones
+            _group_sockets.update(after - before)
+
+    return wrapper
+
+
+def install_connection_tracking() -> None:
+    """Record the sockets every process group creation opens, so that `abandon` shuts down
+    those only (idempotent; call before the first process group is made)."""
+    global _tracking_installed
+    if _tracking_installed:
+        return
+    from torch.distributed import distributed_c10d as c10d
+
+    c10d._new_process_group_helper = _tracked(c10d._new_process_group_helper)
+    _tracking_installed = True
+
+
+def group_connections() -> set[int]:
+    """Socket inodes of the process groups' connections still open (tracking installed)."""
+    return _group_sockets & _socket_inodes()
+
+
+def shutdown_connections(keep_ports: Iterable[int], only: set[int] | None = None) -> int:
+    """Shut down the established TCP connections of this process whose local or remote
+    port is not in `keep_ports`: all of them, or only those whose socket inode is in
+    `only`; returns how many."""
     keep = set(keep_ports)
     table = _tcp_connections()
     count = 0
     for fd, inode in _socket_fds():
         row = table.get(inode)
-        if row is None:
+        if row is None or (only is not None and inode not in only):
             continue
         local_port, remote_port, state = row
         if state == _LISTEN or local_port in keep or remote_port in keep:
@@ -196,7 +244,9 @@ def abandon(reason: str, keep_ports: Iterable[int]) -> int:
     """Make every pending and future collective of this process fail now.
 
     `keep_ports`: the ports of connections that must survive (the rendezvous store, the
-    controllers). Returns the number of connections shut down (0 on NCCL, whose
+    controllers). With `install_connection_tracking` (the plugin's default) only the
+    connections the process groups opened are shut down; without it, every connection
+    not kept. Returns the number of connections shut down (0 on NCCL, whose
     communicators are aborted instead)."""
     global _abandon_reason
     _abandon_reason = reason
@@ -205,7 +255,7 @@ def abandon(reason: str, keep_ports: Iterable[int]) -> int:
         dist.distributed_c10d._abort_process_group()
         log.warning("communicators aborted: %s", reason)
         return 0
-    count = shutdown_connections(keep_ports)
+    count = shutdown_connections(keep_ports, _group_sockets if _tracking_installed else None)
     log.warning("%d process-group connections shut down: %s", count, reason)
     return count
 

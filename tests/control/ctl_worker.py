@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--action-limit", type=float, default=5.0)
     ap.add_argument("--hang-floor", type=float, default=60.0)
     ap.add_argument("--exit-grace", type=float, default=1.0)
+    ap.add_argument("--lost-timeout", type=float, default=120.0,
+                    help="seconds without an active controller before the rank exits 77")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--step-time", type=float, default=0.01)
     ap.add_argument("--fault", default="")
@@ -67,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
         action_time_limit=args.action_limit, register_timeout=20, hang_timeout_min=args.hang_floor,
         hang_initial_timeout=max(args.hang_floor, 5.0), exit_grace=args.exit_grace,
         backups=backups, log_path=os.path.dirname(args.out) or ".",
-        log_mode="PER_PROC", decision_timeout=30)
+        log_mode="PER_PROC", decision_timeout=30, controller_lost_timeout=args.lost_timeout)
     d, n = args.world, args.replicas
     chunk = d // n
     shard = args.rank % chunk

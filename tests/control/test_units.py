@@ -37,6 +37,7 @@ from mindspeed_tft.control.protocol import (
 )
 from mindspeed_tft.control.ranktable import Health, RankTable
 from mindspeed_tft.control.states import IllegalTransition, StateMachine
+from mindspeed_tft.control.transport import CurveKeys
 from mindspeed_tft.control.watchdog import ProgressWatchdog
 from mindspeed_tft.events import configure_events, read_events
 
@@ -345,10 +346,23 @@ def test_watchdog_timeout_follows_step_times() -> None:
 def test_keys_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert keys_main([str(tmp_path / "k")]) == 0
     out = capsys.readouterr().out
-    assert "export TTP_CURVE_SERVER_KEY=" in out and "export TTP_CURVE_CLIENT_KEY=" in out
-    assert sorted(os.listdir(tmp_path / "k")) == ["client.key", "client.key_secret",
-                                                  "server.key", "server.key_secret"]
-    assert keys_main([str(tmp_path / "k")]) == 1  # no silent overwrite
-    cfg = ControlConfig.from_env({"TTP_CURVE_SERVER_KEY": str(tmp_path / "k/server.key_secret"),
-                                  "TTP_CURVE_CLIENT_KEY": str(tmp_path / "k/client.key_secret")})
-    assert cfg.curve
+    k = tmp_path / "k"
+    # the server secret only in controller/, processors get the server's public key
+    assert f"export TTP_CURVE_SERVER_KEY={k}/processor/server.key\n" in out
+    assert f"export TTP_CURVE_SERVER_KEY={k}/controller/server.key_secret\n" in out
+    assert f"export TTP_CURVE_CLIENT_KEY={k}/processor/client.key_secret\n" in out
+    assert sorted(os.listdir(k / "controller")) == ["authorized", "server.key_secret"]
+    assert sorted(os.listdir(k / "controller" / "authorized")) == ["client.key"]
+    assert sorted(os.listdir(k / "processor")) == ["client.key_secret", "server.key"]
+    assert "server.key_secret" not in (k / "processor" / "server.key").read_text()
+    assert keys_main([str(k)]) == 1  # no silent overwrite
+    proc = ControlConfig.from_env({"TTP_CURVE_SERVER_KEY": str(k / "processor/server.key"),
+                                   "TTP_CURVE_CLIENT_KEY": str(k / "processor/client.key_secret")})
+    assert proc.curve and CurveKeys.from_config(proc, server=False) is not None
+    with pytest.raises(ControlConfigError, match="TTP_CURVE_SERVER_KEY=.*no secret key"):
+        CurveKeys.from_config(proc, server=True)  # a controller needs the server secret
+    ctrl = ControlConfig.from_env({
+        "TTP_CURVE_SERVER_KEY": str(k / "controller/server.key_secret"),
+        "TTP_CURVE_AUTHORIZED_KEYS": str(k / "controller/authorized")})
+    keys = CurveKeys.from_config(ctrl, server=True)
+    assert keys is not None and keys.server_public in keys.authorized  # backups' key

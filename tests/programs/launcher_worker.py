@@ -12,6 +12,8 @@ ignored):
 - `--store`: check in through the TCPStore at MASTER_ADDR:MASTER_PORT (key
   `tftest/checkin/<rank>`, incremented), as workers rendezvous through the agent's store;
 - `--processor`: register a `Processor` with the controller;
+- `--tie`: `mindspeed_tft.launcher.lifetime.tie_to_launcher()` once it knows its rank, as
+  the plugin does (the worker ends when its launcher does, also under a plain torchrun);
 - `--max-seconds N`: give up after N seconds with exit code 3 (every wait is bounded).
 
 Files in DIR: it writes `start.<pid>.json` once it knows its rank (`pid`, `ppid`, `t_start`
@@ -45,6 +47,7 @@ def main() -> int:
     ap.add_argument("--trainer-imports", action="store_true")
     ap.add_argument("--store", action="store_true")
     ap.add_argument("--processor", action="store_true")
+    ap.add_argument("--tie", action="store_true")
     ap.add_argument("--max-seconds", type=float, default=120.0)
     args, _ = ap.parse_known_args()
     out = Path(args.out)
@@ -68,6 +71,10 @@ def main() -> int:
     t_ready = time.time()
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
+    if args.tie:
+        from mindspeed_tft.launcher.lifetime import tie_to_launcher
+
+        tie_to_launcher()
     if args.store:  # before the start record: a test that saw the record sees the check-in
         from datetime import timedelta
 

@@ -1,0 +1,151 @@
+"""Bounded lifetimes: a worker (or warm spare) never outlives the launcher that started it.
+
+A launcher killed by SIGKILL (`tft-run`, torchrun) cannot stop its workers: torch starts each
+worker in a session of its own, so a signal to the launcher's process group does not reach
+them, and nothing else tells them. Left alone they would train on with no launcher to
+restart them (and, under high availability, often with no controller either). Two
+mechanisms end them within seconds:
+
+- the Linux parent-death signal (`prctl(PR_SET_PDEATHSIG, SIGKILL)`): the kernel kills the
+  process as soon as its parent ends. `tft-run` (and torchrun with the hook) sets it in the
+  child between fork and exec (`preexec`), so it covers the whole life of a worker or spare,
+  imports included; the plugin sets it again in the worker (`tie_to_launcher`), which also
+  covers workers of a plain torchrun;
+- a watch thread (`tie_to_launcher`) that compares `os.getppid()` with the launcher's pid
+  every `WATCH_SECONDS`: the parent-death signal fires when the *thread* that forked the
+  child ends, and a parent that died before the signal was set is not noticed by it at all.
+
+The launcher's pid is `TFT_LAUNCHER_PID` (set by `tft-run` in every worker and spare); under
+a plain torchrun it is the worker's parent when `tie_to_launcher` runs. Linux only: elsewhere
+only the watch thread runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+import time
+from subprocess import Popen
+
+from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
+
+#: pid of the launcher that started this worker or spare (set by `tft-run`)
+LAUNCHER_PID_ENV = "TFT_LAUNCHER_PID"
+#: seconds between two looks at the parent pid
+WATCH_SECONDS = 1.0
+#: exit code of a worker that ends because its launcher is gone (nobody reads it: the
+#: launcher that would is the one that is gone)
+LAUNCHER_GONE_EXIT_CODE = 1
+
+_PR_SET_PDEATHSIG = 1
+_libc: ctypes.CDLL | None = None
+_watching = False
+
+
+def _prctl() -> ctypes.CDLL | None:
+    global _libc
+    if _libc is None and sys.platform.startswith("linux"):
+        try:
+            _libc = ctypes.CDLL(None, use_errno=True)
+        except OSError:
+            return None
+    return _libc
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
+    """Have the kernel send `sig` to this process when its parent ends; False where the
+    platform has no such thing (not Linux) or the call failed."""
+    libc = _prctl()
+    if libc is None:
+        return False
+    return libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+
+
+def preexec() -> None:
+    """For `subprocess.Popen(preexec_fn=...)` in the launcher: runs in the child between fork
+    and exec (async-signal-safe enough: one system call through a function resolved before
+    the fork)."""
+    libc = _libc
+    if libc is not None:
+        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+
+
+def launcher_pid() -> int | None:
+    """`TFT_LAUNCHER_PID` as a number (None when unset or not a number)."""
+    try:
+        return int(os.environ.get(LAUNCHER_PID_ENV, ""))
+    except ValueError:
+        return None
+
+
+def _leave(reason: str) -> None:
+    print(f"[mindspeed-tft pid {os.getpid()}] {reason}; exiting", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(LAUNCHER_GONE_EXIT_CODE)
+
+
+def _watch(parent: int) -> None:
+    while True:
+        time.sleep(WATCH_SECONDS)
+        if os.getppid() != parent:
+            _leave(f"the launcher (pid {parent}) is gone")
+
+
+def _ancestors() -> list[int]:
+    """The pids above this process, parent first (empty where /proc cannot be read)."""
+    found: list[int] = []
+    pid = os.getppid()
+    while pid > 1 and len(found) < 64:
+        found.append(pid)
+        try:
+            with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return found
+
+
+def tie_to_launcher() -> int | None:
+    """End this worker when its launcher ends (see the module docstring); returns the pid
+    of the parent it is tied to, None when this process was not started by a launcher
+    (no `TFT_LAUNCHER_PID`, not a torchelastic worker). Idempotent.
+
+    A worker started through a wrapper (`--no-python` with a shell script that runs
+    python) is tied to the wrapper, which `tft-run` gave the parent-death signal; when the
+    launcher is not among its ancestors any more, it is gone, and the worker leaves now."""
+    global _watching
+    parent = launcher_pid()
+    if parent is None:
+        if "TORCHELASTIC_RUN_ID" not in os.environ or "LOCAL_RANK" not in os.environ:
+            return None
+        parent = os.getppid()  # plain torchrun: the worker's parent is the agent
+    elif os.getppid() != parent:
+        if parent not in _ancestors():
+            _leave(f"the launcher (pid {parent}) is gone")
+        parent = os.getppid()
+    if _watching:
+        return parent
+    set_parent_death_signal(signal.SIGKILL)
+    if os.getppid() != parent:  # gone before the signal was set: it will never come
+        _leave(f"the launcher (pid {parent}) is gone")
+    _watching = True
+    threading.Thread(target=_watch, args=(parent,), name="tft-launcher-watch",
+                     daemon=True).start()
+    return parent
+
+
+class TiedSubprocessHandler(SubprocessHandler):
+    """torch's `SubprocessHandler` whose process gets the parent-death signal (and its
+    launcher's pid in `TFT_LAUNCHER_PID`) from its start."""
+
+    def _popen(self, args: tuple, env: dict[str, str]) -> Popen:
+        env = {**env, LAUNCHER_PID_ENV: str(os.getpid())}
+        return Popen(args=args, env=env, stdout=self._stdout, stderr=self._stderr,
+                     start_new_session=True, preexec_fn=preexec)
+
+
+# resolve prctl now, in the launcher, so that `preexec` does no lookup after a fork
+_prctl()
