@@ -143,6 +143,12 @@ TABLE: tuple[Moment, ...] = (
         *(_p(f"torch.distributed:{name}", "blocking p2p through the abandonable wait", TORCH)
           for name in ("send", "recv")),
     )),
+    Moment("connection-tracking", "high availability, before the first process group",
+           "mindspeed_tft.recovery.collectives:install_connection_tracking", (
+        _p("torch.distributed.distributed_c10d:_new_process_group_helper",
+           "record the sockets each process group creation opens (every init_process_group, "
+           "new_group and rebuild goes through it), so a stop shuts down those only", TORCH),
+    )),
     Moment("megatron-lm", "the Megatron-LM host adaptor is installed",
            "mindspeed_tft.megatron.adaptor:install_patches", (
         *(_p(f"{module}:parse_args", "add the mindspeed-tft flags to Megatron-LM's parser "

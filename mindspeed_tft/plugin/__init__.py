@@ -237,11 +237,10 @@ class TFTPlugin:
         from mindspeed_tft import patches
         from mindspeed_tft.control import ControlConfig, Controller, Processor
         from mindspeed_tft.launcher.lifetime import tie_to_launcher
-        from mindspeed_tft.recovery import collectives
         from mindspeed_tft.recovery.actions import RecoveryActions
 
         tie_to_launcher()  # a worker never outlives its launcher (tft-run, torchrun)
-        collectives.install_connection_tracking()  # before any process group exists
+        patches.install("connection-tracking")  # before any process group exists
         config = ControlConfig.from_env()
         self.control_config = config
         if self.args.distributed_backend == "gloo":

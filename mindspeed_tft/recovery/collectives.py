@@ -9,7 +9,8 @@ timeout, minutes. NCCL (and HCCL) can abort their communicators. gloo cannot: it
 reduce-scatter) ignores timeouts. What does wake every gloo operation at once is what a
 dead peer does: closed connections. `abandon()` therefore shuts down (without closing: the
 file descriptors stay valid for gloo) the TCP connections of the job's process groups, and
-only those: `install_connection_tracking()` (called by the plugin before any group exists)
+only those: `install_connection_tracking()` (the `connection-tracking` moment of
+`mindspeed_tft.patches`, installed by the plugin before any group exists)
 wraps torch's `_new_process_group_helper`, through which every process group is made
 (`init_process_group`, `new_group`, the rebuilds), and records the sockets each creation
 opened (the socket inodes of /proc/self/fd after it, less those before). A user's own
