@@ -68,9 +68,9 @@ def _assert_resumes_like_the_reference(reference, faulty, config, tmp_path, iter
         assert loss == expected[it], (it, loss, expected[it])
 
 
-# every fault on dp4; one on tp2dp2 (Megatron-LM's loop repeats the kill on DP4 and TP2xDP2:
-# tests/test_megatron_lm.py), which keeps the suite inside CI's time
-CASES = [("dp4", *fault) for fault in FAULTS] + [("tp2dp2", *FAULTS[1])]
+# the backward kill on tp2dp2, the other faults on dp4 (Megatron-LM's loop repeats the kill on
+# DP4 and TP2xDP2: tests/test_megatron_lm.py), which keeps the suite inside CI's time
+CASES = [("dp4", *fault) for fault in FAULTS if fault != FAULTS[1]] + [("tp2dp2", *FAULTS[1])]
 
 
 @pytest.mark.parametrize(("layout", "kind", "rank", "step", "phase", "dump_iteration"), CASES)
