@@ -30,7 +30,6 @@ FAULTS = [
     ("kill", 1, 7, "forward", 7),
     ("kill", 1, 7, "backward", 7),
     ("kill", 3, 7, "optimizer", 8),
-    ("raise", 2, 7, "backward", 7),
 ]
 
 
@@ -68,9 +67,11 @@ def _assert_resumes_like_the_reference(reference, faulty, config, tmp_path, iter
         assert loss == expected[it], (it, loss, expected[it])
 
 
-# the backward kill on tp2dp2, the other faults on dp4 (Megatron-LM's loop repeats the kill on
-# DP4 and TP2xDP2: tests/test_megatron_lm.py), which keeps the suite inside CI's time
-CASES = [("dp4", *fault) for fault in FAULTS if fault != FAULTS[1]] + [("tp2dp2", *FAULTS[1])]
+# the backward kill on tp2dp2, the kills in forward and in the update on dp4 (Megatron-LM's
+# loop repeats the kill on DP4 and TP2xDP2: tests/test_megatron_lm.py; a raised error ends in
+# the dump in test_no_replica_dumps_every_rank_own_shard_when_all_are_alive), which keeps the
+# suite inside CI's time
+CASES = [("dp4", *FAULTS[0]), ("dp4", *FAULTS[2]), ("tp2dp2", *FAULTS[1])]
 
 
 @pytest.mark.parametrize(("layout", "kind", "rank", "step", "phase", "dump_iteration"), CASES)
