@@ -42,6 +42,30 @@ def bench_env(log_dir: Path, **extra: str) -> dict[str, str]:
     return env
 
 
+#: the tiny preset's size knobs (configs/models/tiny.sh): option -> (variable, its default)
+SIZE_KNOBS = {"layers": ("TINY_NUM_LAYERS", 4), "hidden": ("TINY_HIDDEN_SIZE", 64),
+              "ffn": ("TINY_FFN_HIDDEN_SIZE", 176), "seq": ("TINY_SEQ_LENGTH", 64)}
+
+
+def add_size_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--layers --hidden --ffn --seq`: the model size of every job (default: the preset)."""
+    for option, (variable, default) in SIZE_KNOBS.items():
+        parser.add_argument(f"--{option}", type=int, default=None,
+                            help=f"{variable} ({default})")
+
+
+def size_env(opts: argparse.Namespace) -> dict[str, str]:
+    """The preset variables for the sizes given on the command line (an error below 1)."""
+    env = {}
+    for option, (variable, _) in SIZE_KNOBS.items():
+        value = getattr(opts, option)
+        if value is not None:
+            if value < 1:
+                raise SystemExit(f"--{option} {value}: allowed: a positive integer")
+            env[variable] = str(value)
+    return env
+
+
 def torchrun_cmd(nproc: int, script: Path, script_args: list[str]) -> list[str]:
     """torchrun (as `python -m torch.distributed.run`) of `script` on `nproc` local ranks."""
     return [

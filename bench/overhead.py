@@ -55,11 +55,13 @@ from _jobs import (  # noqa: E402
     REPO,
     Host,
     add_host_argument,
+    add_size_arguments,
     bench_env,
     free_port,
     parse_host,
     prepare_host,
     run_job,
+    size_env,
     tail,
 )
 
@@ -109,14 +111,7 @@ def job_env(mode: str, run_dir: Path, opts: argparse.Namespace, host: Host) -> d
         MASTER_PORT=str(free_port()),
         PYTHONUNBUFFERED="1",
     )
-    for name, value in (
-        ("TINY_NUM_LAYERS", opts.layers),
-        ("TINY_HIDDEN_SIZE", opts.hidden),
-        ("TINY_FFN_HIDDEN_SIZE", opts.ffn),
-        ("TINY_SEQ_LENGTH", opts.seq),
-    ):
-        if value is not None:
-            env[name] = str(value)
+    env.update(size_env(opts))
     return env
 
 
@@ -245,10 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="2 rounds of 25 iterations")
     parser.add_argument("--nproc", type=int, default=4, help="ranks (DP size)")
     parser.add_argument("--gbs", type=int, default=16, help="global batch size")
-    parser.add_argument("--layers", type=int, default=None, help="TINY_NUM_LAYERS (4)")
-    parser.add_argument("--hidden", type=int, default=None, help="TINY_HIDDEN_SIZE (64)")
-    parser.add_argument("--ffn", type=int, default=None, help="TINY_FFN_HIDDEN_SIZE (176)")
-    parser.add_argument("--seq", type=int, default=None, help="TINY_SEQ_LENGTH (64)")
+    add_size_arguments(parser)
     parser.add_argument(
         "--ha-args", default="--enable-high-availability --optimizer-replica-num 2",
         help="flags of the 'on' mode",

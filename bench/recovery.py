@@ -51,6 +51,11 @@ line says which loop ran (`"host"`).
     python bench/recovery.py             # 8 jobs, 30 iterations, fault at step 15, ~4 min
     python bench/recovery.py --quick     # 20 iterations, fault at step 8, UCE optimizer only
     python bench/recovery.py --quick --host megatron-lm ../shared/megatron-lm
+    python bench/recovery.py --quick --hidden 512 --ffn 1408   # ~17 M parameters
+
+`--layers --hidden --ffn --seq` set the model size of every job (the tiny preset's knobs,
+`configs/models/tiny.sh`); the JSON line says which were set (`"sizes"`, e.g.
+`{"hidden": 512, "ffn": 1408}`; empty: the preset).
 """
 
 from __future__ import annotations
@@ -67,7 +72,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _jobs import add_host_argument, free_port, parse_host, prepare_host  # noqa: E402
+from _jobs import (  # noqa: E402
+    SIZE_KNOBS,
+    add_host_argument,
+    add_size_arguments,
+    free_port,
+    parse_host,
+    prepare_host,
+    size_env,
+)
 from _timeline import Job, JobSpec, fmt_s, print_breakdown, run_spec  # noqa: E402
 
 REFERENCE_ARGS = "--enable-high-availability"
@@ -258,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline-rdzv", default="c10d", choices=("c10d", "static"),
                         help="baseline torchrun rendezvous (static fails to restart gloo "
                         "jobs on torch 2.13)")
+    add_size_arguments(parser)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per job")
     parser.add_argument("--keep", type=Path, default=None, help="keep run dirs here")
     add_host_argument(parser)
@@ -271,7 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     if bad := [t for t in targets if t not in TARGETS]:
         parser.error(f"unknown UCE targets {bad}")
 
-    ha_env = {} if opts.heartbeat is None else {"TTP_HEARTBEAT_INTERVAL": str(opts.heartbeat)}
+    sizes = size_env(opts)  # every job, the baseline's included, trains the same model
+    ha_env = {**sizes} if opts.heartbeat is None else {
+        **sizes, "TTP_HEARTBEAT_INTERVAL": str(opts.heartbeat)}
     kill = f"kill:rank={opts.rank},step={opts.step},phase={opts.phase}"
     base = {"train_iters": opts.iters, "save_interval": opts.save_interval}
     work = opts.keep or Path(tempfile.mkdtemp(prefix="tft-bench-recovery-"))
@@ -304,11 +320,11 @@ def main(argv: list[str] | None = None) -> int:
             if opts.baseline_rdzv == "c10d":
                 launcher = (f"{sys.executable} -m torch.distributed.run --max-restarts 1 "
                             f"--rdzv-backend c10d --rdzv-endpoint 127.0.0.1:{free_port()}")
-                env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+                env = {**sizes, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
                 shown = "torchrun --max-restarts 1 (c10d rdzv)"
             else:
                 launcher = f"{sys.executable} -m torch.distributed.run --max-restarts 1"
-                env, shown = {}, "torchrun --max-restarts 1"
+                env, shown = {**sizes}, "torchrun --max-restarts 1"
             base_rows.append(baseline_row(shown, run(JobSpec(
                 f"baseline{i}", launcher=launcher, inject=kill, load=True, env=env, **base)),
                 opts.step))
@@ -387,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
         "fault": {"rank": opts.rank, "step": opts.step, "phase": opts.phase},
         "repeats": opts.repeats,
         "host": host.name,
+        "sizes": {option: getattr(opts, option) for option in SIZE_KNOBS
+                  if getattr(opts, option) is not None},
     }))
     return 0 if not any(r.error for r in rows) else 1
 
