@@ -132,8 +132,6 @@ class Controller:
         self.connections: dict[str, int] = {}
         self._auth: Any = None
         self._curve: CurveKeys | None = None
-        #: CURVE: the last frame received (its ZAP User-Id is the sender's public key)
-        self._peer_frame: Any = None
         #: CURVE: the client key each rank first registered with (rank -> z85 key)
         self._rank_keys: dict[int, str] = {}
         self._thread: threading.Thread | None = None
@@ -420,8 +418,9 @@ class Controller:
 
     # -- frames from processors -------------------------------------------------------------
     def _on_frames(self, frames: list[Any]) -> None:
-        if self._curve is not None:  # zmq.Frame: keep the last one for its ZAP User-Id
-            self._peer_frame = frames[-1]
+        key = None  # CURVE: the sender's public key, the ZAP User-Id of its zmq.Frame
+        if self._curve is not None:
+            key = user_id(frames[-1])
             frames = [f.bytes for f in frames]
         if len(frames) != 2:
             self.drops.drop("frames", f"{len(frames) - 1} frames")
@@ -441,7 +440,7 @@ class Controller:
         if t == MsgType.HEARTBEAT:
             self._on_heartbeat(identity, msg)
         elif t == MsgType.REGISTER:
-            self._on_register(identity, msg)
+            self._on_register(identity, msg, key)
         elif t == MsgType.REPORT:
             self._on_report(identity, msg)
         elif t == MsgType.RESULT:
@@ -449,7 +448,7 @@ class Controller:
         elif t == MsgType.BYE:
             self._on_bye(identity, msg)
         elif t == MsgType.BACKUP and self.role == "active":
-            self.backups.on_backup(identity, msg, self._now, self._peer_key())
+            self.backups.on_backup(identity, msg, self._now, key)
         else:
             self.drops.drop("unexpected_type", t)
             self._snapshot_dirty = True
@@ -509,11 +508,8 @@ class Controller:
                 {"state": self.sm.state.value, "epoch": self.epoch, "role": self._role_name()})
         self.raw_send(identity, frame)
 
-    def _peer_key(self) -> str | None:
-        """The CURVE public key (z85) of the frame being handled; None without CURVE."""
-        return None if self._curve is None else user_id(self._peer_frame)
-
-    def _on_register(self, identity: bytes, msg: Message) -> None:
+    def _on_register(self, identity: bytes, msg: Message, key: str | None = None) -> None:
+        """A rank registers; `key`: its CURVE public key (None without CURVE)."""
         p, rank, now = msg.payload, msg.sender, self._now
         # a refusal says nothing about the job (no world size, no rank state): the details
         # go to this controller's log only
@@ -547,7 +543,6 @@ class Controller:
             self.drops.drop("rank_taken", f"rank {rank} registers from a second connection")
             self._send(identity, MsgType.REJECT, REFUSED_FOR_NOW)
             return
-        key = self._peer_key()
         owner = self._rank_keys.get(rank)
         if key is not None and owner is not None and key != owner:
             # CURVE: a rank is bound to the key it first registered with; only a process
