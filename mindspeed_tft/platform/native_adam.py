@@ -19,6 +19,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import torch
+
 _APPLIED = False
 
 
@@ -39,8 +41,9 @@ def apply() -> None:
         group_index, group_order = self.model_param_group_index_map[model_param]
         main_param = self.optimizer.param_groups[group_index]["params"][group_order]
         destination = {"param": main_param, **self.optimizer.state[main_param]}
-        for key, tensor in tensors.items():
-            destination[key].copy_(tensor)
+        with torch.no_grad():  # without --bf16 the main param is a view of the model param
+            for key, tensor in tensors.items():
+                destination[key].copy_(tensor)
 
     cls._set_main_param_and_optimizer_states = set_states
 
