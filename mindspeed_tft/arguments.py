@@ -130,7 +130,7 @@ def add_tft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=0,
         metavar="K",
         help="Every K iterations, check that all holders of each optimizer shard hold "
-        "bit-identical copies (SHA-256 of main params, moments and step, compared across the "
+        "bit-identical copies (CRC-32 of main params, moments and step, compared across the "
         "replica group) and record a replica_check event; a mismatch stops training with an "
         "error. 0 (default): never.",
     )

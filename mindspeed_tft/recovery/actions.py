@@ -56,7 +56,6 @@ from mindspeed_tft.recovery.layout import (
 from mindspeed_tft.recovery.rollback import rollback, transfer_shards
 from mindspeed_tft.recovery.snapshot import SnapshotUnavailableError, StepSnapshot, StepSnapshots
 from mindspeed_tft.replica.replica_map import ReplicaMap
-from mindspeed_tft.replica.transfer import export_shard
 
 log = logging.getLogger("mindspeed_tft.recovery")
 
@@ -156,10 +155,12 @@ class RecoveryActions:
                 if self.received_snapshot is None or self.received_snapshot.iteration != step:
                     raise
                 snapshot = self.received_snapshot
-        rollback(state, snapshot)
-        shard = export_shard(state.optimizer, state.model)
+        seconds = rollback(state, snapshot)
         emit("rolled_back", self.rank, iteration=step, shard=str(self.map.shard_of(self.rank)),
-             digest=shard.optimizer_digest(), lr=state.optimizer.param_groups[0]["lr"],
+             seconds=seconds,
+             param_bytes=sum(p.numel() * p.element_size()
+                             for chunk in state.model for p in chunk.parameters()),
+             lr=state.optimizer.param_groups[0]["lr"],
              consumed_samples=state.args.consumed_train_samples)
         return {"step": step}
 

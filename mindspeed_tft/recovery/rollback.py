@@ -12,6 +12,7 @@ consumed samples and a data iterator rebuilt at that position, every RNG, cleare
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -54,17 +55,18 @@ def transfer_shards(
 ) -> StepSnapshot | None:
     """Run this rank's part of the shard transfers; returns the snapshot received (if any).
 
-    Point-to-point on the (rebuilt) world group, digest-checked by `copy_shard`."""
+    Point-to-point on the (rebuilt) world group, CRC-checked by `copy_shard`."""
     me = dist.get_rank()
     received: StepSnapshot | None = None
     for entry in receive:
         src = int(entry["from"])
-        digest = copy_shard(state.optimizer, state.model, src=src, dst=me)
+        copied = copy_shard(state.optimizer, state.model, src=src, dst=me)
         received = decode_snapshot(_recv_bytes(src))
         emit("shard_received", me, source=src, optimizer=entry["optimizer"],
-             shard=entry["shard"], iteration=lock_step, sha256=digest)
-        log.info("rank %d received %s shard %s from rank %d (sha256 %s)", me,
-                 entry["optimizer"], entry["shard"], src, digest[:16])
+             shard=entry["shard"], iteration=lock_step, crc32=copied.checksum,
+             bytes=copied.nbytes, seconds=round(copied.seconds, 4))
+        log.info("rank %d received %s shard %s from rank %d (crc32 %s)", me,
+                 entry["optimizer"], entry["shard"], src, copied.checksum)
     for entry in send:
         dst = int(entry["to"])
         copy_shard(state.optimizer, state.model, src=me, dst=dst)
@@ -90,17 +92,37 @@ def sync_model_params_from_main(state: RecoverableState) -> None:
             chunk.start_param_sync(force_sync=True)
 
 
-def rollback(state: RecoverableState, snapshot: StepSnapshot) -> None:
+def rollback(state: RecoverableState, snapshot: StepSnapshot) -> dict[str, float]:
     """Put this rank at the snapshot's iteration (collective with the distributed
-    optimizer: the param all-gather)."""
+    optimizer: the param all-gather). Returns the seconds each part took."""
+    clock = _Clock()
     sync_model_params_from_main(state)
+    clock.mark("params")
     restore_scheduler(state.opt_param_scheduler, snapshot.scheduler_state)
     state.args.consumed_train_samples = snapshot.consumed_train_samples
     state.iteration = snapshot.iteration
     set_rng_state(snapshot.rng_state)
+    clock.mark("scheduler_rng")
     for chunk in state.model:
         chunk.zero_grad_buffer()
     state.optimizer.zero_grad()
+    clock.mark("grads")
     state.reset_train_data_iterator()
+    clock.mark("data_iterator")
     if state.after_rollback is not None:
         state.after_rollback()
+        clock.mark("host")
+    return clock.parts
+
+
+class _Clock:
+    """Seconds between marks, by name."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.parts[name] = round(now - self._last, 4)
+        self._last = now

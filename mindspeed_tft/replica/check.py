@@ -1,7 +1,7 @@
 """The replica consistency check: do all holders of a shard hold the same bits?
 
 With `--tft-check-replicas-interval K`, every K iterations each rank hashes its optimizer
-shard (fp32 main params, exp_avg, exp_avg_sq, step: `ShardState.optimizer_digest`), gathers
+shard (fp32 main params, exp_avg, exp_avg_sq, step: `transfer.shard_digest`), gathers
 the digests of its replica group (the holders of the same shard) and compares them. Every rank
 records a `replica_check` event (iteration, shard, holders, digest); a mismatch raises, so
 replicas that drift apart are caught at the step where they did, not at repair time.
@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from mindspeed_tft.events import emit
 from mindspeed_tft.replica.groups import ReplicaGroups
-from mindspeed_tft.replica.transfer import export_shard
+from mindspeed_tft.replica.transfer import shard_digest
 
 
 class ReplicaMismatchError(RuntimeError):
@@ -59,7 +59,7 @@ class ReplicaConsistencyCheck:
         dense = self.groups.dense
         shard = dense.shard_of(me)
         holders = dense.holders(shard)
-        digest = export_shard(optimizer, model).optimizer_digest()
+        digest = shard_digest(optimizer, model)
         digests = [digest]
         if self._replica_group is not None:
             digests = [""] * len(holders)

@@ -2,7 +2,8 @@
 
 Trains 2 steps of the tiny model with 2 optimizer replicas (DP=4: ranks 1 and 3 hold the
 same shard), then rank 3 wipes its shard and model params, receives rank 1's over
-torch.distributed (`copy_shard`, digest-checked), and every rank reports its shard digest.
+torch.distributed (`copy_shard`, CRC-checked), every rank rebuilds its model params from the
+main params (as the rollback does) and reports the CRC-32 of its shard and model params.
 One more step then runs with the replica check on. Prints one JSON line per rank:
 {"rank", "before", "wiped", "after", "copied", "replicas_agree_after_step"}.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+import zlib
 from pathlib import Path
 
 import torch
@@ -27,8 +29,9 @@ from mindspeed_tft.plugin import (
 )
 from mindspeed_tft.plugin.hooks import HookList, set_update_listener  # noqa: E402
 from mindspeed_tft.plugin.state import TrainingState  # noqa: E402
+from mindspeed_tft.recovery.rollback import sync_model_params_from_main  # noqa: E402
 from mindspeed_tft.replica.check import ReplicaConsistencyCheck  # noqa: E402
-from mindspeed_tft.replica.transfer import copy_shard, export_shard  # noqa: E402
+from mindspeed_tft.replica.transfer import copy_shard, shard_digest  # noqa: E402
 from mindspeed_tft.training.data import (  # noqa: E402
     build_data_iterator,
     get_train_valid_test_num_samples,
@@ -48,6 +51,12 @@ ARGV = (
     "--global-batch-size 16 --lr 1e-3 --train-iters 3 --use-distributed-optimizer --bf16 "
     "--mock-data --eval-iters 0 --enable-high-availability --distributed-backend gloo"
 ).split()
+
+
+def digest(optimizer, model) -> str:
+    """The shard's CRC-32 and one over the model params."""
+    params = torch.cat([p.detach().float().view(-1) for chunk in model for p in chunk.parameters()])
+    return f"{shard_digest(optimizer, model)}/{zlib.crc32(params.numpy()):08x}"
 
 
 def main() -> None:
@@ -79,7 +88,7 @@ def main() -> None:
         args.consumed_train_samples += args.global_batch_size
 
     me = dist.get_rank()
-    before = export_shard(optimizer, model).digest()
+    before = digest(optimizer, model)
     wiped = before
     if me == 3:
         with torch.no_grad():
@@ -92,14 +101,15 @@ def main() -> None:
             for chunk in model:
                 for param in chunk.parameters():
                     param.zero_()
-        wiped = export_shard(optimizer, model).digest()
+        wiped = digest(optimizer, model)
     copied = None
     if me in (1, 3):
         pair = dist.new_group([1, 3])
-        copied = copy_shard(optimizer, model, src=1, dst=3, group=pair)
+        copied = copy_shard(optimizer, model, src=1, dst=3, group=pair).checksum
     else:
         dist.new_group([1, 3])
-    after = export_shard(optimizer, model).digest()
+    sync_model_params_from_main(state)
+    after = digest(optimizer, model)
 
     train_step(pretrain_gpt.forward_step, state, hooks)
     state.iteration += 1
