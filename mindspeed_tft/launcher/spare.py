@@ -71,6 +71,7 @@ def wait_for_assignment(*, connect_timeout: float = 30.0,
         raise SpareError(f"{SPARE_ENV}=1 but {SPARE_SOCKET_ENV} is not set: this process was "
                          "not started as a spare by tft-run")
     launcher_pid = _int_env(SPARE_LAUNCHER_PID_ENV)
+    _import_lazy_modules()
     sock = _connect(path, connect_timeout, launcher_pid)
     try:
         _send(sock, {"hello": os.environ.get(SPARE_ID_ENV, "?"), "pid": os.getpid()})
@@ -91,6 +92,15 @@ def wait_for_assignment(*, connect_timeout: float = 30.0,
 
 
 # -- internals -----------------------------------------------------------------------------
+def _import_lazy_modules() -> None:
+    """Import what a worker's setup imports lazily, before the spare says it is ready.
+
+    torch imports `torch._dynamo` on the first construction of a `torch.optim.Optimizer`
+    (its `_disable_dynamo` wrapper): 0.8 s of a repair on this project's CPU machine, spent
+    after the spare took its rank, while the whole job waits for it."""
+    import torch._dynamo  # noqa: F401
+
+
 def _int_env(name: str) -> int | None:
     try:
         return int(os.environ.get(name, ""))
