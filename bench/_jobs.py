@@ -48,10 +48,14 @@ SIZE_KNOBS = {"layers": ("TINY_NUM_LAYERS", 4), "hidden": ("TINY_HIDDEN_SIZE", 6
 
 
 def add_size_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--layers --hidden --ffn --seq`: the model size of every job (default: the preset)."""
+    """`--layers --hidden --ffn --seq`: the model size of every job (default: the preset);
+    `--precision`: bf16 (the preset) or fp32 (TINY_PRECISION)."""
     for option, (variable, default) in SIZE_KNOBS.items():
         parser.add_argument(f"--{option}", type=int, default=None,
                             help=f"{variable} ({default})")
+    parser.add_argument("--precision", choices=("bf16", "fp32"), default=None,
+                        help="TINY_PRECISION (bf16): fp32 where the CPU has no native bf16 "
+                        "(torch.backends.cpu.get_cpu_capability() below AVX512)")
 
 
 def size_env(opts: argparse.Namespace) -> dict[str, str]:
@@ -63,6 +67,8 @@ def size_env(opts: argparse.Namespace) -> dict[str, str]:
             if value < 1:
                 raise SystemExit(f"--{option} {value}: allowed: a positive integer")
             env[variable] = str(value)
+    if getattr(opts, "precision", None) is not None:
+        env["TINY_PRECISION"] = opts.precision
     return env
 
 

@@ -139,6 +139,14 @@ def main() -> None:
     sys.argv = sys.argv[1:]
     install()
     atexit.register(_write)
+    # the trainer ends a finished job with os._exit (no interpreter teardown, no atexit)
+    original_exit = os._exit
+
+    def exit_after_writing(code: int) -> None:
+        _write()
+        original_exit(code)
+
+    os._exit = exit_after_writing
     runpy.run_path(target, run_name="__main__")
 
 

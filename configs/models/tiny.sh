@@ -3,6 +3,14 @@
 # Sourced by scripts/pretrain_tiny_cpu.sh and scripts/pretrain_megatron_lm_cpu.sh (after they
 # set GBS and TRAIN_ITERS); defines MODEL_ARGS and TRAIN_ARGS, the training flags both hosts
 # share (the guide's Llama2 script's, at this size), so their losses can be compared.
+# TINY_NUM_LAYERS, TINY_HIDDEN_SIZE, TINY_FFN_HIDDEN_SIZE, TINY_SEQ_LENGTH resize it (the
+# benchmarks' size knobs); TINY_PRECISION=fp32 drops --bf16 (for CPUs without native bf16,
+# where bf16 matmuls are emulated and dozens of times slower than fp32).
+case "${TINY_PRECISION:-bf16}" in
+    bf16) TINY_PRECISION_ARGS="--bf16" ;;
+    fp32) TINY_PRECISION_ARGS="" ;;
+    *) echo "TINY_PRECISION=${TINY_PRECISION}: allowed: bf16, fp32" >&2; exit 2 ;;
+esac
 MODEL_ARGS="
     --use-mcore-models
     --num-layers ${TINY_NUM_LAYERS:-4}
@@ -38,6 +46,6 @@ TRAIN_ARGS="
     --adam-beta2 0.95
     --no-gradient-accumulation-fusion
     --overlap-grad-reduce
-    --bf16
+    ${TINY_PRECISION_ARGS}
     --seed 1234
 "
