@@ -76,10 +76,14 @@ from _jobs import (  # noqa: E402
     SIZE_KNOBS,
     add_host_argument,
     add_size_arguments,
+    bench_env,
     free_port,
     parse_host,
     prepare_host,
+    run_job,
     size_env,
+    tail,
+    torchrun_cmd,
 )
 from _timeline import Job, JobSpec, fmt_s, print_breakdown, run_spec  # noqa: E402
 
@@ -88,7 +92,8 @@ ARF_ARGS = "--enable-high-availability --enable-worker-reboot"
 UCE_ARGS = "--enable-high-availability --enable-hbmfault-repair"
 TARGETS = ("optimizer", "param", "grad", "activation")
 SPARE_LAUNCHER = "tft-run --tft-spares-per-node 1"
-GOAL_RATIO, GOAL_ARF_S, GOAL_UCE_MARGIN_S = 0.25, 2.5, 1.0
+GOAL_RATIO, GOAL_ARF_MARGIN_S, GOAL_UCE_MARGIN_S, GOAL_EFFICIENCY = 0.25, 1.0, 0.5, 0.5
+VOCAB = 4096  # scripts/pretrain_tiny_cpu.sh's NullTokenizer
 
 Marks = list[tuple[str, float | None]]
 
@@ -251,6 +256,20 @@ def print_table(rows: list[Row]) -> None:
             print(f"{'':<24} note: {note}")
 
 
+def _parse_sizes(parser: argparse.ArgumentParser, values: list[str] | None) -> list[Size]:
+    """`--sizes tiny 512x1408 ...`: the preset, or HIDDENxFFN (other knobs as given)."""
+    sizes = []
+    for value in values or ["tiny"]:
+        if value == "tiny":
+            sizes.append(Size("tiny", {}))
+            continue
+        hidden, _, ffn = value.partition("x")
+        if not (hidden.isdigit() and ffn.isdigit() and int(hidden) > 0 and int(ffn) > 0):
+            parser.error(f"--sizes {value}: allowed: tiny or HIDDENxFFN, e.g. 512x1408")
+        sizes.append(Size(value, {"TINY_HIDDEN_SIZE": hidden, "TINY_FFN_HIDDEN_SIZE": ffn}))
+    return sizes
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=30, help="iterations per job")
@@ -272,6 +291,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="baseline torchrun rendezvous (static fails to restart gloo "
                         "jobs on torch 2.13)")
     add_size_arguments(parser)
+    parser.add_argument("--sizes", nargs="+", default=None, metavar="SIZE",
+                        help="model sizes of a scaling table: tiny (the preset) or "
+                        "HIDDENxFFN, e.g. --sizes tiny 512x1408 1024x2816 (default: tiny, "
+                        "i.e. the knobs above alone)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per job")
     parser.add_argument("--keep", type=Path, default=None, help="keep run dirs here")
     add_host_argument(parser)
@@ -284,60 +307,112 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--step must be between 1 and --iters - 2")
     if bad := [t for t in targets if t not in TARGETS]:
         parser.error(f"unknown UCE targets {bad}")
+    sizes = _parse_sizes(parser, opts.sizes)
+    if len(sizes) > 1 and (opts.hidden is not None or opts.ffn is not None):
+        parser.error("--sizes sets hidden and ffn per size: drop --hidden/--ffn")
 
-    sizes = size_env(opts)  # every job, the baseline's included, trains the same model
+    work = opts.keep or Path(tempfile.mkdtemp(prefix="tft-bench-recovery-"))
+    work.mkdir(parents=True, exist_ok=True)
+    results = []
+    try:
+        host = prepare_host(host, work)
+        for size in sizes:
+            size_work = work / size.name if len(sizes) > 1 else work
+            size_work.mkdir(parents=True, exist_ok=True)
+            results.append(measure_size(opts, host, size, size_work, targets))
+    finally:
+        if opts.keep is None:
+            shutil.rmtree(work, ignore_errors=True)
+    if len(results) > 1:
+        print_scaling(results)
+    goals = {name: all(r["goals_met"][name] for r in results) for name in results[0]["goals_met"]}
+    print(json.dumps({
+        "sizes": results,
+        "goals_met": goals,
+        "fault": {"rank": opts.rank, "step": opts.step, "phase": opts.phase},
+        "repeats": opts.repeats,
+        "host": host.name,
+        "precision": opts.precision or "bf16",
+    }))
+    return 0 if all(r["complete"] for r in results) else 1
+
+
+@dataclass
+class Size:
+    """One model size of the run: its name and the preset variables it sets."""
+
+    name: str
+    env: dict[str, str]
+
+
+def _knob(env: dict[str, str], option: str) -> int:
+    variable, default = SIZE_KNOBS[option]
+    return int(env.get(variable, default))
+
+
+def _params_m(env: dict[str, str]) -> float:
+    """Parameters (millions) of the preset at these knobs: untied embeddings and output
+    layer (vocab 4096), per layer attention (4 h^2), SwiGLU MLP (3 h f) and two norms, the
+    final norm."""
+    layers, hidden, ffn = _knob(env, "layers"), _knob(env, "hidden"), _knob(env, "ffn")
+    total = 2 * VOCAB * hidden + layers * (4 * hidden * hidden + 3 * hidden * ffn
+                                            + 2 * hidden) + hidden
+    return total / 1e6
+
+
+def measure_size(opts: argparse.Namespace, host: Any, size: Size, work: Path,
+                 targets: list[str]) -> dict[str, Any]:
+    """Every job of one model size, the machine's limits beside them; prints the tables of
+    this size and returns its figures (one entry of the JSON line's "sizes")."""
+    sizes = {**size_env(opts), **size.env}  # every job, the baseline's included
     ha_env = {**sizes} if opts.heartbeat is None else {
         **sizes, "TTP_HEARTBEAT_INTERVAL": str(opts.heartbeat)}
     kill = f"kill:rank={opts.rank},step={opts.step},phase={opts.phase}"
     base = {"train_iters": opts.iters, "save_interval": opts.save_interval}
-    work = opts.keep or Path(tempfile.mkdtemp(prefix="tft-bench-recovery-"))
-    work.mkdir(parents=True, exist_ok=True)
 
     def run(spec: JobSpec) -> Job:
         job = run_spec(spec, work, opts.timeout, host)
-        print(f"[recovery] {spec.name}: exit {job.returncode} in {job.seconds:.0f}s",
-              file=sys.stderr, flush=True)
+        print(f"[recovery] {size.name} {spec.name}: exit {job.returncode} in "
+              f"{job.seconds:.0f}s", file=sys.stderr, flush=True)
         if opts.keep is None:
             shutil.rmtree(job.run_dir / "ckpt", ignore_errors=True)
         return job
 
-    try:
-        host = prepare_host(host, work)
-        ref = run(JobSpec("reference", ha_args=REFERENCE_ARGS, env=ha_env, **base))
-        if ref.returncode != 0:
-            raise RuntimeError(f"the fault-free reference job failed\n{ref.describe()}")
-        reference = ref.losses()
-        spare_rows, cold_rows, base_rows = [], [], []
-        for i in range(opts.repeats):
-            spare_rows.append(arf_row(
-                "ARF warm spare", SPARE_LAUNCHER,
-                run(JobSpec(f"arf_spare{i}", ha_args=ARF_ARGS, launcher=SPARE_LAUNCHER,
-                            inject=kill, env=ha_env, **base)), opts.rank, reference))
-            cold_rows.append(arf_row(
-                "ARF cold restart", "tft-run",
-                run(JobSpec(f"arf_cold{i}", ha_args=ARF_ARGS, launcher="tft-run",
-                            inject=kill, env=ha_env, **base)), opts.rank, reference))
-            if opts.baseline_rdzv == "c10d":
-                launcher = (f"{sys.executable} -m torch.distributed.run --max-restarts 1 "
-                            f"--rdzv-backend c10d --rdzv-endpoint 127.0.0.1:{free_port()}")
-                env = {**sizes, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-                shown = "torchrun --max-restarts 1 (c10d rdzv)"
-            else:
-                launcher = f"{sys.executable} -m torch.distributed.run --max-restarts 1"
-                env, shown = {**sizes}, "torchrun --max-restarts 1"
-            base_rows.append(baseline_row(shown, run(JobSpec(
-                f"baseline{i}", launcher=launcher, inject=kill, load=True, env=env, **base)),
-                opts.step))
-        uce_rows = [uce_row(t, run(JobSpec(
-            f"uce_{t}", ha_args=UCE_ARGS, env=ha_env, **base,
-            inject=f"uce:rank={opts.uce_rank},step={opts.step},phase=backward,target={t}")),
-            reference) for t in targets]
-    finally:
-        if opts.keep is None:
-            shutil.rmtree(work, ignore_errors=True)
+    ref = run(JobSpec("reference", ha_args=REFERENCE_ARGS, env=ha_env, **base))
+    if ref.returncode != 0:
+        raise RuntimeError(f"the fault-free reference job failed\n{ref.describe()}")
+    reference = ref.losses()
+    spare_rows, cold_rows, base_rows = [], [], []
+    for i in range(opts.repeats):
+        spare_rows.append(arf_row(
+            "ARF warm spare", SPARE_LAUNCHER,
+            run(JobSpec(f"arf_spare{i}", ha_args=ARF_ARGS, launcher=SPARE_LAUNCHER,
+                        inject=kill, env=ha_env, **base)), opts.rank, reference))
+        cold_rows.append(arf_row(
+            "ARF cold restart", "tft-run",
+            run(JobSpec(f"arf_cold{i}", ha_args=ARF_ARGS, launcher="tft-run",
+                        inject=kill, env=ha_env, **base)), opts.rank, reference))
+        if opts.baseline_rdzv == "c10d":
+            launcher = (f"{sys.executable} -m torch.distributed.run --max-restarts 1 "
+                        f"--rdzv-backend c10d --rdzv-endpoint 127.0.0.1:{free_port()}")
+            env = {**sizes, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+            shown = "torchrun --max-restarts 1 (c10d rdzv)"
+        else:
+            launcher = f"{sys.executable} -m torch.distributed.run --max-restarts 1"
+            env, shown = {**sizes}, "torchrun --max-restarts 1"
+        base_rows.append(baseline_row(shown, run(JobSpec(
+            f"baseline{i}", launcher=launcher, inject=kill, load=True, env=env, **base)),
+            opts.step))
+    uce_rows = [uce_row(t, run(JobSpec(
+        f"uce_{t}", ha_args=UCE_ARGS, env=ha_env, **base,
+        inject=f"uce:rank={opts.uce_rank},step={opts.step},phase=backward,target={t}")),
+        reference) for t in targets]
+    moved = _state_moved([*spare_rows, *uce_rows])
+    limits = measure_limits(moved, work, opts.timeout) if moved else None
 
     rows = [*spare_rows, *cold_rows, *base_rows, *uce_rows]
-    print(f"host: {host.name}" + (f" ({host.megatron_lm})" if host.megatron_lm else "")
+    print(f"size {size.name} ({_params_m(sizes):.1f} M parameters); host: {host.name}"
+          + (f" ({host.megatron_lm})" if host.megatron_lm else "")
           + f"; fault: {kill} (UCE: rank {opts.uce_rank}, phase backward); {opts.iters} "
           f"iterations, periodic checkpoint every {opts.save_interval}; fault-free step "
           f"{ref.step_s():.3f} s (reference job)")
@@ -367,23 +442,33 @@ def main(argv: list[str] | None = None) -> int:
     uce_step_s = [s for r in uce_rows for s in r.job.step_times_s()]
     step_s = statistics.median(uce_step_s) if uce_step_s else ref.step_s()
     bit_exact = all(r.bit_exact for r in [*spare_rows, *cold_rows, *uce_rows])
+    cost = _repair_cost(moved, limits)
     print(f"bit-exact: {'yes' if bit_exact else 'no'} (losses of every ARF and UCE job vs the "
           "fault-free reference)")
+    print_cost(cost)
     goals = {
         "ratio": ratio is not None and ratio <= GOAL_RATIO,
         "arf_lost_iterations": arf_lost == 0,
-        "arf_s": arf_s is not None and arf_s <= GOAL_ARF_S,
+        "arf_s": arf_s is not None and arf_s <= step_s + GOAL_ARF_MARGIN_S,
         "uce_s": uce_s is not None and uce_s <= step_s + GOAL_UCE_MARGIN_S,
+        "bit_exact": bit_exact,
+        "efficiency": all(v is not None and v >= GOAL_EFFICIENCY
+                          for k, v in cost.items() if k.endswith("_efficiency")),
     }
     print(f"goal ratio <= {GOAL_RATIO}: {_fmt(ratio)} {_met(goals['ratio'])}; "
           f"goal arf_lost_iterations == 0: {arf_lost} {_met(goals['arf_lost_iterations'])}; "
-          f"goal arf_s <= {GOAL_ARF_S}: {_fmt(arf_s)} {_met(goals['arf_s'])}; "
+          f"goal arf_s <= step_s + {GOAL_ARF_MARGIN_S:g}: {_fmt(arf_s)} <= "
+          f"{step_s + GOAL_ARF_MARGIN_S:.3f} {_met(goals['arf_s'])}; "
           f"goal uce_s <= step_s + {GOAL_UCE_MARGIN_S:g}: {_fmt(uce_s)} <= "
-          f"{step_s + GOAL_UCE_MARGIN_S:.3f} {_met(goals['uce_s'])}")
+          f"{step_s + GOAL_UCE_MARGIN_S:.3f} {_met(goals['uce_s'])}; "
+          f"goal efficiency >= {GOAL_EFFICIENCY:g} {_met(goals['efficiency'])}")
     for r in rows:
         if r.error:
             print(f"{r.case} FAILED ({r.error}); its output:\n{r.job.describe(30)}")
-    print(json.dumps({
+    print()
+    return {
+        "size": size.name,
+        "params_m": round(_params_m(sizes), 2),
         "arf_s": _round(arf_s),
         "arf_cold_s": _round(arf_cold_s),
         "baseline_s": _round(baseline_s),
@@ -399,14 +484,140 @@ def main(argv: list[str] | None = None) -> int:
         "uce": {r.case.split()[-1]: _round(r.recovered_s) for r in uce_rows},
         "uce_lost_iterations": max((len(r.recomputed) for r in uce_rows), default=0),
         "bit_exact": bit_exact,
+        **cost,
         "goals_met": goals,
-        "fault": {"rank": opts.rank, "step": opts.step, "phase": opts.phase},
-        "repeats": opts.repeats,
-        "host": host.name,
-        "sizes": {option: getattr(opts, option) for option in SIZE_KNOBS
-                  if getattr(opts, option) is not None},
-    }))
-    return 0 if not any(r.error for r in rows) else 1
+        "knobs": {option: getattr(opts, option) for option in SIZE_KNOBS
+                  if getattr(opts, option) is not None} | {
+            k: int(v) for k, v in size.env.items()},
+        "complete": not any(r.error for r in rows),
+    }
+
+
+LIMITS_WORKER = Path(__file__).resolve().parent / "_limits.py"
+#: the jobs' layout (scripts/pretrain_tiny_cpu.sh): DP 4, 2 replicas, chunks of d / N ranks
+WORLD, REPLICAS = 4, 2
+
+
+def _state_moved(rows: list[Row]) -> dict[str, dict[str, Any]]:
+    """Per repair case (ARF, UCE): bytes the shard copy moved and its time on the receiver
+    (`shard_received`: from the sender's first message on), the rollback's time (`rolled_back`
+    seconds summed, on the rank that entered it last: the rollback is collective, so the
+    other ranks' extra time is waiting for that one to arrive, which the breakdown's marks
+    count), the bytes its param all-gather moves, and the first step's time after the
+    repair."""
+    moved = {}
+    for row in rows:
+        if row.error or row.job.first("fault_injected") is None:
+            continue
+        t0 = row.job.fault()["time"]
+        received = _last(row.job, "shard_received", t0)
+        rolled = [e for e in row.job.named("rolled_back") if e["time"] >= t0]
+        repaired = row.job.first("repaired", t0)
+        done = row.job.first_iteration_after_fault()
+        if received is None or not rolled or repaired is None:
+            continue
+        key = "arf" if row.case.startswith("ARF") else "uce"
+        moved.setdefault(key, {
+            "bytes": received["bytes"], "copy_s": received["seconds"],
+            "src": received["source"], "dst": received["rank"],
+            "rollback_s": min(sum(e["seconds"].values()) for e in rolled),
+            "rollback_parts": min((e["seconds"] for e in rolled),
+                                  key=lambda parts: sum(parts.values())),
+            "param_bytes": rolled[0]["param_bytes"],
+            "first_step_s": None if done is None else done["time"] - repaired["time"],
+        })
+    return moved
+
+
+def measure_limits(moved: dict[str, dict[str, Any]], work: Path,
+                   timeout: float) -> dict[str, float]:
+    """This machine's limits for the same bytes, on the same backend and number of ranks
+    (bench/_limits.py under torchrun)."""
+    case = moved.get("arf") or next(iter(moved.values()))
+    chunk = WORLD // REPLICAS
+    spec = {"p2p_bytes": case["bytes"], "src": case["src"], "dst": case["dst"],
+            "copy_bytes": case["bytes"], "gather_bytes": case["param_bytes"],
+            "gather_groups": [list(range(i, i + chunk)) for i in range(0, WORLD, chunk)],
+            "repeats": 3}
+    out = run_job(torchrun_cmd(WORLD, LIMITS_WORKER, [json.dumps(spec)]),
+                  bench_env(work / "limits"), timeout, work / "limits" / "output.log")
+    lines = [line for line in out.output.splitlines() if line.startswith("{")]
+    if out.returncode != 0 or not lines:
+        raise RuntimeError(f"the limits job failed (exit {out.returncode}):\n"
+                           f"{tail(out.output)}")
+    return {**json.loads(lines[-1]), "bytes": case["bytes"],
+            "param_bytes": case["param_bytes"]}
+
+
+def _repair_cost(moved: dict[str, dict[str, Any]],
+                 limits: dict[str, float] | None) -> dict[str, Any]:
+    """Shard copy and rollback of each case beside the limits: efficiency = limit / measured.
+    Shard copy's limit: one torch.distributed send of the same bytes. Rollback's: a plain
+    copy of the main params' bytes (a third of the shard: main param, exp_avg, exp_avg_sq)
+    into the model params plus the all-gather of the model params in each chunk."""
+    cost: dict[str, Any] = {}
+    if limits is not None:
+        cost["limits"] = limits
+    for case, m in moved.items():
+        copy_limit = None if limits is None else limits["p2p_s"]
+        rollback_limit = None if limits is None else (
+            limits["copy_s"] * (m["bytes"] / 3) / limits["bytes"] + limits["gather_s"])
+        cost[case] = {
+            "state_bytes": m["bytes"], "copy_s": m["copy_s"], "copy_limit_s": copy_limit,
+            "rollback_s": round(m["rollback_s"], 4), "rollback_parts": m["rollback_parts"],
+            "rollback_limit_s": _round(rollback_limit, 4),
+            "first_step_s": _round(m["first_step_s"]),
+        }
+        cost[f"{case}_copy_efficiency"] = _ratio(copy_limit, m["copy_s"])
+        cost[f"{case}_rollback_efficiency"] = _ratio(rollback_limit, m["rollback_s"])
+    return cost
+
+
+def _ratio(limit: float | None, measured: float | None) -> float | None:
+    if limit is None or not measured:
+        return None
+    return round(limit / measured, 3)
+
+
+def print_cost(cost: dict[str, Any]) -> None:
+    limits = cost.get("limits")
+    if limits is not None:
+        print(f"limits on this machine (bench/_limits.py, same ranks and backend): send of "
+              f"{limits['bytes'] / 2**20:.1f} MiB {limits['p2p_s']:.4f} s, plain copy "
+              f"{limits['copy_s']:.4f} s, param all-gather of {limits['param_bytes'] / 2**20:.1f}"
+              f" MiB in each chunk {limits['gather_s']:.4f} s")
+    for case in ("arf", "uce"):
+        c = cost.get(case)
+        if c is None:
+            continue
+        parts = ", ".join(f"{k} {v:.3f}" for k, v in c["rollback_parts"].items())
+        print(f"{case.upper()}: shard copy {c['state_bytes'] / 2**20:.1f} MiB in "
+              f"{c['copy_s']:.4f} s (limit {_fmt(c['copy_limit_s'])}, efficiency "
+              f"{_fmt(cost[f'{case}_copy_efficiency'])}); rollback {c['rollback_s']:.4f} s "
+              f"({parts}; limit {_fmt(c['rollback_limit_s'])}, efficiency "
+              f"{_fmt(cost[f'{case}_rollback_efficiency'])}); first step after it "
+              f"{_fmt(c['first_step_s'])} s")
+
+
+def print_scaling(results: list[dict[str, Any]]) -> None:
+    """One row per size: what grows with the state and what the machine allows for it."""
+    head = (f"{'size':>10} {'params M':>8} {'step s':>7} {'MiB':>7} {'copy s':>7} "
+            f"{'limit':>7} {'eff':>5} {'rollbk s':>8} {'limit':>7} {'eff':>5} "
+            f"{'1st step':>8} {'ARF s':>6} {'goal':>6} {'UCE s':>6} {'goal':>6} {'ratio':>6}")
+    print("scaling (ARF with a warm spare; copy and rollback of the ARF repair; UCE optimizer)")
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        a = r.get("arf") or {}
+        print(f"{r['size']:>10} {r['params_m']:8.2f} {r['step_s']:7.3f} "
+              f"{a.get('state_bytes', 0) / 2**20:7.1f} {_fmt(a.get('copy_s')):>7} "
+              f"{_fmt(a.get('copy_limit_s')):>7} {_fmt(r.get('arf_copy_efficiency')):>5} "
+              f"{_fmt(a.get('rollback_s')):>8} {_fmt(a.get('rollback_limit_s')):>7} "
+              f"{_fmt(r.get('arf_rollback_efficiency')):>5} {_fmt(a.get('first_step_s')):>8} "
+              f"{_fmt(r['arf_s']):>6} {r['step_s'] + GOAL_ARF_MARGIN_S:6.3f} "
+              f"{_fmt(r['uce_s']):>6} {r['step_s'] + GOAL_UCE_MARGIN_S:6.3f} "
+              f"{_fmt(r['ratio']):>6}")
+    print()
 
 
 def _round(value: float | None, digits: int = 3) -> float | None:

@@ -1,0 +1,81 @@
+"""Worker of `bench/recovery.py`: what this machine's own limits are for the bytes a repair
+moves, measured with torch.distributed on the same backend and the same number of ranks as
+the jobs (run by torchrun right after them).
+
+Arguments (JSON, argv[1]): {"p2p_bytes": B, "src": s, "dst": d, "copy_bytes": C,
+"gather_bytes": G, "gather_groups": [[ranks], ...], "repeats": R}. It measures, each the
+median of R runs after one warm-up run, into buffers that already exist (touched):
+
+- `p2p_s`: `dist.send` of one contiguous B-byte tensor from rank s to rank d (what the
+  shard copy has to move at least);
+- `copy_s`: `Tensor.copy_` of C bytes into an existing tensor on one rank (memory bandwidth);
+- `gather_s`: `dist.all_gather_into_tensor` of a G-byte buffer (each rank gives G / k) in
+  each group of `gather_groups` at once, as the rollback's param all-gather does.
+
+Rank 0 prints one JSON line {"p2p_s", "copy_s", "gather_s"}.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+
+def _timed(fn: Callable[[], None], repeats: int) -> float:
+    times = []
+    for i in range(repeats + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        dist.barrier()
+        if i:  # the first run warms connections and pages
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    dist.init_process_group("gloo")
+    me = dist.get_rank()
+    repeats = int(spec.get("repeats", 3))
+    src, dst = int(spec["src"]), int(spec["dst"])
+    p2p = torch.ones(int(spec["p2p_bytes"]), dtype=torch.uint8)
+
+    def send() -> None:
+        if me == src:
+            dist.send(p2p, dst=dst)
+        elif me == dst:
+            dist.recv(p2p, src=src)
+
+    source = torch.ones(int(spec["copy_bytes"]), dtype=torch.uint8)
+    target = torch.zeros_like(source)
+
+    def copy() -> None:
+        if me == dst:
+            target.copy_(source)
+
+    groups = [dist.new_group(ranks) for ranks in spec["gather_groups"]]
+    mine = next(i for i, ranks in enumerate(spec["gather_groups"]) if me in ranks)
+    size = len(spec["gather_groups"][mine])
+    gathered = torch.zeros(int(spec["gather_bytes"]) // size * size, dtype=torch.uint8)
+    part = torch.ones(gathered.numel() // size, dtype=torch.uint8)
+
+    def gather() -> None:
+        dist.all_gather_into_tensor(gathered, part, group=groups[mine])
+
+    result = {"p2p_s": _timed(send, repeats), "copy_s": _timed(copy, repeats),
+              "gather_s": _timed(gather, repeats)}
+    if me == 0:
+        print(json.dumps({k: round(v, 5) for k, v in result.items()}), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
