@@ -37,10 +37,19 @@ log lines (both stamped with the same clock):
 - where the time went: the marks of each recovery (detection, launcher report, restart,
   registration of the restarted rank, process-group rebuild, shard copy, rollback, first step).
 
-Output: a table, the breakdowns, the goals, and as the last line one JSON object
-`{"arf_s", "arf_cold_s", "baseline_s", "ratio" (arf_s / baseline_s), "arf_lost_iterations",
-"baseline_lost_iterations", "detect_s" (ARF, spare), "uce_s" (worst target), "step_s", ...}`.
-Goals: ratio <= 0.25, arf_lost_iterations == 0, arf_s <= 2.5, uce_s <= step_s + 1.
+Repair cost against the machine's limits: after each size's jobs, `bench/_limits.py` measures
+on the same 4 ranks and backend the time of one torch.distributed send of the shard's bytes
+(ARF's sender and receiver), of a plain tensor copy of them, and of the rollback's param
+all-gather; the shard copy (`shard_received`) and the rollback (`rolled_back`) are reported
+beside them with efficiency = limit / measured.
+
+Output: per size a table, the breakdowns, the repair cost and the goals; with several
+`--sizes` a scaling table; as the last line one JSON object
+`{"sizes": [per size: "arf_s", "arf_cold_s", "baseline_s", "ratio" (arf_s / baseline_s),
+"arf_lost_iterations", "uce_s" (worst target), "step_s", "arf"/"uce" (bytes, copy,
+rollback, limits, first step), efficiencies, "goals_met", ...], "goals_met" (all sizes), ...}`.
+Goals at every size: ratio <= 0.25, arf_lost_iterations == 0, arf_s <= step_s + 1,
+uce_s <= step_s + 0.5, bit-exact, shard copy and rollback efficiency >= 0.5.
 
 `--host megatron-lm DIR` runs every job in Megatron-LM's own training loop instead: the
 unchanged `pretrain_gpt.py` of the clone DIR (core_v0.12.1; copied once into the work dir)
@@ -52,6 +61,7 @@ line says which loop ran (`"host"`).
     python bench/recovery.py --quick     # 20 iterations, fault at step 8, UCE optimizer only
     python bench/recovery.py --quick --host megatron-lm ../shared/megatron-lm
     python bench/recovery.py --quick --hidden 512 --ffn 1408   # ~17 M parameters
+    python bench/recovery.py --quick --precision fp32 --sizes tiny 512x1408 1024x2816
 
 `--layers --hidden --ffn --seq` set the model size of every job (the tiny preset's knobs,
 `configs/models/tiny.sh`); the JSON line says which were set (`"sizes"`, e.g.

@@ -55,7 +55,7 @@ def transfer_shards(
 ) -> StepSnapshot | None:
     """Run this rank's part of the shard transfers; returns the snapshot received (if any).
 
-    Point-to-point on the (rebuilt) world group, CRC-checked by `copy_shard`."""
+    Point-to-point on the (rebuilt) world group, layout-checked by `copy_shard`."""
     me = dist.get_rank()
     received: StepSnapshot | None = None
     for entry in receive:
@@ -63,10 +63,10 @@ def transfer_shards(
         copied = copy_shard(state.optimizer, state.model, src=src, dst=me)
         received = decode_snapshot(_recv_bytes(src))
         emit("shard_received", me, source=src, optimizer=entry["optimizer"],
-             shard=entry["shard"], iteration=lock_step, crc32=copied.checksum,
-             bytes=copied.nbytes, seconds=round(copied.seconds, 4))
-        log.info("rank %d received %s shard %s from rank %d (crc32 %s)", me,
-                 entry["optimizer"], entry["shard"], src, copied.checksum)
+             shard=entry["shard"], iteration=lock_step, bytes=copied.nbytes,
+             seconds=round(copied.seconds, 4))
+        log.info("rank %d received %s shard %s from rank %d (%d bytes)", me,
+                 entry["optimizer"], entry["shard"], src, copied.nbytes)
     for entry in send:
         dst = int(entry["to"])
         copy_shard(state.optimizer, state.model, src=me, dst=dst)

@@ -1,5 +1,5 @@
 """Shard transfer: a rank's optimizer shard copied between two holders over torch.distributed,
-straight from the sender's live tensors into the receiver's, checked by CRC-32.
+straight from the sender's live tensors into the receiver's.
 
 A shard is, per main param of the (chained) megatron-core optimizer in param-group order:
 the fp32 main param, Adam's `exp_avg` and `exp_avg_sq`; then the step count; then the model
@@ -10,18 +10,22 @@ not sent: the rollback derives them from the main params (`recovery.rollback`), 
 update itself does.
 
 How the bytes move (`copy_shard`):
+- a header first: the sender's byte, tensor and message counts and its step; the receiver
+  refuses a shard whose layout is not its own (not a replica);
 - a tensor of at least `DIRECT_BYTES` travels as itself: the sender posts its bytes, the
   receiver receives into the destination tensor's bytes. No staging copy, no serialisation;
 - smaller tensors are packed into one message per `DIRECT_BYTES` (one copy of a few MiB);
-- every message is posted at once (`isend`/`irecv`, one tag each), so the receiver checks
-  and unpacks message i while message i + 1 is still on the wire;
-- each message's CRC-32 is computed beside the transfer (zlib releases the GIL) and the
-  receiver compares the sender's list with its own. CRC-32 is the cheapest end-to-end check
-  of the path (staging, packing, a wrong offset); a cryptographic digest bought nothing
-  here (the peer is authenticated by the process group, not by the bytes) and ran at a
-  fraction of the transfer's speed.
+- every message is posted at once (`isend`/`irecv`, one tag each), so the receiver unpacks
+  message i while message i + 1 is still on the wire.
 
-`shard_digest` is the same check over a rank's shard in place (replica checks, events).
+No checksum of the bytes on the way: the transports already check them (TCP and Ethernet
+frames under gloo, the link-level CRCs of NVLink, InfiniBand and RoCE under NCCL/HCCL), and a
+CPU checksum of the shard runs slower than the transfer itself (CRC-32 at 3.5 GB/s here vs a
+4 GB/s send; on an accelerator the shard would first have to come to the host). The
+previous SHA-256 over byte copies on both sides cost 10x the transfer. Replicas are checked
+end to end by `--tft-check-replicas-interval` (`replica.check`, `shard_digest` below).
+
+`shard_digest`: CRC-32 of a rank's shard, read in place (replica checks).
 """
 
 from __future__ import annotations
@@ -122,11 +126,9 @@ def shard_digest(optimizer: Any, model: list[torch.nn.Module]) -> str:
 
 @dataclass
 class CopyResult:
-    """What `copy_shard` did: a checksum of the transfer (the same on both sides), the bytes
-    moved, and (on the receiver) the seconds from the sender's first message to the last
-    byte checked and in place (0 on the sender)."""
+    """What `copy_shard` did: the bytes moved and (on the receiver) the seconds from the
+    sender's first message to the last byte in place (0 on the sender)."""
 
-    checksum: str
     nbytes: int
     seconds: float = 0.0
 
@@ -167,7 +169,7 @@ def _header(shard: Shard, plan: list[_Message]) -> torch.Tensor:
                         dtype=torch.int64)
 
 
-def _send(shard: Shard, dst: int, group: dist.ProcessGroup | None) -> list[int]:
+def _send(shard: Shard, dst: int, group: dist.ProcessGroup | None) -> None:
     plan = _plan(shard.tensors)
     dist.send(_header(shard, plan), dst=dst, group=group)
     buffers = [
@@ -176,15 +178,11 @@ def _send(shard: Shard, dst: int, group: dist.ProcessGroup | None) -> list[int]:
         for m in plan
     ]
     works = [dist.isend(b, dst=dst, group=group, tag=i + 1) for i, b in enumerate(buffers)]
-    crcs = [_crc(b) for b in buffers]  # while the messages are on the wire
     for work in works:
         work.wait()
-    dist.send(torch.tensor(crcs, dtype=torch.int64), dst=dst, group=group, tag=len(plan) + 1)
-    return crcs
 
 
-def _receive(shard: Shard, src: int,
-             group: dist.ProcessGroup | None) -> tuple[list[int], int, float]:
+def _receive(shard: Shard, src: int, group: dist.ProcessGroup | None) -> tuple[int, float]:
     plan = _plan(shard.tensors)
     header = torch.empty(5, dtype=torch.int64)
     dist.recv(header, src=src, group=group)
@@ -202,22 +200,11 @@ def _receive(shard: Shard, src: int,
         for m in plan
     ]
     works = [dist.irecv(b, src=src, group=group, tag=i + 1) for i, b in enumerate(buffers)]
-    crcs = []
     for message, buffer, work in zip(plan, buffers, works, strict=True):
         work.wait()
-        crcs.append(_crc(buffer))  # while the next messages arrive
-        if not message.direct:
+        if not message.direct:  # while the next messages arrive
             _unpack(buffer, shard.tensors[message.first:message.last])
-    sent = torch.empty(len(plan), dtype=torch.int64)
-    dist.recv(sent, src=src, group=group, tag=len(plan) + 1)
-    for i, (mine, theirs) in enumerate(zip(crcs, sent.tolist(), strict=True)):
-        if mine != theirs:
-            raise ShardTransferError(
-                f"shard from rank {src} arrived corrupted: message {i} of {len(plan)} "
-                f"(tensors {plan[i].first}..{plan[i].last - 1}) has CRC-32 {mine:08x}, the "
-                f"sender's is {theirs:08x}"
-            )
-    return crcs, step, time.perf_counter() - started
+    return step, time.perf_counter() - started
 
 
 def _unpack(buffer: torch.Tensor, tensors: list[torch.Tensor]) -> None:
@@ -230,10 +217,6 @@ def _unpack(buffer: torch.Tensor, tensors: list[torch.Tensor]) -> None:
             offset += size
 
 
-def _combined(crcs: list[int]) -> str:
-    return f"{zlib.crc32(torch.tensor(crcs, dtype=torch.int64).numpy()):08x}"
-
-
 def copy_shard(
     optimizer: Any,
     model: list[torch.nn.Module],
@@ -243,17 +226,18 @@ def copy_shard(
 ) -> CopyResult:
     """Copy the shard of global rank `src` into global rank `dst` (both must call it).
 
-    Point-to-point on `group` (default: the world). The receiver checks every message's
-    CRC-32 and takes the sender's step. The receiver's model params are not touched (see
-    the module docstring)."""
+    Point-to-point on `group` (default: the world). The receiver checks that the sender's
+    shard has its own layout (bytes, tensors, messages) and takes the sender's step. The
+    receiver's model params are not touched (see the module docstring)."""
     me = dist.get_rank()
     if me == src:
         shard = local_shard(optimizer, model)
-        return CopyResult(_combined(_send(shard, dst, group)), shard.nbytes)
+        _send(shard, dst, group)
+        return CopyResult(shard.nbytes)
     if me != dst:
         raise ValueError(f"rank {me} is neither the source {src} nor the destination {dst}")
     shard = local_shard(optimizer, model, create=True)
-    crcs, step, seconds = _receive(shard, src, group)
+    step, seconds = _receive(shard, src, group)
     for state in shard.states:
         state["step"] = torch.tensor(float(step))
-    return CopyResult(_combined(crcs), shard.nbytes, seconds)
+    return CopyResult(shard.nbytes, seconds)

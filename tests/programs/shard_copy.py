@@ -2,7 +2,7 @@
 
 Trains 2 steps of the tiny model with 2 optimizer replicas (DP=4: ranks 1 and 3 hold the
 same shard), then rank 3 wipes its shard and model params, receives rank 1's over
-torch.distributed (`copy_shard`, CRC-checked), every rank rebuilds its model params from the
+torch.distributed (`copy_shard`), every rank rebuilds its model params from the
 main params (as the rollback does) and reports the CRC-32 of its shard and model params.
 One more step then runs with the replica check on. Prints one JSON line per rank:
 {"rank", "before", "wiped", "after", "copied", "replicas_agree_after_step"}.
@@ -105,7 +105,7 @@ def main() -> None:
     copied = None
     if me in (1, 3):
         pair = dist.new_group([1, 3])
-        copied = copy_shard(optimizer, model, src=1, dst=3, group=pair).checksum
+        copied = copy_shard(optimizer, model, src=1, dst=3, group=pair).nbytes
     else:
         dist.new_group([1, 3])
     sync_model_params_from_main(state)
