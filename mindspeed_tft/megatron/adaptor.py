@@ -276,6 +276,9 @@ def wrap_initialize_distributed(original: Callable[..., Any]) -> Callable[..., A
         if plugin.rejoining:
             plugin.join_job()
             _host.local.start()
+            # its state comes from its peers: random init would be overwritten (Megatron-LM's
+            # own --no-initialization; the rollback restores the RNG states the init used)
+            _args().perform_initialization = False
         else:
             original(get_embedding_ranks, get_position_embedding_ranks)
             plugin.setup()

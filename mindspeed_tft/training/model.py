@@ -82,6 +82,7 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         apply_rope_fusion=False,
         persist_layer_norm=False,
         use_cpu_initialization=args.use_cpu_initialization,
+        perform_initialization=getattr(args, "perform_initialization", True),
         deterministic_mode=False,
     )
 

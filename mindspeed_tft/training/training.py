@@ -391,6 +391,9 @@ def pretrain(
         train_ds, valid_ds, _test_ds = train_valid_test_datasets_provider(num_samples)
         plugin.join_job()
         seed_and_microbatches(args)
+        # its state comes from its peers: random init would be overwritten (Megatron-LM's
+        # --no-initialization; the rollback restores the RNG states the init used)
+        args.perform_initialization = False
     else:
         initialize_distributed_state(args)
         plugin.setup()
