@@ -111,16 +111,12 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
-def _crc(data: torch.Tensor, value: int = 0) -> int:
-    return zlib.crc32(data.numpy(), value)
-
-
 def shard_digest(optimizer: Any, model: list[torch.nn.Module]) -> str:
     """CRC-32 of this rank's optimizer shard (main params, moments, step), read in place."""
     shard = local_shard(optimizer, model)
     value = zlib.crc32(shard.step.to_bytes(8, "little"))
     for tensor in shard.tensors:
-        value = _crc(_bytes_of(tensor), value)
+        value = zlib.crc32(_bytes_of(tensor).numpy(), value)
     return f"{value:08x}"
 
 
