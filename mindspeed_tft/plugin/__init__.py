@@ -294,10 +294,11 @@ class TFTPlugin:
         )
 
         old = leave_generation() if survivor else {}
-        join_generation(self.args, generation, self.initialize_model_parallel)
-        collectives.reset()
-        self.replica_groups = None
-        self.setup()
+        with collectives.tracking_window():
+            join_generation(self.args, generation, self.initialize_model_parallel)
+            collectives.reset()
+            self.replica_groups = None
+            self.setup()
         if survivor:
             state = self.state
             roots = [*state.model, state.optimizer] if state is not None else []
