@@ -148,6 +148,9 @@ TABLE: tuple[Moment, ...] = (
         _p("torch.distributed.distributed_c10d:_new_process_group_helper",
            "record the sockets each process group creation opens (every init_process_group, "
            "new_group and rebuild goes through it), so a stop shuts down those only", TORCH),
+        _p("megatron.core.parallel_state:initialize_model_parallel",
+           "its dozens of groups tracked in one window (two socket listings, not two per "
+           "group: the listings cost more than the groups)", MCORE),
     )),
     Moment("megatron-lm", "the Megatron-LM host adaptor is installed",
            "mindspeed_tft.megatron.adaptor:install_patches", (

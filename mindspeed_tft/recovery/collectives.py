@@ -18,7 +18,8 @@ connections (loggers, data streams) are left alone; so are those of the rendezvo
 and the control plane (`keep_ports`), even when made while a group was built. A connection
 another thread of the process opens while a group is being built is taken for the
 group's: the window is the group's creation, or the whole of a `tracking_window()` block
-(the rebuild's: one listing of the sockets before and after, not two per group). Every
+(megatron-core's `initialize_model_parallel`, the rebuild: one listing of the sockets
+before and after, not two per group). Every
 operation of this rank, and every operation of a peer waiting on this rank, then fails with "Connection closed by peer"; the
 training threads land in the fault handler, where the error counts as a consequence of the
 stop. The process lives on: recovery rebuilds the process groups on new connections.
@@ -229,10 +230,21 @@ def install_connection_tracking() -> None:
     global _tracking_installed
     if _tracking_installed:
         return
+    from megatron.core import parallel_state
     from torch.distributed import distributed_c10d as c10d
 
     c10d._new_process_group_helper = _tracked(c10d._new_process_group_helper)
+    parallel_state.initialize_model_parallel = _in_window(parallel_state.initialize_model_parallel)
     _tracking_installed = True
+
+
+def _in_window(fn: Any) -> Any:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with tracking_window():
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def group_connections() -> set[int]:
