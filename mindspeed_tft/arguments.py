@@ -5,6 +5,7 @@ A user turns the plugin on with four flags in the pretrain script (SPEC 1)::
     --enable-high-availability          master switch; TTP (dying-gasp checkpoint)
     --enable-hbmfault-repair            UCE: repair on-chip memory faults online
     --enable-worker-reboot              ARF: restart only the failed worker(s)
+    --enable-elastic-training           shrink by a DP replica when no replacement comes
     --distributed-optimizer-no-replica  N = 1: repair from the last periodic checkpoint
 
 plus ``--optimizer-replica-num`` (N, default 2) and ``--tft-events-file``.
@@ -62,12 +63,16 @@ ARGUMENT_GROUP_TITLE = "mindspeed-tft high availability"
 HIGH_AVAILABILITY_ENV = "HIGH_AVAILABILITY"
 EVENTS_FILE_ENV = "TFT_EVENTS_FILE"
 
-#: HIGH_AVAILABILITY modes -> (hbmfault repair, worker reboot); every mode turns HA on.
-HIGH_AVAILABILITY_MODES: dict[str, tuple[bool, bool]] = {
-    "dump": (False, False),
-    "retry": (True, False),
-    "recover": (False, True),
+#: HIGH_AVAILABILITY modes -> (hbmfault repair, worker reboot, elastic training); every mode
+#: turns HA on. elastic-training (MindIO's and MindSpeed-LLM's name) is worker reboot that
+#: shrinks when no replacement comes.
+HIGH_AVAILABILITY_MODES: dict[str, tuple[bool, bool, bool]] = {
+    "dump": (False, False, False),
+    "retry": (True, False, False),
+    "recover": (False, True, False),
+    "elastic-training": (False, True, True),
 }
+_MODE_NAMES = ", ".join(HIGH_AVAILABILITY_MODES)
 
 
 class TFTArgumentError(ValueError):
@@ -86,7 +91,8 @@ def add_tft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help="Master switch of mindspeed-tft: enables TTP, the dying-gasp checkpoint written "
         "at the last consistent step when a fault hits. Also switched on by the environment "
-        "variable HIGH_AVAILABILITY=dump|retry|recover, which wins over the command line.",
+        "variable HIGH_AVAILABILITY=dump|retry|recover|elastic-training, which wins over the "
+        "command line.",
     )
     group.add_argument(
         "--enable-hbmfault-repair",
@@ -99,6 +105,14 @@ def add_tft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help="ARF: restart only the failed worker(s) and continue training. Takes effect only "
         "with --enable-high-availability (refused without it).",
+    )
+    group.add_argument(
+        "--enable-elastic-training",
+        action="store_true",
+        help="Elastic training: when a failed worker gets no replacement (no spare, the "
+        "restart budget spent, the node gone), the data-parallel replicas holding a failed "
+        "rank leave and the others continue with the same global batch and sample order; "
+        "needs --enable-worker-reboot and the distributed optimizer.",
     )
     group.add_argument(
         "--distributed-optimizer-no-replica",
@@ -140,7 +154,7 @@ def add_tft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def parse_high_availability_env(value: str) -> tuple[str, ...]:
     """The modes of a ``HIGH_AVAILABILITY`` value, in order, without repeats.
 
-    A comma-separated list of dump, retry, recover; case-insensitive; whitespace around items
+    A comma-separated list of dump, retry, recover, elastic-training; case-insensitive; whitespace around items
     is ignored. An empty or blank value means "not set" (returns ``()``). Any other item,
     an empty one included, raises `TFTArgumentError`.
     """
@@ -152,7 +166,7 @@ def parse_high_availability_env(value: str) -> tuple[str, ...]:
         if mode not in HIGH_AVAILABILITY_MODES:
             raise TFTArgumentError(
                 f"{HIGH_AVAILABILITY_ENV}={value!r}: unknown mode {raw.strip()!r}; "
-                "allowed: dump, retry, recover (comma-separated, case-insensitive)"
+                f"allowed: {_MODE_NAMES} (comma-separated, case-insensitive)"
             )
         if mode not in modes:
             modes.append(mode)
@@ -190,6 +204,8 @@ def validate_tft_args(
             ignored.append("--enable-hbmfault-repair")
         if args.enable_worker_reboot:
             ignored.append("--enable-worker-reboot")
+        if args.enable_elastic_training:
+            ignored.append("--enable-elastic-training")
         if args.distributed_optimizer_no_replica:
             ignored.append("--distributed-optimizer-no-replica")
         if args.optimizer_replica_num != DEFAULT_OPTIMIZER_REPLICA_NUM:
@@ -199,7 +215,7 @@ def validate_tft_args(
             raise TFTArgumentError(
                 f"{', '.join(ignored)} {verb} effect only with --enable-high-availability; "
                 f"allowed: add --enable-high-availability (or set {HIGH_AVAILABILITY_ENV}="
-                f"dump|retry|recover) or remove {pronoun}"
+                f"{_MODE_NAMES.replace(', ', '|')}) or remove {pronoun}"
             )
         dp = _dp_size(args)
         args.optimizer_replica_num_effective = 1 if args.use_distributed_optimizer else dp
@@ -245,6 +261,7 @@ def _ensure_defaults(args: argparse.Namespace) -> None:
         ("enable_high_availability", False),
         ("enable_hbmfault_repair", False),
         ("enable_worker_reboot", False),
+        ("enable_elastic_training", False),
         ("distributed_optimizer_no_replica", False),
         ("optimizer_replica_num", DEFAULT_OPTIMIZER_REPLICA_NUM),
         ("tft_events_file", None),
@@ -261,9 +278,11 @@ def _apply_high_availability_env(args: argparse.Namespace, value: str) -> None:
         return
     hbm_repair = any(HIGH_AVAILABILITY_MODES[m][0] for m in modes)
     worker_reboot = any(HIGH_AVAILABILITY_MODES[m][1] for m in modes)
+    elastic = any(HIGH_AVAILABILITY_MODES[m][2] for m in modes)
     for flag, attr, wanted in (
         ("--enable-hbmfault-repair", "enable_hbmfault_repair", hbm_repair),
         ("--enable-worker-reboot", "enable_worker_reboot", worker_reboot),
+        ("--enable-elastic-training", "enable_elastic_training", elastic),
     ):
         if getattr(args, attr) and not wanted:
             logger.warning(
@@ -273,6 +292,7 @@ def _apply_high_availability_env(args: argparse.Namespace, value: str) -> None:
     args.enable_high_availability = True
     args.enable_hbmfault_repair = hbm_repair
     args.enable_worker_reboot = worker_reboot
+    args.enable_elastic_training = elastic
     args.tft_features_source = f"{HIGH_AVAILABILITY_ENV}={value.strip()}"
 
 
@@ -341,6 +361,14 @@ def _validate_high_availability(args: argparse.Namespace) -> int:
         raise TFTArgumentError(
             f"--optimizer-replica-num {args.optimizer_replica_num} contradicts "
             "--distributed-optimizer-no-replica (1 replica); allowed: one of the two"
+        )
+    if args.enable_elastic_training and not (args.enable_worker_reboot and distributed):
+        missing = [flag for flag, on in (("--enable-worker-reboot", args.enable_worker_reboot),
+                                         ("--use-distributed-optimizer", distributed)) if not on]
+        raise TFTArgumentError(
+            f"--enable-elastic-training needs {' and '.join(missing)} (a shrink is a worker "
+            "reboot without a replacement, and re-shards the distributed optimizer); allowed: "
+            f"add {' and '.join(missing)} or remove --enable-elastic-training"
         )
     if getattr(args, "swap_optimizer", False):
         raise TFTArgumentError(

@@ -31,6 +31,8 @@ class Features:
     no_replica: bool = False
     replica_num: int = 1
     source: str = "command line"
+    #: shrink by the data-parallel replicas of a lost rank when no replacement comes
+    elastic: bool = False
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Features:
@@ -51,6 +53,7 @@ class Features:
             high_availability=high_availability,
             hbm_repair=bool(getattr(args, "enable_hbmfault_repair", False)),
             worker_reboot=bool(getattr(args, "enable_worker_reboot", False)),
+            elastic=bool(getattr(args, "enable_elastic_training", False)),
             no_replica=no_replica,
             replica_num=int(replica_num),
             source=getattr(args, "tft_features_source", "command line"),
@@ -68,6 +71,7 @@ class Features:
             "mindspeed-tft: high availability on (dying-gasp checkpoint), "
             f"hbmfault repair {on_off(self.hbm_repair)}, "
             f"worker reboot {on_off(self.worker_reboot)}, "
+            f"{'elastic training on, ' if self.elastic else ''}"
             f"optimizer replicas {self.replica_num}"
             f"{' (no-replica: repair from the last checkpoint)' if self.no_replica else ''}; "
             f"set by {self.source}"

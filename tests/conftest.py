@@ -23,7 +23,8 @@ def reference_job(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Job
     cache: dict[tuple, JobResult] = {}
 
     def get(layout: str, **config) -> JobResult:
-        key = (layout, tuple(sorted(config.items())))
+        key = (layout, tuple(sorted((k, tuple(sorted(v.items())) if isinstance(v, dict) else v)
+                                    for k, v in config.items())))
         if key not in cache:
             run_dir = tmp_path_factory.mktemp(f"reference-{layout}")
             result = run_tiny_job(run_dir, layout=layout, **config)

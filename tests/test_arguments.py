@@ -65,6 +65,7 @@ def test_add_tft_args_returns_parser_with_group_and_defaults(monkeypatch):
         "enable_high_availability": False,
         "enable_hbmfault_repair": False,
         "enable_worker_reboot": False,
+        "enable_elastic_training": False,
         "distributed_optimizer_no_replica": False,
         "optimizer_replica_num": 2,
         "tft_events_file": None,
@@ -225,8 +226,8 @@ def test_blank_high_availability_env_is_unset(value):
 )
 def test_bad_high_availability_env(value, bad):
     assert error_of([], env={"HIGH_AVAILABILITY": value}) == (
-        f"HIGH_AVAILABILITY={value!r}: unknown mode {bad!r}; allowed: dump, retry, recover "
-        "(comma-separated, case-insensitive)"
+        f"HIGH_AVAILABILITY={value!r}: unknown mode {bad!r}; allowed: dump, retry, recover, "
+        "elastic-training (comma-separated, case-insensitive)"
     )
 
 
@@ -261,7 +262,7 @@ def test_replica_num_below_one(argv):
 def test_sub_flag_without_high_availability(argv, named):
     assert error_of(argv) == (
         f"{named} effect only with --enable-high-availability; allowed: add "
-        "--enable-high-availability (or set HIGH_AVAILABILITY=dump|retry|recover) or remove it"
+        "--enable-high-availability (or set HIGH_AVAILABILITY=dump|retry|recover|elastic-training) or remove it"
     )
 
 
@@ -269,7 +270,7 @@ def test_several_sub_flags_without_high_availability():
     assert error_of(["--enable-worker-reboot", "--enable-hbmfault-repair"]) == (
         "--enable-hbmfault-repair, --enable-worker-reboot take effect only with "
         "--enable-high-availability; allowed: add --enable-high-availability (or set "
-        "HIGH_AVAILABILITY=dump|retry|recover) or remove them"
+        "HIGH_AVAILABILITY=dump|retry|recover|elastic-training) or remove them"
     )
 
 
@@ -467,3 +468,24 @@ def test_moe_no_replica_needs_only_expert_dp_two():
     args = validate(HA + ["--distributed-optimizer-no-replica"], expert_model_parallel_size=2,
                     expert_tensor_parallel_size=2, num_experts=4)
     assert args.optimizer_replica_num_effective == 1
+
+
+# --- elastic training ------------------------------------------------------------------------
+
+
+def test_elastic_training_env_is_worker_reboot_that_shrinks():
+    args = validate([], env={"HIGH_AVAILABILITY": "elastic-training"})
+    assert args.tft_features == Features(True, False, True, False, 2,
+                                         "HIGH_AVAILABILITY=elastic-training", elastic=True)
+    assert "worker reboot on, elastic training on," in args.tft_features.describe()
+
+
+def test_elastic_training_flag_needs_worker_reboot_and_the_distributed_optimizer():
+    assert validate(HA + ["--enable-worker-reboot", "--enable-elastic-training"]).tft_features.elastic
+    assert error_of(HA + ["--enable-elastic-training"], use_distributed_optimizer=False) == (
+        "--enable-elastic-training needs --enable-worker-reboot and --use-distributed-optimizer "
+        "(a shrink is a worker reboot without a replacement, and re-shards the distributed "
+        "optimizer); allowed: add --enable-worker-reboot and --use-distributed-optimizer or "
+        "remove --enable-elastic-training")
+    assert error_of(["--enable-elastic-training"]).startswith(
+        "--enable-elastic-training takes effect only with --enable-high-availability")

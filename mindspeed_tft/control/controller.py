@@ -153,7 +153,6 @@ class Controller:
         self.send_errors = 0
         #: ranks not (or no longer) registered during INIT; NORMAL when it is empty
         self._missing: set[int] = set(range(world_size))
-        self._done = 0
 
     # -- public API -------------------------------------------------------------------
     @property
@@ -216,6 +215,16 @@ class Controller:
         ordered to exit or is already lost) and for returncode 0 (a clean exit is no fault;
         if it never said bye, its silence still gives it away)."""
         self._command("process_exit", int(rank), int(returncode))
+
+    def report_no_replacement(self, rank: int, why: str) -> None:
+        """A launcher will not restart lost `rank` (thread-safe; returns at once): the
+        incident stops waiting for it (a dump, or with elastic training a shrink)."""
+        self._command("no_replacement", int(rank), str(why))
+
+    def has_left(self, rank: int) -> bool:
+        """Whether elastic training shrank the job without `rank` (any thread)."""
+        row = self.table.get(rank)
+        return row is not None and row.health is Health.LEFT
 
     def snapshot(self, timeout: float = 5.0) -> dict[str, Any]:
         """State, rank table, drop counters (computed in the loop thread when running)."""
@@ -395,6 +404,8 @@ class Controller:
                 self.broadcast("pause", {"reason": "operator pause"})
             elif name == "process_exit":
                 self._on_process_exit(cmd[1], cmd[2])
+            elif name == "no_replacement" and self.flow is not None:
+                self.flow.no_replacement(cmd[1], cmd[2])
             elif name == "resume" and self.sm.state is State.PAUSE:
                 self.sm.to(State.NORMAL, "operator resume")
                 self.broadcast("resume", {"step": -1, "strategy": "none", "false_alarm": True,
@@ -628,16 +639,14 @@ class Controller:
         row = self._bound(identity, msg)
         if row is None or self.role != "active":
             return
-        if row.health is not Health.DONE:
-            row.health = Health.DONE
-            self._done += 1
+        row.health = Health.DONE
         self._snapshot_dirty = True
         log.info("rank %d finished (code %d)", row.rank, msg.payload["code"])
         if self.flow is not None:
             self.flow.on_gone(row.rank, "finished")
-        if self.sm.state is State.NORMAL and self._done == self.world_size and all(
+        if self.sm.state is State.NORMAL and all(
                 (r := self.table.get(i)) is not None and r.health is Health.DONE
-                for i in range(self.world_size)):
+                for i in self.table.members()):
             self.sm.to(State.EXIT, "training finished")
             self.exit_code = 0
             emit("exit", CONTROLLER_RANK, code=0, reason="training finished")

@@ -14,6 +14,9 @@ limit, `TTP_NORMAL_ACTION_TIME_LIMIT`), whichever comes first:
                resume    notify normal -> NORMAL (`repaired` event)
     DUMP       dump      SPEC 7 holders write the dying-gasp checkpoint
                rename    one rank renames iter_X_tmp -> iter_X and updates the tracker
+    REPAIR     scale_in  elastic training, when a lost rank gets no replacement: the
+                         data-parallel replicas without a lost rank reload the dump in a
+                         smaller world (`scale_in` event); the others leave the job
     EXIT       exit      every rank exits with the decided code -> FINAL (`exit` event)
 
 A failed or timed-out clean/repair/rollback falls back to DUMP; a failed dump, an
@@ -68,6 +71,8 @@ class Incident:
     #: communication error of one of them is a consequence of the stop, not a fault
     stopped: set[int] = field(default_factory=set)
     rollback_step: int | None = None
+    #: ranks whose launcher will not restart them (restart budget spent), and why
+    unreplaceable: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -108,6 +113,10 @@ class IncidentFlow:
         self.phase: Phase | None = None
         self.writers: set[int] = set()
         self.renamer: int | None = None
+        #: elastic training: the lost ranks the dump is shrinking the job without
+        self.shrinking: set[int] | None = None
+        #: ranks that leave the job in the shrink (the lost ranks' whole DP replicas)
+        self.leaving: list[int] = []
         self.done = False
         self.exit_code: int | None = None
 
@@ -193,6 +202,16 @@ class IncidentFlow:
         if phase is not None and phase.name == "rejoin" and rank in phase.pending:
             phase.pending.discard(rank)
             phase.results[rank] = {}
+            if not phase.pending:
+                self._phase_done()
+
+    def no_replacement(self, rank: int, why: str) -> None:
+        """The launcher of lost `rank` will not restart it: stop waiting for it."""
+        self.incident.unreplaceable[rank] = why
+        phase = self.phase
+        if phase is not None and phase.name == "rejoin" and rank in phase.pending:
+            phase.pending.discard(rank)
+            phase.failures[rank] = f"no replacement ({why})"
             if not phase.pending:
                 self._phase_done()
 
@@ -330,12 +349,24 @@ class IncidentFlow:
         inc = self.incident
         if inc.awaiting:
             limit = self.host.config.action_time_limit
-            self.phase = Phase("rejoin", -1, self.host.now() + limit, set(inc.awaiting))
+            phase = Phase("rejoin", -1, self.host.now() + limit, set(inc.awaiting))
+            self.phase = phase
             log.info("waiting up to %gs for ranks %s to restart", limit, sorted(inc.awaiting))
+            for rank in sorted(inc.awaiting & inc.unreplaceable.keys()):
+                phase.pending.discard(rank)
+                phase.failures[rank] = f"no replacement ({inc.unreplaceable[rank]})"
+            if not phase.pending:
+                self._phase_done()
             return
         self._start_repair()
 
     def _after_rejoin(self, phase: Phase) -> None:
+        if phase.failures and self.host.planner.features.elastic:
+            self.shrinking = set(phase.failures)
+            self._enter_dump(f"elastic training: no replacement for ranks "
+                             f"{sorted(phase.failures)} ({self._fail_text(phase)}); the job "
+                             "shrinks without their data-parallel replicas, from a dump")
+            return
         if phase.failures:
             self._repair_failed(f"restarted workers did not register: {self._fail_text(phase)}")
             return
@@ -433,9 +464,76 @@ class IncidentFlow:
                        f"rename of the dump failed: {self._fail_text(phase)}")
             return
         where = next((res.get("path") for res in phase.results.values() if res.get("path")), None)
+        if self.shrinking is not None and where:
+            self._start_scale_in(where)
+            return
         self._exit(self.host.config.dump_exit_code,
                    f"dying-gasp checkpoint saved at iteration {self.incident.lock_step}"
                    + (f" in {where}" if where else ""))
+
+    # -- elastic training ---------------------------------------------------------------
+    def _dp_index(self, rank: int) -> int | None:
+        row = self.host.table.get(rank)
+        dense = (row.replica or {}).get("dense") if row is not None else None
+        return None if dense is None else int(dense["dp_index"])
+
+    def _start_scale_in(self, path: str) -> None:
+        """The dump is saved: the DP replicas without a lost rank continue from it."""
+        inc, host = self.incident, self.host
+        assert self.shrinking is not None
+        lost_dp = {self._dp_index(r) for r in self.shrinking}
+        members = host.table.members()
+        staying = [r for r in members if self._dp_index(r) not in lost_dp]
+        self.leaving = [r for r in members if r not in staying]
+        gone = [r for r in staying if (row := host.table.get(r)) is None or not row.connected]
+        if None in lost_dp or not staying or gone:
+            why = ("no data-parallel replica is left" if not staying else
+                   f"ranks {gone} of the remaining replicas are gone too" if gone else
+                   "the lost ranks' data-parallel replicas are unknown")
+            self._exit(host.config.dump_exit_code,
+                       f"elastic training cannot shrink ({why}); dying-gasp checkpoint saved "
+                       f"at iteration {inc.lock_step} in {path}")
+            return
+        host.sm.to(State.REPAIR, f"scale-in without ranks {self.leaving}")
+        for rank in self.leaving:  # the lost ranks' peers in their replicas leave too
+            row = host.table.get(rank)
+            if row is not None and row.connected:
+                self._send(rank, "exit", {"code": 0, "reason": "left the job: elastic training "
+                                          f"shrank it without data-parallel replica(s) of ranks "
+                                          f"{sorted(self.shrinking)}"})
+                row.health = Health.EXITING
+        self._start_phase("scale_in", staying, {"incident": inc.id, "lock_step": inc.lock_step,
+                                                "path": path, "ranks": staying})
+
+    def _after_scale_in(self, phase: Phase) -> None:
+        inc, host = self.incident, self.host
+        if phase.failures:
+            self._exit(host.config.dump_exit_code,
+                       f"scale-in failed ({self._fail_text(phase)}); dying-gasp checkpoint saved "
+                       f"at iteration {inc.lock_step}")
+            return
+        results = phase.results
+        staying = sorted(r for r, res in results.items() if res.get("stays"))
+        standby = sorted(r for r in results if r not in staying)
+        for rank in standby:  # the DP size the global batch splits evenly over is smaller
+            self._send(rank, "exit", {"code": 0, "reason": "left the job: the global batch "
+                                      f"splits evenly over {len(staying)} ranks only"})
+        for rank in [*self.leaving, *standby]:
+            row = host.table.get(rank)
+            if row is not None:
+                row.health = Health.LEFT
+        for rank in staying:
+            row = host.table.get(rank)
+            replica = results[rank].get("replica")
+            if row is not None and isinstance(replica, dict):
+                row.replica = replica
+        dp_size = results[staying[0]].get("dp_size") if staying else None
+        emit("scale_in", CONTROLLER_RANK, world_size=len(staying), dp_size=dp_size,
+             ranks=staying, left=sorted([*self.leaving, *standby]), lost=sorted(self.shrinking or ()),
+             step=inc.lock_step, incident=inc.id)
+        log.warning("incident %d: job shrunk to %d ranks (DP %s) at step %d; left: %s", inc.id,
+                    len(staying), dp_size, inc.lock_step, sorted([*self.leaving, *standby]))
+        self._resume(false_alarm=False)
 
     def _exit(self, code: int, reason: str) -> None:
         host = self.host

@@ -11,7 +11,8 @@ Health:
 - `hung`: heartbeating but its training makes no progress (watchdog);
 - `lost`: silent for interval x misses (process exited, killed or node gone);
 - `done`: said bye after training finished;
-- `exiting`: ordered to exit, its silence is expected.
+- `exiting`: ordered to exit, its silence is expected;
+- `left`: no longer part of the job (elastic training shrank the job without it).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class Health(str, Enum):
     LOST = "lost"
     DONE = "done"
     EXITING = "exiting"
+    LEFT = "left"
 
     def __str__(self) -> str:
         return self.value
@@ -100,6 +102,11 @@ class RankTable:
         if identity:  # an empty identity: a row known only from a sync, bound to no connection
             self.by_identity[identity] = info
         return info
+
+    def members(self) -> list[int]:
+        """The ranks that are part of the job (all but those that left in a shrink)."""
+        return [r for r in range(self.world_size)
+                if (row := self.rows[r]) is None or row.health is not Health.LEFT]
 
     def registered(self) -> int:
         return sum(1 for r in self.rows if r is not None)

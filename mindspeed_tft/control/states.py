@@ -6,7 +6,7 @@
     ABNORMAL -> ENV_CLEAR (a repair strategy chosen) | DUMP (no repair possible) | NORMAL (false alarm)
     ENV_CLEAR-> REPAIR | DUMP
     REPAIR   -> NORMAL (repaired, rolled back, training resumes) | DUMP (repair failed)
-    DUMP     -> EXIT
+    DUMP     -> EXIT | REPAIR (elastic training: the survivors reload the dump in a smaller world)
     EXIT     -> FINAL
 
 NORMAL -> EXIT is this project's addition to SPEC 5: the way out when training ends without
@@ -49,7 +49,7 @@ TRANSITIONS: dict[State, frozenset[State]] = {
     State.ABNORMAL: frozenset({State.ENV_CLEAR, State.DUMP, State.NORMAL}),
     State.ENV_CLEAR: frozenset({State.REPAIR, State.DUMP}),
     State.REPAIR: frozenset({State.NORMAL, State.DUMP}),
-    State.DUMP: frozenset({State.EXIT}),
+    State.DUMP: frozenset({State.EXIT, State.REPAIR}),
     State.EXIT: frozenset({State.FINAL}),
     State.FINAL: frozenset(),
 }

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 from ..features import Features
 from .classify import FaultKind
-from .ranktable import CONNECTED, RankInfo, RankTable
+from .ranktable import CONNECTED, Health, RankInfo, RankTable
 
 
 class Strategy(str, Enum):
@@ -132,7 +132,7 @@ class StrategyPlanner:
 
     def lock_step(self, incident: IncidentFacts, table: RankTable) -> int:
         """The highest step any rank reported (fresh, restarted processes excluded)."""
-        steps = [r.step for r in table.all() if not r.fresh]
+        steps = [r.step for r in table.all() if not r.fresh and r.health is not Health.LEFT]
         steps += incident.lost_steps.values()  # last steps of processes that are gone
         return max(steps, default=0)
 
@@ -213,6 +213,8 @@ class StrategyPlanner:
         faulty = self.faulty(incident)
         chosen: dict[tuple[str, int, tuple[int, ...]], int] = {}
         for row in table.all():
+            if row.health is Health.LEFT:  # elastic training shrank the job without it
+                continue
             for key in _shards(row):
                 if key in chosen:
                     continue

@@ -177,6 +177,7 @@ class TFTSubprocessContext(SubprocessContext):
                     error_file=self.error_files[local_rank])
                 if self._first_final_failure is None:
                     self._first_final_failure = time.monotonic()
+        self._forgive_left_ranks()
         now = time.monotonic()
         acting = agent.acting_controller()
         if (acting is not None and acting.state.value == "FINAL"
@@ -212,6 +213,22 @@ class TFTSubprocessContext(SubprocessContext):
             result.return_values = dict.fromkeys(range(self.nprocs))
         self.close()
         return result
+
+    def _forgive_left_ranks(self) -> None:
+        """Drop the failures of ranks the job continues without (elastic training shrank it
+        without them): they neither end this node's wait nor fail the run."""
+        agent = self.agent
+        acting = agent.acting_controller()
+        if acting is None or not agent.options.elastic or not self._failures:
+            return
+        for local_rank, failure in list(self._failures.items()):
+            rank = agent._worker_group.workers[local_rank].global_rank
+            if acting.has_left(rank):
+                del self._failures[local_rank]
+                say(f"rank {rank} (exit code {failure.exitcode}) left the job: elastic "
+                    "training continues without it")
+        if not self._failures:
+            self._first_final_failure = None
 
     def replace(self, local_rank: int, handler: SubprocessHandler) -> None:
         """`handler` runs `local_rank` from now on (the dead process' group is cleaned up)."""
@@ -531,6 +548,10 @@ class TFTElasticAgent(LocalElasticAgent):
         if self.restarts >= limit:
             say(f"{what}; not restarting it: the {limit} restart(s) allowed on this node "
                 f"({MAX_WORKER_RESTARTS_ENV}={limit}) are used up")
+            acting = self.acting_controller()
+            if acting is not None:
+                acting.report_no_replacement(rank, f"{MAX_WORKER_RESTARTS_ENV}={limit} restarts "
+                                             "used up on its node")
             return False
         self.restarts += 1
         env = dict(context.envs[local_rank])

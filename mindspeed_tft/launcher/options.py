@@ -50,6 +50,12 @@ class LaunchOptions:
     #: this node's `--node-rank` (the static rendezvous' group rank)
     node_rank: int
 
+    @property
+    def elastic(self) -> bool:
+        """Elastic training: a worker that gets no replacement may leave the job."""
+        return self.worker_reboot and bool(getattr(self.tft_args, "enable_elastic_training",
+                                                   False))
+
     def describe(self) -> str:
         """One line for the launcher's log."""
         if not self.high_availability:
@@ -60,6 +66,8 @@ class LaunchOptions:
                          f"failed workers on this node)")
             if self.spares_per_node:
                 parts.append(f"{self.spares_per_node} warm spare(s) per node")
+            if self.elastic:
+                parts.append("elastic training on (without a replacement the job shrinks)")
         else:
             parts.append("worker reboot off (a failed worker stops the node, like torchrun)")
         return "; ".join(parts)

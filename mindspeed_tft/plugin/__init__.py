@@ -219,6 +219,9 @@ class TFTPlugin:
         self.control_config: Any = None
         self.actions: Any = None
         self.state: TrainingState | None = None
+        #: the control-plane ranks in this process group world, in global-rank order (all
+        #: of them until elastic training shrinks the job)
+        self.members: list[int] = list(range(args.world_size))
 
     @property
     def high_availability(self) -> bool:
@@ -255,7 +258,7 @@ class TFTPlugin:
             keep_ports.append(int(os.environ["MASTER_PORT"]))
         self.snapshots = StepSnapshots()
         self.actions = RecoveryActions(self.rebuild_process_groups, self.snapshots, dense_map,
-                                       rank, keep_ports)
+                                       rank, keep_ports, scale_in=self.scale_in)
         self.processor = Processor(rank, world_size, config,
                                    replica={"dense": dense_map.describe_rank(rank)})
         self.actions.register(self.processor)
@@ -308,6 +311,55 @@ class TFTPlugin:
             log.info("rank %d: %d process-group references re-pointed", self.args.rank,
                      replaced)
 
+    def scale_in(self, generation: int, ranks: list[int], root: str) -> dict[str, Any]:
+        """Elastic training (training thread): continue in the smaller world of the DP
+        replicas of `ranks` (control-plane ranks) that split the global batch evenly
+        (`recovery.elastic`), from the checkpoint under `root`. Returns whether this rank
+        stays, the new DP size and, for the controller, the rank's new replica layout with
+        control-plane ranks."""
+        from megatron.core.num_microbatches_calculator import (
+            reconfigure_num_microbatches_calculator,
+        )
+
+        from mindspeed_tft.recovery.elastic import replica_num_for, shrunk_world
+        from mindspeed_tft.recovery.rebuild import leave_generation, release_retired_groups
+
+        args, me = self.args, self.actions.rank
+        assert self.replica_groups is not None and self.state is not None
+        dense = self.replica_groups.dense
+        world, dp_size = shrunk_world(ranks, lambda r: dense.dp_index(self.members.index(r)),
+                                      args.global_batch_size, args.micro_batch_size)
+        old_dp = args.data_parallel_size
+        leave_generation()
+        if me not in world:
+            print(f"[mindspeed-tft] rank {me}: the job continues at DP {dp_size} without this "
+                  "rank's replica (the global batch splits evenly over that many)", flush=True)
+            return {"stays": False, "dp_size": dp_size}
+        replica_num = replica_num_for(dp_size, self.features.replica_num)
+        if replica_num != self.features.replica_num and args.rank == 0:
+            print(f"[mindspeed-tft] elastic training: --optimizer-replica-num "
+                  f"{self.features.replica_num} does not divide the new DP size {dp_size}: the "
+                  "job continues with one copy of the optimizer state (a further fault ends "
+                  "in a dump, not a repair)", flush=True)
+        args.rank, args.world_size, args.data_parallel_size = world.index(me), len(world), dp_size
+        args.optimizer_replica_num_effective = replica_num
+        args.num_distributed_optimizer_instances = replica_num
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(args.rank), str(args.world_size)
+        self.state.model, self.state.optimizer = [], None  # free the old replicas' memory
+        self.rebuild_process_groups(generation, survivor=False)
+        reconfigure_num_microbatches_calculator(args.rank, None, args.global_batch_size,
+                                                args.micro_batch_size, dp_size)
+        self.members = world
+        iteration = self.state.rebuild(root)
+        release_retired_groups()
+        self.actions.scale_to(world, self.replica_groups.dense)
+        layout = self.replica_groups.dense.describe_rank(args.rank)
+        layout["holders"] = [world[h] for h in layout["holders"]]
+        print(f"[mindspeed-tft] rank {me}: continues as rank {args.rank} of {len(world)} at DP "
+              f"{dp_size} (was {old_dp}) from iteration {iteration}", flush=True)
+        return {"stays": True, "dp_size": dp_size, "iteration": iteration,
+                "replica": {"dense": layout}}
+
     def attach(self, state: TrainingState) -> None:
         """The trainer's state exists: recovery may act on it."""
         self.state = state
@@ -326,9 +378,13 @@ class TFTPlugin:
             hooks.append(FaultInjectionHooks(injector))
         interval = getattr(self.args, "tft_check_replicas_interval", 0)
         if interval and self.replica_groups is not None:
-            hooks.append(ReplicaCheckHooks(ReplicaConsistencyCheck(self.replica_groups,
+            hooks.append(ReplicaCheckHooks(ReplicaConsistencyCheck(self._replica_groups,
                                                                    interval)))
         return hooks
+
+    def _replica_groups(self) -> ReplicaGroups:
+        assert self.replica_groups is not None
+        return self.replica_groups
 
     def run(self, train_fn: Callable[[], T]) -> T:
         """Run the training function, under the fault handler with high availability."""

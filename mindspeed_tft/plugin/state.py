@@ -39,6 +39,10 @@ class TrainingState:
     valid_data_iterator: Iterator | None = None
     #: called after a rollback (host-specific state to reset: timers, rerun state machine)
     after_rollback: Callable[[], None] | None = None
+    #: elastic training: build model, optimizer and scheduler again for the current
+    #: parallel state, load the latest checkpoint under a directory into them and rebuild
+    #: the data iterator; returns the iteration loaded (None: the host cannot)
+    rebuild_model_and_optimizer: Callable[[str], int] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -49,6 +53,15 @@ class TrainingState:
     @iteration.setter
     def iteration(self, value: int) -> None:
         self.args.iteration = value
+
+    def rebuild(self, root: str) -> int:
+        """Elastic training: everything built again at the current size, from the
+        checkpoint under `root` (see `rebuild_model_and_optimizer`)."""
+        if self.rebuild_model_and_optimizer is None:
+            raise RuntimeError("this trainer cannot rebuild its model for a smaller world "
+                               "(elastic training needs the host to set "
+                               "TrainingState.rebuild_model_and_optimizer)")
+        return self.rebuild_model_and_optimizer(root)
 
     def reset_train_data_iterator(self) -> None:
         """Rebuild the training data iterator at `args.consumed_train_samples`."""

@@ -17,6 +17,9 @@ an action:
   shards from replica holders (`rollback.transfer_shards`) or, without replicas, reload the
   last periodic checkpoint in place;
 - `rollback`: in the training thread, every rank back to the lock step (`rollback.py`).
+- `scale_in` (elastic training, after a dump): in the training thread, continue in a
+  smaller world from the dump (the plugin's `scale_in`). Afterwards this rank's global rank
+  in the process groups may differ from its control-plane rank (`members` maps them).
 
 A restarted worker registers before it has a model: its `repair` first joins the new
 process groups (the training thread, waiting in `TFTPlugin.join_job`, runs that), then waits
@@ -72,8 +75,13 @@ class RecoveryActions:
         replica_map: ReplicaMap,
         rank: int,
         keep_ports: list[int],
+        scale_in: Callable[[int, list[int], str], dict[str, Any]] | None = None,
     ) -> None:
         self.rebuild_process_groups = rebuild_process_groups
+        self.resize = scale_in
+        #: control-plane ranks of the process-group world in global-rank order (None: the
+        #: same numbers)
+        self.members: list[int] | None = None
         self.state: RecoverableState | None = None
         self.snapshots = snapshots
         self.map = replica_map
@@ -86,13 +94,26 @@ class RecoveryActions:
     def register(self, processor: Any) -> None:
         """Register every callback this class implements with `processor`."""
         self.processor = processor
-        for name in ("stop", "clean", "repair", "rollback", "dump", "rename"):
+        for name in ("stop", "clean", "repair", "rollback", "dump", "rename", "scale_in"):
             processor.register_callback(name, getattr(self, name))
 
     def attach(self, state: RecoverableState) -> None:
         """The trainer's state exists (model, optimizer, data)."""
         self.state = state
         self.attached.set()
+
+    def scale_to(self, members: list[int], replica_map: ReplicaMap) -> None:
+        """The job continues in the world of `members` with `replica_map` (global ranks)."""
+        self.members = list(members)
+        self.map = replica_map
+
+    def _global(self, rank: int) -> int:
+        """The process-group rank of control-plane `rank`."""
+        return rank if self.members is None else self.members.index(rank)
+
+    @property
+    def global_rank(self) -> int:
+        return self._global(self.rank)
 
     def _training_state(self) -> RecoverableState:
         if self.state is None:
@@ -132,10 +153,9 @@ class RecoveryActions:
             if self.loaded_step == 0:
                 raise RuntimeError(f"no periodic checkpoint under {root} to repair from")
             return {"step": self.loaded_step}
-        self.received_snapshot = transfer_shards(
-            state, self.snapshots, lock_step, payload.get("receive", []),
-            payload.get("send", []),
-        )
+        receive = [{**e, "from": self._global(int(e["from"]))} for e in payload.get("receive", [])]
+        send = [{**e, "to": self._global(int(e["to"]))} for e in payload.get("send", [])]
+        self.received_snapshot = transfer_shards(state, self.snapshots, lock_step, receive, send)
         return {"received": len(payload.get("receive", [])),
                 "sent": len(payload.get("send", []))}
 
@@ -156,13 +176,28 @@ class RecoveryActions:
                     raise
                 snapshot = self.received_snapshot
         seconds = rollback(state, snapshot)
-        emit("rolled_back", self.rank, iteration=step, shard=str(self.map.shard_of(self.rank)),
+        emit("rolled_back", self.rank, iteration=step,
+             shard=str(self.map.shard_of(self.global_rank)),
              seconds=seconds,
              param_bytes=sum(p.numel() * p.element_size()
                              for chunk in state.model for p in chunk.parameters()),
              lr=state.optimizer.param_groups[0]["lr"],
              consumed_samples=state.args.consumed_train_samples)
         return {"step": step}
+
+    # -- elastic training -----------------------------------------------------------------
+    def scale_in(self, payload: dict[str, Any]) -> dict[str, Any]:
+        if self.resize is None:
+            raise RuntimeError(f"rank {self.rank}: this process cannot scale in")
+        resize = self.resize
+        root = os.path.dirname(str(payload["path"]))
+        ranks = [int(r) for r in payload["ranks"]]
+        result = self.processor.run_in_training_thread(
+            lambda: resize(int(payload["incident"]), ranks, root))
+        if result.get("stays") and result.get("iteration") != int(payload["lock_step"]):
+            raise RuntimeError(f"rank {self.rank} loaded iteration {result.get('iteration')} "
+                               f"from {root}, not the dump's {payload['lock_step']}")
+        return result
 
     # -- dump -----------------------------------------------------------------------------
     def _checkpoint_root(self) -> str:
@@ -178,7 +213,7 @@ class RecoveryActions:
             return {"written": []}
         root = self._checkpoint_root()
         state = self._training_state()
-        my_shard = self.map.shard_of(self.rank)
+        my_shard = self.map.shard_of(self.global_rank)
         written = []
         distributed = uses_distributed_optimizer(state)
         assembler = my_shard.index == 0

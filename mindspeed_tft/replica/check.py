@@ -10,6 +10,7 @@ In the manner of Megatron-LM's `--check-weight-hash-across-dp-replicas-interval`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,12 +27,17 @@ class ReplicaMismatchError(RuntimeError):
 
 class ReplicaConsistencyCheck:
     """Compares shard digests across each replica group every `interval` iterations (the
-    plugin calls `start` when training starts and `after_step` after every step)."""
+    plugin calls `start` when training starts and `after_step` after every step).
+    `groups()` gives the current replica groups (a repair or a shrink builds new ones)."""
 
-    def __init__(self, groups: ReplicaGroups, interval: int) -> None:
-        self.groups = groups
+    def __init__(self, groups: Callable[[], ReplicaGroups], interval: int) -> None:
+        self._groups = groups
         self.interval = interval
         self._replica_group: dist.ProcessGroup | None = None
+
+    @property
+    def groups(self) -> ReplicaGroups:
+        return self._groups()
 
     def start(self) -> None:
         """Build the replica groups the check gathers over (collective, all ranks)."""

@@ -405,15 +405,28 @@ def pretrain(
 
     if not plugin.rejoining:
         train_ds, valid_ds, _test_ds = train_valid_test_datasets_provider(num_samples)
-    dp_rank = ps.get_data_parallel_rank()
-    dp_size = ps.get_data_parallel_world_size()
 
     def build_train_iterator(consumed_samples: int) -> Iterator | None:
         if train_ds is None:
             return None
-        return build_data_iterator(
-            train_ds, consumed_samples, args.micro_batch_size, dp_rank, dp_size
-        )
+        return build_data_iterator(train_ds, consumed_samples, args.micro_batch_size,
+                                   ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+
+    def build_valid_iterator() -> Iterator | None:
+        return build_data_iterator(valid_ds, args.consumed_valid_samples, args.micro_batch_size,
+                                   ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+
+    def rebuild_model_and_optimizer(root: str) -> int:
+        # elastic training: the same model, optimizer and data at the current (smaller) size,
+        # from the checkpoint under root (random init skipped: the checkpoint overwrites it)
+        args.perform_initialization = False
+        state.model, state.optimizer, state.opt_param_scheduler = setup_model_and_optimizer(
+            model_provider, args, broadcast_params=False)
+        iteration = load_checkpoint(state, root)
+        state.reset_train_data_iterator()
+        if valid_ds is not None:
+            state.valid_data_iterator = build_valid_iterator()
+        return iteration
 
     state = TrainingState(
         args=args,
@@ -423,14 +436,13 @@ def pretrain(
         build_train_data_iterator=build_train_iterator,
         checkpoint_state_dict=lambda rng_state: checkpoint_state_dict(state, rng_state),
         load_checkpoint=lambda root: load_checkpoint(state, root),
+        rebuild_model_and_optimizer=rebuild_model_and_optimizer,
     )
     if args.load and not plugin.rejoining:  # a restarted worker gets its state from peers
         load_checkpoint(state)
     state.reset_train_data_iterator()
     if valid_ds is not None:
-        state.valid_data_iterator = build_data_iterator(
-            valid_ds, args.consumed_valid_samples, args.micro_batch_size, dp_rank, dp_size
-        )
+        state.valid_data_iterator = build_valid_iterator()
     plugin.attach(state)
     hooks = HookList([plugin.hooks()])
     print_rank_0(f"[mindspeed-tft] training from iteration {state.iteration} to {args.train_iters}")

@@ -78,7 +78,7 @@ def main() -> None:
         checkpoint_state_dict=lambda rng: {}, load_checkpoint=lambda root: 0,
     )
     state.reset_train_data_iterator()
-    check = ReplicaConsistencyCheck(plugin.replica_groups, interval=1)
+    check = ReplicaConsistencyCheck(lambda: plugin.replica_groups, interval=1)
     hooks = HookList([plugin.hooks(), ReplicaCheckHooks(check)])
     set_update_listener(hooks, state)
     check.start()

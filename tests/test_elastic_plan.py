@@ -1,0 +1,34 @@
+"""The smaller world of elastic training: the largest DP size that splits the global batch
+evenly, the ranks that stay, the replica number that still fits."""
+
+import pytest
+
+from mindspeed_tft.recovery.elastic import even_dp_size, replica_num_for, shrunk_world
+
+
+@pytest.mark.parametrize(("gbs", "mbs", "replicas", "size"), [
+    (16, 2, 3, 2), (24, 2, 3, 3), (48, 4, 3, 3), (16, 2, 1, 1), (32, 1, 7, 4), (14, 2, 6, 1),
+])
+def test_even_dp_size_is_the_largest_that_splits_the_global_batch(gbs, mbs, replicas, size):
+    assert even_dp_size(gbs, mbs, replicas) == size
+    assert gbs % (mbs * size) == 0
+
+
+def test_no_replica_left_is_refused():
+    with pytest.raises(ValueError, match=r"no data-parallel replica left \(0\)"):
+        even_dp_size(16, 2, 0)
+
+
+def test_shrunk_world_keeps_whole_replicas_in_rank_order():
+    # TP2 x DP2 x PP2 (tensor fastest, pipeline slowest): replica of rank r is (r // 2) % 2
+    ranks = [0, 1, 4, 5]  # DP index 1 (ranks 2, 3, 6, 7) lost
+    assert shrunk_world(ranks, lambda r: (r // 2) % 2, 16, 2) == ([0, 1, 4, 5], 1)
+    # DP4 that lost rank 1: 8 micro-batches per step go to DP2, 12 to DP3
+    assert shrunk_world([0, 2, 3], lambda r: r, 16, 2) == ([0, 2], 2)
+    assert shrunk_world([0, 2, 3], lambda r: r, 24, 2) == ([0, 2, 3], 3)
+
+
+@pytest.mark.parametrize(("dp", "wanted", "n"), [(3, 2, 1), (2, 2, 2), (6, 3, 3), (1, 2, 1),
+                                                 (4, 1, 1)])
+def test_replicas_are_reformed_only_where_n_still_divides_the_dp_size(dp, wanted, n):
+    assert replica_num_for(dp, wanted) == n
