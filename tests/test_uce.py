@@ -18,7 +18,7 @@ pytestmark = pytest.mark.multiproc
 
 RETRY_ARGS = f"{HA_ARGS} --enable-hbmfault-repair"
 LAYOUTS = {
-    "dp4": ({"layout": "dp4", **STANDARD}, 7),
+    "dp4": ({"layout": "dp4", **STANDARD, "precision": "bf16"}, 7),  # the bf16 flagship
     "tp2dp2": ({"layout": "tp2dp2", "dist_opt": False, "train_iters": 10,
                 "save_interval": 5}, 3),
 }
