@@ -100,6 +100,10 @@ from _timeline import Job, JobSpec, fmt_s, print_breakdown, run_spec  # noqa: E4
 REFERENCE_ARGS = "--enable-high-availability"
 ARF_ARGS = "--enable-high-availability --enable-worker-reboot"
 UCE_ARGS = "--enable-high-availability --enable-hbmfault-repair"
+ELASTIC_ARGS = f"{ARF_ARGS} --enable-elastic-training"
+#: the elastic job: no restart allowed; 24 samples per step (12 micro-batches: DP3 after a
+#: shrink of DP4; the preset's 16 would continue at DP2)
+ELASTIC_ENV = {"TFT_MAX_WORKER_RESTARTS": "0", "GBS": "24"}
 TARGETS = ("optimizer", "param", "grad", "activation")
 SPARE_LAUNCHER = "tft-run --tft-spares-per-node 1"
 GOAL_RATIO, GOAL_ARF_MARGIN_S, GOAL_UCE_MARGIN_S, GOAL_EFFICIENCY = 0.25, 1.0, 0.5, 0.5
@@ -211,6 +215,38 @@ def uce_row(target: str, job: Job, reference: dict[int, float] | None) -> Row:
         ("first step after the fault completed", _t(job.first_iteration_after_fault())),
     ]
     return row
+
+
+def elastic_row(job: Job) -> tuple[Row, dict[str, Any]]:
+    """The shrink of elastic training: fault -> first step at the smaller size, and the step
+    time before and after it (from the logging rank's iteration events)."""
+    row = Row("elastic (no replacement)", "tft-run, TFT_MAX_WORKER_RESTARTS=0", job)
+    if _no_fault(row):
+        return row, {}
+    t0 = _common(row, None)  # not bit-exact: gradients summed over fewer ranks
+    strategy = _repair_decision(row, t0, "recover")
+    shrink = job.first("scale_in", t0)
+    if shrink is None:
+        row.notes.append("no scale_in event: the job did not shrink")
+        return row, {}
+    row.resumed_from = f"lock {shrink['step']}"
+    row.notes.append(f"continued at DP {shrink['dp_size']} on ranks {shrink['ranks']}")
+    row.marks = [
+        ("fault detected (first fault_detected)", _t(job.first("fault_detected", t0))),
+        ("strategy recover chosen", _t(strategy)),
+        ("dump of the lock step saved (no replacement)", _t(job.first("dump_saved", t0))),
+        ("smaller world rebuilt, dump reloaded (scale_in)", _t(shrink)),
+        ("first step after the fault completed", _t(job.first_iteration_after_fault())),
+    ]
+    times = [(e["iteration"], e["time"]) for e in job.named("iteration")]
+    gaps = [(it, b - a) for (_, a), (it, b) in zip(times, times[1:], strict=False)]
+    before = [g for it, g in gaps[2:] if it <= shrink["step"]]
+    after = [g for it, g in gaps if it > shrink["step"] + 1]
+    step_before, step_after = _median(before), _median(after)
+    return row, {"elastic_s": _round(row.recovered_s), "elastic_dp": shrink["dp_size"],
+                 "elastic_step_before_s": _round(step_before),
+                 "elastic_step_after_s": _round(step_after),
+                 "elastic_step_ratio": _round(_ratio(step_after, step_before), 3)}
 
 
 def baseline_row(launcher: str, job: Job, step: int) -> Row:
@@ -417,10 +453,13 @@ def measure_size(opts: argparse.Namespace, host: Any, size: Size, work: Path,
         f"uce_{t}", ha_args=UCE_ARGS, env=ha_env, **base,
         inject=f"uce:rank={opts.uce_rank},step={opts.step},phase=backward,target={t}")),
         reference) for t in targets]
+    elastic, elastic_figures = elastic_row(run(JobSpec(
+        "elastic", ha_args=ELASTIC_ARGS, launcher="tft-run", inject=kill,
+        env={**ha_env, **ELASTIC_ENV}, **base)))
     moved = _state_moved([*spare_rows, *uce_rows])
     limits = measure_limits(moved, work, opts.timeout) if moved else None
 
-    rows = [*spare_rows, *cold_rows, *base_rows, *uce_rows]
+    rows = [*spare_rows, *cold_rows, *base_rows, *uce_rows, elastic]
     print(f"size {size.name} ({_params_m(sizes):.1f} M parameters); host: {host.name}"
           + (f" ({host.megatron_lm})" if host.megatron_lm else "")
           + f"; fault: {kill} (UCE: rank {opts.uce_rank}, phase backward); {opts.iters} "
@@ -435,6 +474,14 @@ def measure_size(opts: argparse.Namespace, host: Any, size: Size, work: Path,
             continue
         print_breakdown(f"where the time goes, {title} (s since the fault, +delta):",
                         r.job.fault()["time"], r.marks)
+    if elastic.marks:
+        print_breakdown("where the time goes, elastic shrink (s since the fault, +delta):",
+                        elastic.job.fault()["time"], elastic.marks)
+        ratio_text = _fmt(elastic_figures.get("elastic_step_ratio"))
+        print(f"    step {_fmt(elastic_figures.get('elastic_step_before_s'))} s at DP 4, "
+              f"{_fmt(elastic_figures.get('elastic_step_after_s'))} s at DP "
+              f"{elastic_figures.get('elastic_dp')} (after/before {ratio_text}; the same global "
+              "batch on fewer ranks: d/(d-1) where each rank has its own core)")
     worst_uce = max((r for r in uce_rows if r.recovered_s is not None),
                     key=lambda r: r.recovered_s or 0.0, default=None)
     if worst_uce is not None:
@@ -494,6 +541,7 @@ def measure_size(opts: argparse.Namespace, host: Any, size: Size, work: Path,
         "uce": {r.case.split()[-1]: _round(r.recovered_s) for r in uce_rows},
         "uce_lost_iterations": max((len(r.recomputed) for r in uce_rows), default=0),
         "bit_exact": bit_exact,
+        **elastic_figures,
         **cost,
         "goals_met": goals,
         "knobs": {option: getattr(opts, option) for option in SIZE_KNOBS

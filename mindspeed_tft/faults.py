@@ -21,7 +21,7 @@ Kinds (what happens when an item fires):
   P was not stopped within T s")``.
 
 Keys: ``rank`` (global rank, required, integer >= 0), ``step`` (required, integer >= 0),
-``phase`` = forward | backward | optimizer | save | after | publish (default forward),
+``phase`` = forward | backward | optimizer | save | after | publish | scale (default forward),
 ``target`` = optimizer | param | grad | activation (uce only; default optimizer), ``point`` =
 written | synced | aside | renamed | tracker (required with phase publish, allowed only with
 it). Kinds, keys and values are
@@ -38,6 +38,10 @@ during step s; ``save`` during a periodic checkpoint save made at the end of ste
 iteration s+1), after its files are written and before they are published; ``after`` once step
 s is complete (iteration is s+1). An item whose phase point never comes (e.g. ``save`` at a step
 without a save) never fires.
+
+Phase ``scale`` fires in each remaining rank when elastic training shrinks the job from the
+dump of lock step s (`TFTPlugin.scale_in`), before the smaller world's process groups are
+built: a fault during a scale change.
 
 Phase ``publish`` fires inside `mindspeed_tft.recovery.layout.publish_checkpoint`, in the
 process that publishes a checkpoint of iteration s+1 (a periodic save at the end of step s,
@@ -100,7 +104,7 @@ STORE_KEY_PREFIX = "tft_inject/fired/"
 
 KINDS = ("kill", "raise", "uce", "comm", "hang")
 KEYS = ("rank", "step", "phase", "target", "point")
-PHASES = ("forward", "backward", "optimizer", "save", "after", "publish")
+PHASES = ("forward", "backward", "optimizer", "save", "after", "publish", "scale")
 PUBLISH_PHASE = "publish"
 #: the points of publishing a checkpoint, in order (see the module docstring)
 PUBLISH_POINTS = ("written", "synced", "aside", "renamed", "tracker")

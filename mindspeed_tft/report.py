@@ -81,6 +81,10 @@ def _describe(event: dict[str, Any]) -> str | None:
         return f"dying-gasp checkpoint of iteration {event['iteration']} saved in {event['path']}"
     if name == "repaired":
         return f"repaired ({event['strategy']}): training resumes at iteration {event['step']}"
+    if name == "scale_in":
+        return (f"elastic training: the job shrank to {event['world_size']} ranks (DP "
+                f"{event['dp_size']}, ranks {event['ranks']}) without ranks {event['left']}; "
+                f"training resumes at iteration {event['step']}")
     if name == "exit":
         return f"job exits with code {event['code']}: {event['reason']}"
     return None

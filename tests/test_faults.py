@@ -113,7 +113,7 @@ def test_item_marker_and_describe():
          "step, phase, target, point"),
         ("kill:rank=0,step=1,phase=fwd",
          "TFT_INJECT item 1 'kill:rank=0,step=1,phase=fwd': unknown phase 'fwd'; allowed: "
-         "forward, backward, optimizer, save, after, publish"),
+         "forward, backward, optimizer, save, after, publish, scale"),
         ("kill:rank=0,step=1,phase=publish",
          "TFT_INJECT item 1 'kill:rank=0,step=1,phase=publish': phase publish needs "
          "point=P; allowed: written, synced, aside, renamed, tracker"),
@@ -254,7 +254,7 @@ def test_fire_rejects_unknown_phase():
     with pytest.raises(ValueError) as info:
         injector_for("").fire(0, "update")
     assert str(info.value) == (
-        "unknown phase 'update'; allowed: forward, backward, optimizer, save, after, publish"
+        "unknown phase 'update'; allowed: forward, backward, optimizer, save, after, publish, scale"
     )
 
 

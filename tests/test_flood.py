@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.jobs import HA_ARGS, REPO, STANDARD, read_events_if_any, start_tiny_job, tiny_job_env
+from tests.jobs import BF16, HA_ARGS, REPO, read_events_if_any, start_tiny_job, tiny_job_env
 
 pytestmark = pytest.mark.multiproc
 
@@ -172,10 +172,10 @@ def _drops(log: Path) -> dict[str, int]:
 
 
 def test_flood_of_hostile_frames_changes_nothing(reference_job, tmp_path):
-    reference = reference_job("dp4", ha_args=HA_ARGS, **STANDARD)
+    reference = reference_job("dp4", ha_args=HA_ARGS, **BF16)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    env = tiny_job_env(run_dir, layout="dp4", ha_args=HA_ARGS, **STANDARD)
+    env = tiny_job_env(run_dir, layout="dp4", ha_args=HA_ARGS, **BF16)
     events = run_dir / "events.jsonl"
     job = start_tiny_job(env)
     attacker = None
@@ -221,7 +221,7 @@ def test_flood_of_hostile_frames_changes_nothing(reference_job, tmp_path):
     all_events = read_events_if_any(events)
     assert not [e for e in all_events if e["event"] in ("fault_detected", "strategy")]
     losses = {e["iteration"]: e["loss"] for e in all_events if e["event"] == "iteration"}
-    assert losses == reference.losses() and len(losses) == STANDARD["train_iters"]
+    assert losses == reference.losses() and len(losses) == BF16["train_iters"]
     # the flood was real and reached the controller: several MB/s, every kind refused
     assert sent["bytes"] / sent["seconds"] > 2e6, sent
     for reason in ("malformed", "oversized", "unexpected_type", "unregistered", "schema"):

@@ -26,7 +26,7 @@ HA = "--enable-high-availability --tft-check-replicas-interval 1"
 FOUR_FLAGS = ("--enable-high-availability", "--enable-hbmfault-repair",
               "--enable-worker-reboot", "--distributed-optimizer-no-replica")
 DUMP_EXIT_CODE = 75
-ITERS = {"train_iters": 8, "save_interval": 4}
+ITERS = {"train_iters": 8, "save_interval": 4, "precision": "fp32"}  # see tests.jobs.STANDARD
 #: (layout, how the adaptor gets in): -m, or the one-line import in the user's script
 ROUTES = {
     "dp4": {"layout": "dp4"},
@@ -70,6 +70,9 @@ def test_help_lists_the_flags_with_and_without_the_import(megatron_lm):
      "handles SIGTERM itself"),
     (["--optimizer-replica-num", "3"],
      "--optimizer-replica-num 3 does not divide the data-parallel size 4"),
+    (["--enable-worker-reboot", "--enable-elastic-training"],
+     "--enable-elastic-training cannot be combined with --enable-high-availability: elastic "
+     "training runs in this project's trainer only so far"),
 ])
 def test_a_flag_the_plugin_cannot_serve_stops_at_start_up(megatron_lm, extra, message):
     """Refused after Megatron-LM's own validation, before torch.distributed starts: a clear

@@ -87,7 +87,7 @@ def test_ha_on_losses_match_ha_off(layout, n, reference_job):
     off = reference_job(layout, **STANDARD)
     on = reference_job(layout, ha_args=ha_args(n), **STANDARD)
     off_losses, on_losses = off.losses(), on.losses()
-    assert sorted(on_losses) == sorted(off_losses) == list(range(1, 21))
+    assert sorted(on_losses) == sorted(off_losses) == list(range(1, STANDARD["train_iters"] + 1))
     for iteration in off_losses:
         assert on_losses[iteration] == pytest.approx(off_losses[iteration], rel=1e-5)
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.jobs import HA_ARGS, STANDARD, run_tiny_job
+from tests.jobs import BF16, HA_ARGS, STANDARD, run_tiny_job
 
 pytestmark = pytest.mark.multiproc
 
 RETRY_ARGS = f"{HA_ARGS} --enable-hbmfault-repair"
 LAYOUTS = {
-    "dp4": ({"layout": "dp4", **STANDARD, "precision": "bf16"}, 7),  # the bf16 flagship
+    "dp4": ({"layout": "dp4", **BF16}, 7),  # the bf16 flagship
     "tp2dp2": ({"layout": "tp2dp2", "dist_opt": False, "train_iters": 10,
                 "save_interval": 5}, 3),
 }

@@ -164,7 +164,7 @@ def test_kill_during_a_repair_ends_cleanly_never_hangs(tmp_path):
     run_dir = tmp_path / "job"
     events = run_dir / "events.jsonl"
     proc = start_tiny_job(tiny_job_env(
-        run_dir, train_iters=20, save_interval=5, ha_args=ARF_ARGS, launcher="tft-run",
+        run_dir, **STANDARD, ha_args=ARF_ARGS, launcher="tft-run",
         inject="kill:rank=1,step=7,phase=forward"))
     try:
         layout = wait_event(events, lambda e: e["event"] == "replica_layout" and e["rank"] == 3,
@@ -187,7 +187,7 @@ def test_kill_during_a_repair_ends_cleanly_never_hangs(tmp_path):
 
 def _launch_node(run_dir, node_rank: int, master_port: int, ttp_port: int):
     return start_tiny_job(tiny_job_env(
-        run_dir, train_iters=20, save_interval=5, ha_args=ARF_ARGS,
+        run_dir, **STANDARD, ha_args=ARF_ARGS,
         launcher=f"tft-run --nnodes 2 --node-rank {node_rank} --master-addr 127.0.0.1",
         env={"NPROC": "2", "MASTER_PORT": str(master_port), "TTP_PORT": str(ttp_port),
              "TTP_LOG_PATH": str(run_dir / f"ttp_logs_node{node_rank}")}))

@@ -151,6 +151,11 @@ class IncidentFlow:
             self.on_gone(rank, "lost")
         if expected or state is State.ABNORMAL or self.done or self.host.sm.state is not state:
             return
+        if self.phase is not None and self.phase.name == "scale_in":
+            # the dump of the lock step is published: end there rather than dump again from
+            # ranks that are tearing their state down
+            self._end_with_the_dump(f"{kind} on rank {rank} during the shrink")
+            return
         if state in (State.ENV_CLEAR, State.REPAIR):
             self._repair_failed(f"cascading fault: {kind} on rank {rank} during {state}")
 
@@ -508,9 +513,7 @@ class IncidentFlow:
     def _after_scale_in(self, phase: Phase) -> None:
         inc, host = self.incident, self.host
         if phase.failures:
-            self._exit(host.config.dump_exit_code,
-                       f"scale-in failed ({self._fail_text(phase)}); dying-gasp checkpoint saved "
-                       f"at iteration {inc.lock_step}")
+            self._end_with_the_dump(f"scale-in failed ({self._fail_text(phase)})")
             return
         results = phase.results
         staying = sorted(r for r, res in results.items() if res.get("stays"))
@@ -534,6 +537,13 @@ class IncidentFlow:
         log.warning("incident %d: job shrunk to %d ranks (DP %s) at step %d; left: %s", inc.id,
                     len(staying), dp_size, inc.lock_step, sorted([*self.leaving, *standby]))
         self._resume(false_alarm=False)
+
+    def _end_with_the_dump(self, why: str) -> None:
+        """A shrink failed after its dump was published: exit with the dump code
+        (REPAIR -> DUMP -> EXIT: the dump is the state the job ends in)."""
+        reason = f"{why}; dying-gasp checkpoint saved at iteration {self.incident.lock_step}"
+        self.host.sm.to(State.DUMP, reason)
+        self._exit(self.host.config.dump_exit_code, reason)
 
     def _exit(self, code: int, reason: str) -> None:
         host = self.host

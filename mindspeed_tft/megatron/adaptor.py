@@ -82,6 +82,10 @@ HOST_REFUSALS: tuple[tuple[str, Callable[[argparse.Namespace], bool], str], ...]
      "nvidia-resiliency-ext's fault tolerance would act on the same faults; remove it"),
     ("--non-persistent-save-interval", lambda a: a.non_persistent_save_interval is not None,
      "repairs and dumps use the persistent checkpoints under --save; remove it"),
+    ("--enable-elastic-training", lambda a: bool(getattr(a, "enable_elastic_training", False)),
+     "elastic training runs in this project's trainer only so far (Megatron-LM's loop "
+     "cannot rebuild its model in a smaller world yet); remove it (worker reboot and the "
+     "dump stay on) or train with pretrain_gpt.py of mindspeed-tft"),
 )
 
 

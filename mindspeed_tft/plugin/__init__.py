@@ -222,6 +222,8 @@ class TFTPlugin:
         #: the control-plane ranks in this process group world, in global-rank order (all
         #: of them until elastic training shrinks the job)
         self.members: list[int] = list(range(args.world_size))
+        #: the TFT_INJECT faults of this process (`hooks`), fired at a scale change too
+        self.injector: FaultInjector | None = None
 
     @property
     def high_availability(self) -> bool:
@@ -330,6 +332,8 @@ class TFTPlugin:
         world, dp_size = shrunk_world(ranks, lambda r: dense.dp_index(self.members.index(r)),
                                       args.global_batch_size, args.micro_batch_size)
         old_dp = args.data_parallel_size
+        if self.injector is not None:
+            self.injector.fire(self.state.iteration, "scale")
         leave_generation()
         if me not in world:
             print(f"[mindspeed-tft] rank {me}: the job continues at DP {dp_size} without this "
@@ -376,6 +380,7 @@ class TFTPlugin:
         injector = FaultInjector.from_env(dist.get_rank())
         if injector:
             hooks.append(FaultInjectionHooks(injector))
+            self.injector = injector
         interval = getattr(self.args, "tft_check_replicas_interval", 0)
         if interval and self.replica_groups is not None:
             hooks.append(ReplicaCheckHooks(ReplicaConsistencyCheck(self._replica_groups,
