@@ -27,6 +27,20 @@ NO_RESTARTS = {"TFT_MAX_WORKER_RESTARTS": "0"}
 LOSS_TOLERANCE = 4 * 2.0**-20  # four fp32 ulps at a loss of 8
 
 
+def _assert_the_fault_free_stream(job, reference, fault_step: int) -> None:
+    """Every iteration logged once, with the fault-free run's samples and learning rate;
+    its loss bit-identical before the fault, within `LOSS_TOLERANCE` after it."""
+    logged = job.named("iteration")
+    expected = {e["iteration"]: e for e in reference.named("iteration")}
+    assert [e["iteration"] for e in logged] == list(range(1, STANDARD["train_iters"] + 1))
+    for event in logged:
+        want = expected[event["iteration"]]
+        assert (event["consumed_samples"], event["lr"]) == (want["consumed_samples"], want["lr"])
+        if event["iteration"] <= fault_step:
+            assert event["loss"] == want["loss"], event
+        assert abs(event["loss"] - want["loss"]) <= LOSS_TOLERANCE, event
+
+
 @pytest.mark.parametrize(("layout", "gbs", "ranks", "dp_size", "left"), [
     # 12 micro-batches per step: DP3 gets 4 each; N = 2 no longer divides 3 -> one copy
     ("dp4", 24, [0, 2, 3], 3, [1]),
@@ -54,16 +68,7 @@ def test_kill_without_replacement_shrinks_and_finishes_every_iteration(
     assert [e["iteration"] for e in job.named("dump_saved")] == [7]
     assert not job.named("worker_restarted")
     assert "rank 1 (exit code -9) left the job: elastic training continues" in job.output
-    # every iteration once, with the fault-free run's samples and learning rate
-    logged = job.named("iteration")
-    expected = {e["iteration"]: e for e in reference.named("iteration")}
-    assert [e["iteration"] for e in logged] == list(range(1, STANDARD["train_iters"] + 1))
-    for event in logged:
-        want = expected[event["iteration"]]
-        assert (event["consumed_samples"], event["lr"]) == (want["consumed_samples"], want["lr"])
-        if event["iteration"] <= 7:  # before the fault: the same run
-            assert event["loss"] == want["loss"], event
-        assert abs(event["loss"] - want["loss"]) <= LOSS_TOLERANCE, event
+    _assert_the_fault_free_stream(job, reference, fault_step=7)
     # replicas re-formed where N = 2 still divides the DP size (DP2), else one copy (DP3)
     checks = [e for e in job.named("replica_check") if e["iteration"] > 7]
     assert checks and all(e["match"] for e in checks)
@@ -88,13 +93,7 @@ def test_two_shrinks_in_one_job(reference_job, tmp_path):
     shrinks = [(e["ranks"], e["dp_size"], e["left"], e["step"]) for e in job.named("scale_in")]
     assert shrinks == [([0, 2], 2, [1, 3], 7), ([0], 1, [2], 12)]
     assert [e["iteration"] for e in job.named("dump_saved")] == [7, 12]
-    logged = job.named("iteration")
-    expected = {e["iteration"]: e for e in reference.named("iteration")}
-    assert [e["iteration"] for e in logged] == list(range(1, STANDARD["train_iters"] + 1))
-    for event in logged:
-        want = expected[event["iteration"]]
-        assert (event["consumed_samples"], event["lr"]) == (want["consumed_samples"], want["lr"])
-        assert abs(event["loss"] - want["loss"]) <= LOSS_TOLERANCE, event
+    _assert_the_fault_free_stream(job, reference, fault_step=7)
 
 
 def test_a_dump_written_after_a_shrink_resumes_at_the_launch_size(reference_job, tmp_path):
