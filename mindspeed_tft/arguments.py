@@ -154,9 +154,9 @@ def add_tft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def parse_high_availability_env(value: str) -> tuple[str, ...]:
     """The modes of a ``HIGH_AVAILABILITY`` value, in order, without repeats.
 
-    A comma-separated list of dump, retry, recover, elastic-training; case-insensitive; whitespace around items
-    is ignored. An empty or blank value means "not set" (returns ``()``). Any other item,
-    an empty one included, raises `TFTArgumentError`.
+    A comma-separated list of dump, retry, recover, elastic-training; case-insensitive;
+    whitespace around items is ignored. An empty or blank value means "not set" (returns
+    ``()``). Any other item, an empty one included, raises `TFTArgumentError`.
     """
     if not value.strip():
         return ()

@@ -531,11 +531,12 @@ class IncidentFlow:
             if row is not None and isinstance(replica, dict):
                 row.replica = replica
         dp_size = results[staying[0]].get("dp_size") if staying else None
+        left = sorted([*self.leaving, *standby])
         emit("scale_in", CONTROLLER_RANK, world_size=len(staying), dp_size=dp_size,
-             ranks=staying, left=sorted([*self.leaving, *standby]), lost=sorted(self.shrinking or ()),
-             step=inc.lock_step, incident=inc.id)
+             ranks=staying, left=left, lost=sorted(self.shrinking or ()), step=inc.lock_step,
+             incident=inc.id)
         log.warning("incident %d: job shrunk to %d ranks (DP %s) at step %d; left: %s", inc.id,
-                    len(staying), dp_size, inc.lock_step, sorted([*self.leaving, *standby]))
+                    len(staying), dp_size, inc.lock_step, left)
         self._resume(false_alarm=False)
 
     def _end_with_the_dump(self, why: str) -> None:

@@ -219,9 +219,6 @@ class TFTPlugin:
         self.control_config: Any = None
         self.actions: Any = None
         self.state: TrainingState | None = None
-        #: the control-plane ranks in this process group world, in global-rank order (all
-        #: of them until elastic training shrinks the job)
-        self.members: list[int] = list(range(args.world_size))
         #: the TFT_INJECT faults of this process (`hooks`), fired at a scale change too
         self.injector: FaultInjector | None = None
 
@@ -329,7 +326,8 @@ class TFTPlugin:
         args, me = self.args, self.actions.rank
         assert self.replica_groups is not None and self.state is not None
         dense = self.replica_groups.dense
-        world, dp_size = shrunk_world(ranks, lambda r: dense.dp_index(self.members.index(r)),
+        actions = self.actions
+        world, dp_size = shrunk_world(ranks, lambda r: dense.dp_index(actions.global_rank_of(r)),
                                       args.global_batch_size, args.micro_batch_size)
         old_dp = args.data_parallel_size
         if self.injector is not None:
@@ -353,7 +351,6 @@ class TFTPlugin:
         self.rebuild_process_groups(generation, survivor=False)
         reconfigure_num_microbatches_calculator(args.rank, None, args.global_batch_size,
                                                 args.micro_batch_size, dp_size)
-        self.members = world
         iteration = self.state.rebuild(root)
         release_retired_groups()
         self.actions.scale_to(world, self.replica_groups.dense)

@@ -107,13 +107,13 @@ class RecoveryActions:
         self.members = list(members)
         self.map = replica_map
 
-    def _global(self, rank: int) -> int:
+    def global_rank_of(self, rank: int) -> int:
         """The process-group rank of control-plane `rank`."""
         return rank if self.members is None else self.members.index(rank)
 
     @property
     def global_rank(self) -> int:
-        return self._global(self.rank)
+        return self.global_rank_of(self.rank)
 
     def _training_state(self) -> RecoverableState:
         if self.state is None:
@@ -153,8 +153,8 @@ class RecoveryActions:
             if self.loaded_step == 0:
                 raise RuntimeError(f"no periodic checkpoint under {root} to repair from")
             return {"step": self.loaded_step}
-        receive = [{**e, "from": self._global(int(e["from"]))} for e in payload.get("receive", [])]
-        send = [{**e, "to": self._global(int(e["to"]))} for e in payload.get("send", [])]
+        receive = [{**e, "from": self.global_rank_of(int(e["from"]))} for e in payload.get("receive", [])]
+        send = [{**e, "to": self.global_rank_of(int(e["to"]))} for e in payload.get("send", [])]
         self.received_snapshot = transfer_shards(state, self.snapshots, lock_step, receive, send)
         return {"received": len(payload.get("receive", [])),
                 "sent": len(payload.get("send", []))}

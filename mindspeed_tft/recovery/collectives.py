@@ -19,8 +19,8 @@ and the control plane (`keep_ports`), even when made while a group was built. A 
 another thread of the process opens while a group is being built is taken for the
 group's: the window is the group's creation, or the whole of a `tracking_window()` block
 (megatron-core's `initialize_model_parallel`, the rebuild: one listing of the sockets
-before and after, not two per group). Every
-operation of this rank, and every operation of a peer waiting on this rank, then fails with "Connection closed by peer"; the
+before and after, not two per group). Every operation of this rank, and every operation of
+a peer waiting on this rank, then fails with "Connection closed by peer"; the
 training threads land in the fault handler, where the error counts as a consequence of the
 stop. The process lives on: recovery rebuilds the process groups on new connections.
 
