@@ -2,12 +2,14 @@
 
 What it measures: the bytes per model parameter that one rank really holds for training
 state - model params + gradient buffers + optimizer state - with N optimizer replicas on a
-data-parallel group of size d, against SPEC 2's formula (bf16 params):
+data-parallel group of size d, against SPEC 2's formula (bf16 params;
+`mindspeed_tft.plan.bytes_per_param`, the replica planner's, so the two cannot drift):
 
     bf16 grads (--bf16 --grad-reduce-in-bf16):  4 + 16 N / d
     fp32 grads (--bf16, Megatron-LM's default): 6 + 12 N / d
 
-How: for every d in --dims and N in {1, 2, d/2, d} (N | d) and each grad dtype it
+How: for every d in --dims and N in {1, 2, d/2, d} (N | d; `--replicas` picks N) and each
+grad dtype it
 launches a real d-rank CPU job (torchrun, gloo; DP = d, TP = PP = 1) of pretrain_gpt.py's GPT
 model through `bench/_memory_worker.py`, which sets the job up with the trainer's own code
 (initialize_megatron, TFTPlugin.setup, setup_model_and_optimizer, mock data) and runs real
@@ -22,12 +24,14 @@ by the rank's (unpadded) model parameter count. N = 1 rows run with high availab
 `--enable-high-availability --distributed-optimizer-no-replica`.
 
 Output: a table, then as the last line one JSON object
-`{"rows": [{"d", "n", "grad", "ha", "measured", "formula", "rel_error", "breakdown"}],
-"max_rel_error": ...}`
-(measured and formula in bytes per parameter, from global rank 0).
+`{"rows": [{"d", "n", "grad", "ha", "measured", "formula", "rel_error", "breakdown",
+"num_params"}], "max_rel_error": ...}`
+(measured and formula in bytes per parameter, from global rank 0; num_params: the model
+parameters rank 0 holds, the divisor).
 
     python bench/memory.py            # d in {2, 4, 8}: 12 jobs, a few minutes on 2 cores
     python bench/memory.py --quick    # d in {2, 4}: 6 jobs
+    python bench/memory.py --dims 2 --replicas 2 --grads bf16   # 1 job
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _jobs import REPO, bench_env, run_job, tail, torchrun_cmd  # noqa: E402
+
+from mindspeed_tft.plan import bytes_per_param  # noqa: E402  (_jobs puts REPO on sys.path)
 
 WORKER = REPO / "bench" / "_memory_worker.py"
 GRADS = ("bf16", "fp32")
@@ -67,15 +73,11 @@ class Case:
         return "on" if self.n > 1 else "off"
 
 
-def replica_counts(d: int) -> list[int]:
+def replica_counts(d: int, wanted: list[int] | None = None) -> list[int]:
     """N in {1, 2, d/2, d} with N | d, deduplicated, ascending (N = d: every rank holds the
-    whole optimizer state)."""
-    return sorted({n for n in (1, 2, d // 2, d) if n >= 1 and d % n == 0})
-
-
-def formula(d: int, n: int, grad: str) -> float:
-    """SPEC 2's bytes per parameter on one rank (bf16 params)."""
-    return 4 + 16 * n / d if grad == "bf16" else 6 + 12 * n / d
+    whole optimizer state); with `wanted`, the N of it that divide d instead."""
+    candidates = (1, 2, d // 2, d) if wanted is None else wanted
+    return sorted({n for n in candidates if n >= 1 and d % n == 0})
 
 
 def model_args(opts: argparse.Namespace) -> list[str]:
@@ -178,7 +180,7 @@ def run_case(case: Case, opts: argparse.Namespace, work: Path) -> dict[str, Any]
         "grad": case.grad,
         "ha": case.ha,
         "measured": round(per_param(last)["total"], 6),
-        "formula": formula(case.d, case.n, case.grad),
+        "formula": bytes_per_param(case.d, case.n, case.grad, case.ha),
         "breakdown": {k: round(v, 6) for k, v in per_param(last).items()},
         "num_params": last["num_params"],
         "buffer_padding": last["buffer_numel"] - last["buffer_numel_unpadded"],
@@ -221,11 +223,15 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (tests/test_plan.py reads the model flags of a run from it)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dims", default="2,4,8", help="data-parallel sizes d (comma list)")
     parser.add_argument("--grads", default="bf16,fp32", help="grad dtypes: bf16, fp32")
     parser.add_argument("--quick", action="store_true", help="d in {2, 4} only")
+    parser.add_argument("--replicas", default=None,
+                        help="replica numbers N (comma list; default 1, 2, d/2, d); each d "
+                        "runs those that divide it")
     parser.add_argument("--no-replica", action="store_true",
                         help="also run N = 1 with HA on (--distributed-optimizer-no-replica)")
     parser.add_argument("--steps", type=int, default=1, help="train steps per job (>= 1)")
@@ -239,12 +245,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tolerance", type=float, default=0.01, help="goal for max_rel_error")
     parser.add_argument("--keep", type=Path, default=None,
                         help="keep job logs and per-rank JSON in this directory")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     opts = parser.parse_args(argv)
-    dims = [2, 4] if opts.quick else [int(x) for x in opts.dims.split(",") if x]
+    try:
+        dims = [2, 4] if opts.quick else [int(x) for x in opts.dims.split(",") if x.strip()]
+    except ValueError:
+        dims = []
     grads = [g.strip() for g in opts.grads.split(",") if g.strip()]
     if any(g not in GRADS for g in grads) or opts.steps < 1:
         parser.error("--grads takes bf16 and/or fp32; --steps must be >= 1")
-    cases = [Case(d, n, g) for d in dims for n in replica_counts(d) for g in grads]
+    if not dims or any(d < 1 for d in dims):
+        parser.error(f"--dims {opts.dims}: allowed: data-parallel sizes >= 1")
+    wanted = None
+    if opts.replicas is not None:
+        try:
+            wanted = [int(x) for x in opts.replicas.split(",") if x.strip()]
+        except ValueError:
+            wanted = []
+        if not wanted or any(n < 1 or all(d % n for d in dims) for n in wanted):
+            parser.error(f"--replicas {opts.replicas}: allowed: integers N >= 1, each "
+                         f"dividing one of --dims {','.join(map(str, dims))}")
+    cases = [Case(d, n, g) for d in dims for n in replica_counts(d, wanted) for g in grads]
     if opts.no_replica:
         cases += [Case(d, 1, g, no_replica=True) for d in dims for g in grads]
 
@@ -274,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                 "measured": r["measured"], "formula": r["formula"],
                 "rel_error": round(r["rel_error"], 8),
                 "breakdown": r["breakdown"],
+                "num_params": r["num_params"],
             }
             for r in rows
         ],
