@@ -14,15 +14,30 @@ same params) differ by 2e-2 to 5e-2.
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+
 import pytest
 
 from mindspeed_tft.report import describe_incident, incidents
-from tests.jobs import HA_ARGS, STANDARD, run_tiny_job
+from tests.jobs import (
+    HA_ARGS,
+    STANDARD,
+    JobResult,
+    free_port,
+    read_events_if_any,
+    run_tiny_job,
+    start_tiny_job,
+    tiny_job_env,
+)
 
 pytestmark = pytest.mark.multiproc
 
 ELASTIC_ARGS = f"{HA_ARGS} --enable-worker-reboot --enable-elastic-training"
 NO_RESTARTS = {"TFT_MAX_WORKER_RESTARTS": "0"}
+#: long enough for a replacement launcher to start while the shrunk job still trains
+GROW = {**STANDARD, "train_iters": 40}
 #: |loss - fault-free loss| after a shrink (see the module docstring)
 LOSS_TOLERANCE = 4 * 2.0**-20  # four fp32 ulps at a loss of 8
 
@@ -32,7 +47,7 @@ def _assert_the_fault_free_stream(job, reference, fault_step: int) -> None:
     its loss bit-identical before the fault, within `LOSS_TOLERANCE` after it."""
     logged = job.named("iteration")
     expected = {e["iteration"]: e for e in reference.named("iteration")}
-    assert [e["iteration"] for e in logged] == list(range(1, STANDARD["train_iters"] + 1))
+    assert [e["iteration"] for e in logged] == sorted(expected)
     for event in logged:
         want = expected[event["iteration"]]
         assert (event["consumed_samples"], event["lr"]) == (want["consumed_samples"], want["lr"])
@@ -80,20 +95,86 @@ def test_kill_without_replacement_shrinks_and_finishes_every_iteration(
                for line in describe_incident(incident))
 
 
-def test_two_shrinks_in_one_job(reference_job, tmp_path):
-    """DP4 (8 micro-batches per step) -> DP2 (rank 3's replica stands down with rank 1's) ->
-    DP1: the second shrink plans its dump from the layouts the first one registered (N = 2
-    still divides 2: ranks 0 and 2 each hold the whole optimizer state)."""
-    config = {"layout": "dp4", **STANDARD}
+def _start_node(run_dir, node_rank: int, ports: tuple[int, int], config: dict, inject: str):
+    """One of two launchers (`--nnodes 2`, 2 ranks each) of the job in `run_dir`."""
+    master_port, ttp_port = ports
+    env = {**config.get("env", {}), **NO_RESTARTS, "NPROC": "2", "MASTER_PORT": str(master_port),
+           "TTP_PORT": str(ttp_port), "TTP_LOG_PATH": str(run_dir / f"logs{node_rank}"),
+           "TFT_REPLACEMENT_WAIT": "2"}
+    return start_tiny_job(tiny_job_env(
+        run_dir, **{**config, "env": env}, inject=inject,
+        ha_args=f"{ELASTIC_ARGS} --optimizer-replica-num 4",
+        launcher=f"tft-run --nnodes 2 --node-rank {node_rank} --master-addr 127.0.0.1"))
+
+
+def _end_all(procs, events) -> None:
+    """Kill launchers still running and every worker the events file names (bounded)."""
+    pids = {e["pid"] for e in read_events_if_any(events) if e["event"] == "replica_layout"}
+    for proc in procs:
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for proc in procs:
+        if proc is not None:
+            try:
+                proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def test_two_shrinks_then_the_node_comes_back_and_the_job_grows(reference_job, tmp_path):
+    """DP4 over two launchers, 24 micro-batches per step, full optimizer replicas (N = 4,
+    re-formed as N = 3 at DP3 and N = 2 at DP2: a second shrink needs a surviving copy).
+    Node 1 loses rank 2 at step 3 and rank 3 at step 6 (no restarts allowed, nobody reports
+    it: the controller waits TFT_REPLACEMENT_WAIT) -> DP3 -> DP2. A replacement launcher for node 1 brings ranks 2
+    and 3 back: the job grows to DP4 at the next step boundary (`scale_out`, from a dump of
+    the lock step) and finishes every iteration with the fault-free samples and learning
+    rate, its losses within the tolerance."""
+    config = {"layout": "dp4", **GROW, "env": {"GBS": "48"}}
     reference = reference_job(ha_args=HA_ARGS, **config)
-    job = run_tiny_job(
-        tmp_path, inject="kill:rank=1,step=7,phase=forward;kill:rank=2,step=12,phase=backward",
-        ha_args=ELASTIC_ARGS, launcher="tft-run", **{**config, "env": NO_RESTARTS})
-    assert job.returncode == 0, job.describe()
+    run_dir = tmp_path / "job"
+    run_dir.mkdir()
+    events = run_dir / "events.jsonl"
+    ports = (free_port(), free_port())
+    inject = "kill:rank=2,step=3,phase=forward;kill:rank=3,step=6,phase=forward"
+    node0 = _start_node(run_dir, 0, ports, config, inject)
+    node1 = _start_node(run_dir, 1, ports, config, inject)
+    replacement = None
+    try:
+        # its workers are gone: it ends. The replacement's ranks register while the job is
+        # shrunk (before or after the second shrink) and wait until it grows by them
+        node1.communicate(timeout=120)
+        replacement = _start_node(run_dir, 1, ports, config, inject)
+        output0, _ = node0.communicate(timeout=300)
+        output1, _ = replacement.communicate(timeout=60)
+    finally:
+        _end_all((node0, node1, replacement), events)
+    job = JobResult(node0.returncode, output0, run_dir, read_events_if_any(events))
+    assert node0.returncode == 0, job.describe()
+    assert replacement.returncode == 0, output1[-3000:]
     shrinks = [(e["ranks"], e["dp_size"], e["left"], e["step"]) for e in job.named("scale_in")]
-    assert shrinks == [([0, 2], 2, [1, 3], 7), ([0], 1, [2], 12)]
-    assert [e["iteration"] for e in job.named("dump_saved")] == [7, 12]
-    _assert_the_fault_free_stream(job, reference, fault_step=7)
+    assert shrinks == [([0, 1, 3], 3, [2], 3), ([0, 1], 2, [3], 6)]
+    # one grow by both ranks, or (24 micro-batches split over 3 as well) one per rank, as
+    # their processes register
+    grows = job.named("scale_out")
+    grow = grows[-1]
+    assert (grow["ranks"], grow["dp_size"]) == ([0, 1, 2, 3], 4)
+    assert sorted(r for e in grows for r in e["joined"]) == [2, 3]
+    assert len(grows) == 1 or (grows[0]["ranks"], grows[0]["dp_size"]) in (
+        ([0, 1, 2], 3), ([0, 1, 3], 3))
+    assert all(6 < e["step"] < GROW["train_iters"] for e in grows)
+    dumps = [e["iteration"] for e in job.named("dump_saved")]
+    assert dumps == [3, 6, *(e["step"] for e in grows)]
+    _assert_the_fault_free_stream(job, reference, fault_step=3)
+    # after the grow: N = 4 again, the one shard on all four ranks, identical
+    checks = [e for e in job.named("replica_check") if e["iteration"] > grow["step"]]
+    assert checks and all(e["match"] for e in checks)
+    assert {len(e["holders"]) for e in checks} == {4}
+    assert {e["rank"] for e in checks} == {0, 1, 2, 3}
 
 
 def test_a_dump_written_after_a_shrink_resumes_at_the_launch_size(reference_job, tmp_path):

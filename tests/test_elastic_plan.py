@@ -3,6 +3,7 @@ evenly, the ranks that stay, the replica number that still fits."""
 
 import pytest
 
+from mindspeed_tft.control.elasticity import Elasticity
 from mindspeed_tft.recovery.elastic import even_dp_size, replica_num_for, shrunk_world
 
 
@@ -29,6 +30,33 @@ def test_shrunk_world_keeps_whole_replicas_in_rank_order():
 
 
 @pytest.mark.parametrize(("dp", "wanted", "n"), [(3, 2, 1), (2, 2, 2), (6, 3, 3), (1, 2, 1),
-                                                 (4, 1, 1)])
-def test_replicas_are_reformed_only_where_n_still_divides_the_dp_size(dp, wanted, n):
+                                                 (4, 1, 1), (3, 4, 3), (6, 4, 3), (4, 8, 4)])
+def test_replicas_are_reformed_with_the_largest_divisor_of_the_dp_size_up_to_n(dp, wanted, n):
     assert replica_num_for(dp, wanted) == n
+
+
+def _elasticity(world: int, tp: int, micro_batches: int | None) -> Elasticity:
+    known = Elasticity()
+    for rank in range(world):  # megatron-core's layout, PP = 1: DP index = rank // TP
+        known.note_registration(rank, {"dense": {"dp_index": rank // tp}})
+        known.note_registration(rank, {"dense": {"dp_index": 99}})  # the first one counts
+    known.micro_batches = micro_batches
+    return known
+
+
+def test_the_job_grows_by_whole_replicas_to_an_even_dp_size():
+    known = _elasticity(4, 1, 12)
+    assert known.grown_world([0, 1], [2, 3]) == ([0, 1, 2, 3], 4)
+    assert known.grown_world([0, 1], [3]) == ([0, 1, 3], 3)  # 12 splits over 3 as well
+    assert known.grown_world([0, 1, 3], [2]) == ([0, 1, 2, 3], 4)
+    known.micro_batches = 8  # 8 micro-batches split over 2 or 4 ranks, not 3
+    assert known.grown_world([0, 1], [3]) is None
+    assert known.grown_world([0], [2, 3]) == ([0, 2], 2)  # the first replicas that come back
+    assert known.grown_world([0, 1], []) is None
+    assert Elasticity().grown_world([0], [1]) is None  # no shrink yet: nothing to go on
+
+
+def test_a_tensor_parallel_replica_grows_back_only_when_complete():
+    known = _elasticity(4, 2, 8)  # TP2 x DP2: replica 1 is ranks 2 and 3
+    assert known.grown_world([0, 1], [2]) is None
+    assert known.grown_world([0, 1], [2, 3]) == ([0, 1, 2, 3], 2)

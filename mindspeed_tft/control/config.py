@@ -13,6 +13,7 @@ files and logging. `ControlConfig.from_env()` builds it from the environment:
 | `TTP_HEARTBEAT_INTERVAL` | seconds between heartbeats, 0.05..60 | 2 | error |
 | `TTP_HEARTBEAT_MISSES` | missed intervals before a rank is lost, 1..100 | 3 | error |
 | `TTP_NORMAL_ACTION_TIME_LIMIT` | seconds an action callback may take, 30..1800 | 180 | error |
+| `TFT_REPLACEMENT_WAIT` | seconds an incident waits for a lost rank's restarted process before it gives up on it (dump, or with elastic training a shrink), 1..1800 | the action time limit | error |
 | `TTP_REGISTER_TIMEOUT` | seconds for all ranks to register, 1..86400 | 600 | error |
 | `TTP_HANG_TIMEOUT_MIN` | floor of the hang timeout in seconds, 0.1..86400 | 60 | error |
 | `TTP_HANG_TIMEOUT_FACTOR` | hang timeout = factor x slowest recent step, 1..1000 | 5 | error |
@@ -169,6 +170,9 @@ class ControlConfig:
     heartbeat_misses: int = 3
     action_time_limit: float = 180.0
     register_timeout: float = 600.0
+    #: seconds an incident waits for a lost rank's replacement to register (None: the
+    #: action time limit); a launcher whose restart budget is spent ends the wait at once
+    replacement_wait: float | None = None
     hang_timeout_min: float = 60.0
     hang_timeout_factor: float = 5.0
     hang_initial_timeout: float = 1800.0
@@ -229,6 +233,11 @@ class ControlConfig:
         """True when CURVE encryption and authentication are on."""
         return self.curve_server_key is not None
 
+    @property
+    def effective_replacement_wait(self) -> float:
+        """How long an incident waits for a lost rank's restarted process."""
+        return self.action_time_limit if self.replacement_wait is None else self.replacement_wait
+
     def effective_decision_timeout(self) -> float:
         """How long a rank waits for a decision before giving up and exiting."""
         if self.decision_timeout is not None:
@@ -275,6 +284,9 @@ class ControlConfig:
             "log_mode": _choice(env, "TTP_LOG_MODE", "ONLY_ONE", LOG_MODES),
             "log_stdout": _choice(env, "TTP_LOG_STDOUT", "0", ("0", "1")) == "1",
         }
+        if (env.get("TFT_REPLACEMENT_WAIT") or "").strip():
+            values["replacement_wait"] = _number(env, "TFT_REPLACEMENT_WAIT",
+                                                 values["action_time_limit"], 1, 1800)
         backups = (env.get("TTP_BACKUP_ADDRS") or "").strip()
         if backups:
             values["backups"] = [parse_hostport(b, "TTP_BACKUP_ADDRS")

@@ -39,6 +39,7 @@ from . import local
 from .backup import BackupSync
 from .classify import FaultKind
 from .config import ControlConfig, ControlConfigError, setup_logging
+from .elasticity import Elasticity
 from .incident import Incident, IncidentFlow
 from .protocol import (
     CONTROLLER,
@@ -122,6 +123,12 @@ class Controller:
         self.epoch = 0
         self.flow: IncidentFlow | None = None
         self.incidents = 0
+        #: elastic training: home replicas, the global batch in micro-batches (scale-out)
+        self.elasticity = Elasticity()
+        #: elastic training: ranks that left in a shrink and registered again; they wait
+        #: (health `left`, outside every incident) until the job can grow by them
+        self.returning: set[int] = set()
+        self._grow_check = False
         self.exit_code: int | None = None
         self._seq = 0
         self._action_id = 0
@@ -422,6 +429,9 @@ class Controller:
                            if (row := self.table.get(r)) is None or not row.connected]
                 self._fail_init(f"ranks {missing[:32]} did not register within "
                                 f"{self.config.register_timeout:g}s")
+            if self._grow_check and self.flow is None and state is State.NORMAL:
+                self._grow_check = False
+                self._maybe_grow()
             self.backups.tick_active(now)
         else:
             self.backups.standby_tick(now)
@@ -565,10 +575,12 @@ class Controller:
         state = self.sm.state
         fresh = state is not State.INIT and not failover and self.role == "active"
         prev_health = row.health if row is not None else None
+        prev_replica = row.replica if row is not None else None
         info = self.table.register(rank, identity, p["host"], p["pid"], now, p.get("replica"),
                                    p.get("step", 0), p.get("status", "updated"))
         info.last_seq = msg.seq
         info.fresh = fresh
+        self.elasticity.note_registration(rank, p.get("replica"))
         if key is not None:
             self._rank_keys.setdefault(rank, key)
         if prev_health in (Health.DONE,) and failover:
@@ -583,6 +595,9 @@ class Controller:
             self._missing.discard(rank)
             if not self._missing:
                 self.sm.to(State.NORMAL, f"all {self.world_size} ranks registered")
+        elif fresh and self.features.elastic and (
+                prev_health is Health.LEFT or len(self.table.members()) < self.world_size):
+            self._returned(info, prev_replica)
         elif fresh:
             if self.flow is not None:
                 self.flow.on_registered(rank)
@@ -592,6 +607,47 @@ class Controller:
                     "reason": f"rank {rank} restarted while no recovery was under way"},
                     self.config.action_time_limit)
                 info.health = Health.EXITING
+
+    # -- elastic training: growing back ------------------------------------------------------
+    def _returned(self, row: RankInfo, replica: dict[str, Any] | None) -> None:
+        """A restarted process registered while the job is shrunk (for a rank that left, or
+        one lost since: a replacement cannot take a rank's place in a shrunk world, whose
+        layout differs from its own). It waits outside the job (health `left`) until its
+        replica is complete and the job can grow by it (`_maybe_grow`)."""
+        row.health = Health.LEFT
+        row.replica = replica  # its place in the job's current layout, until it grows
+        self.returning.add(row.rank)
+        self._grow_check = True
+        log.warning("rank %d came back into a shrunk job: the job grows by it once its "
+                    "data-parallel replica is complete", row.rank)
+        if self.flow is not None:  # an incident waiting for it does not get it back
+            self.flow.no_replacement(row.rank, "it came back into a shrunk job: it rejoins "
+                                               "by a scale-out")
+
+    def _maybe_grow(self) -> None:
+        """Start a scale-out when the returning ranks let the job grow (loop thread)."""
+        lost = self.config.lost_after
+        for rank in sorted(self.returning):  # a returning process that went silent is gone
+            row = self.table.get(rank)
+            if row is None or row.health is not Health.LEFT or self._now - row.last_seen > lost:
+                self.returning.discard(rank)
+        members = [r for r in self.table.members() if r not in self.returning]
+        grown = self.elasticity.grown_world(members, self.returning)
+        if grown is None:
+            return
+        world, dp_size = grown
+        joining = [r for r in world if r in self.returning]
+        self.returning -= set(joining)
+        self.incidents += 1
+        self.flow = IncidentFlow(self, Incident(self.incidents, self._now))
+        self.flow.begin_scale_out(world, dp_size, joining)
+
+    def _dismiss_returning(self, reason: str) -> None:
+        """The job ends: returning ranks still waiting to join exit cleanly."""
+        for rank in sorted(self.returning):
+            self._send_action(rank, self._new_action_id(), "exit", {"code": 0, "reason": reason},
+                              self.config.action_time_limit)
+        self.returning.clear()
 
     def _rebindable(self, row: RankInfo, now: float) -> bool:
         """May another connection take over this rank's row?"""
@@ -648,6 +704,7 @@ class Controller:
                 (r := self.table.get(i)) is not None and r.health is Health.DONE
                 for i in self.table.members()):
             self.sm.to(State.EXIT, "training finished")
+            self._dismiss_returning("training finished before the job could grow by this rank")
             self.exit_code = 0
             emit("exit", CONTROLLER_RANK, code=0, reason="training finished")
             self.sm.to(State.FINAL, "training finished")
@@ -772,6 +829,9 @@ class Controller:
             self.flow = None
         if flow.exit_code is not None:
             self.exit_code = flow.exit_code
+            self._dismiss_returning(f"the job ended (exit code {flow.exit_code}) before it "
+                                    "could grow by this rank")
+        self._grow_check = bool(self.returning)
         self._snapshot_dirty = True
 
     # -- BackupHost (the rest: next_seq, raw_send, broadcast, send_registered, fault) ------

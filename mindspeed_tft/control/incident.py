@@ -17,6 +17,13 @@ limit, `TTP_NORMAL_ACTION_TIME_LIMIT`), whichever comes first:
     REPAIR     scale_in  elastic training, when a lost rank gets no replacement: the
                          data-parallel replicas without a lost rank reload the dump in a
                          smaller world (`scale_in` event); the others leave the job
+
+A scale-out (elastic training: ranks that left in a shrink came back, `begin_scale_out`) is
+handled as an incident without a fault: ABNORMAL stop (every rank held, the lock step
+decided), DUMP dump + rename, then REPAIR `scale_out`: the members and the returning ranks
+reload the dump in the larger world (`scale_out` event) and resume. A fault reported before
+the dump turns it into an ordinary incident (the returning ranks are sent away); one after
+the dump ends the job with that dump, as during a shrink.
     EXIT       exit      every rank exits with the decided code -> FINAL (`exit` event)
 
 A failed or timed-out clean/repair/rollback falls back to DUMP; a failed dump, an
@@ -37,6 +44,7 @@ from typing import Any, Protocol
 from ..events import CONTROLLER_RANK, emit
 from .classify import FaultKind
 from .config import ControlConfig
+from .elasticity import Elasticity
 from .ranktable import CONNECTED, Health, RankTable
 from .states import State, StateMachine
 from .strategy import PROCESS_KINDS, REPAIR_STRATEGIES, PlanError, Strategy, StrategyPlanner
@@ -94,6 +102,7 @@ class FlowHost(Protocol):
     planner: StrategyPlanner
     config: ControlConfig
     sm: StateMachine
+    elasticity: Elasticity
 
     def now(self) -> float: ...
     def new_action_id(self) -> int: ...
@@ -117,6 +126,10 @@ class IncidentFlow:
         self.shrinking: set[int] | None = None
         #: ranks that leave the job in the shrink (the lost ranks' whole DP replicas)
         self.leaving: list[int] = []
+        #: elastic training, scale-out: the larger world (control-plane ranks, ascending),
+        #: its DP size, and the returning ranks that join it
+        self.growing: tuple[list[int], int] | None = None
+        self.joining: list[int] = []
         self.done = False
         self.exit_code: int | None = None
 
@@ -128,6 +141,21 @@ class IncidentFlow:
         targets = [r.rank for r in self.host.table.connected() if not r.fresh]
         self.incident.stopped.update(targets)
         self._start_phase("stop", targets, self.host.planner.stop_payload(self.incident, self.host.table))
+
+    def begin_scale_out(self, world: list[int], dp_size: int, joining: list[int]) -> None:
+        """Elastic training: grow the job to `world` (DP `dp_size`) with the returning
+        ranks `joining`: hold every member at its next update (ABNORMAL, stop), as a fault
+        would, then dump the lock step and reload it in the larger world."""
+        self.growing = (list(world), dp_size)
+        self.joining = list(joining)
+        emit("scale_out_started", CONTROLLER_RANK, world_size=len(world), dp_size=dp_size,
+             joining=self.joining, incident=self.incident.id)
+        self.host.sm.to(State.ABNORMAL, f"scale-out: ranks {self.joining} came back; the job "
+                                        f"grows to DP {dp_size}")
+        targets = [r.rank for r in self.host.table.connected() if not r.fresh]
+        self.incident.stopped.update(targets)
+        self._start_phase("stop", targets,
+                          self.host.planner.stop_payload(self.incident, self.host.table))
 
     def add_fault(self, rank: int, kind: FaultKind, message: str) -> None:
         """A further fault while the incident is handled."""
@@ -151,7 +179,7 @@ class IncidentFlow:
             self.on_gone(rank, "lost")
         if expected or state is State.ABNORMAL or self.done or self.host.sm.state is not state:
             return
-        if self.phase is not None and self.phase.name == "scale_in":
+        if self.phase is not None and self.phase.name in ("scale_in", "scale_out"):
             # the dump of the lock step is published: end there rather than dump again from
             # ranks that are tearing their state down
             self._end_with_the_dump(f"{kind} on rank {rank} during the shrink")
@@ -223,7 +251,9 @@ class IncidentFlow:
     def tick(self, now: float) -> None:
         phase = self.phase
         if phase is not None and now >= phase.deadline and phase.pending:
-            limit = self.host.config.action_time_limit
+            config = self.host.config
+            limit = (config.effective_replacement_wait if phase.name == "rejoin"
+                     else config.action_time_limit)
             for r in phase.pending:
                 phase.failures[r] = f"no result for {phase.name} within {limit:g}s"
             phase.pending.clear()
@@ -303,6 +333,14 @@ class IncidentFlow:
             if r not in self.incident.faults and row is not None and row.connected:
                 row.health = Health.HUNG
                 self._record(r, FaultKind.HANG, f"could not be stopped: {err}")
+        if self.growing is not None:
+            if not self.incident.faults:
+                self.incident.lock_step = self.host.planner.lock_step(self.incident,
+                                                                      self.host.table)
+                self._enter_dump(f"scale-out to DP {self.growing[1]}: the lock step is saved "
+                                 "first and reloaded in the larger world")
+                return
+            self._send_joining_away("a fault arrived while the job was about to grow")
         self._decide()
 
     def _decide(self) -> None:
@@ -353,7 +391,7 @@ class IncidentFlow:
             return
         inc = self.incident
         if inc.awaiting:
-            limit = self.host.config.action_time_limit
+            limit = self.host.config.effective_replacement_wait
             phase = Phase("rejoin", -1, self.host.now() + limit, set(inc.awaiting))
             self.phase = phase
             log.info("waiting up to %gs for ranks %s to restart", limit, sorted(inc.awaiting))
@@ -472,6 +510,9 @@ class IncidentFlow:
         if self.shrinking is not None and where:
             self._start_scale_in(where)
             return
+        if self.growing is not None and where:
+            self._start_scale_out(where)
+            return
         self._exit(self.host.config.dump_exit_code,
                    f"dying-gasp checkpoint saved at iteration {self.incident.lock_step}"
                    + (f" in {where}" if where else ""))
@@ -531,12 +572,69 @@ class IncidentFlow:
             if row is not None and isinstance(replica, dict):
                 row.replica = replica
         dp_size = results[staying[0]].get("dp_size") if staying else None
+        batches = results[staying[0]].get("micro_batches") if staying else None
+        if isinstance(batches, int) and batches > 0:
+            host.elasticity.micro_batches = batches
         left = sorted([*self.leaving, *standby])
         emit("scale_in", CONTROLLER_RANK, world_size=len(staying), dp_size=dp_size,
              ranks=staying, left=left, lost=sorted(self.shrinking or ()), step=inc.lock_step,
              incident=inc.id)
         log.warning("incident %d: job shrunk to %d ranks (DP %s) at step %d; left: %s", inc.id,
                     len(staying), dp_size, inc.lock_step, left)
+        self._resume(false_alarm=False)
+
+    def _send_joining_away(self, why: str) -> None:
+        """The job does not grow: the returning ranks exit (their launcher may bring them
+        back later) and stay out of the job."""
+        for rank in self.joining:
+            self._send(rank, "exit", {"code": self.host.config.failure_exit_code,
+                                      "reason": f"the job did not grow by this rank: {why}"})
+            row = self.host.table.get(rank)
+            if row is not None:
+                row.health = Health.LEFT
+        self.growing, self.joining = None, []
+
+    def _start_scale_out(self, path: str) -> None:
+        """The dump is saved: members and returning ranks reload it in the larger world."""
+        inc, host = self.incident, self.host
+        assert self.growing is not None
+        world, dp_size = self.growing
+        gone = [r for r in world if r not in self.joining
+                and ((row := host.table.get(r)) is None or not row.connected)]
+        joiners = [r for r in self.joining if (row := host.table.get(r)) is not None
+                   and host.now() - row.last_seen <= host.config.lost_after]
+        if gone or joiners != self.joining:
+            self._send_joining_away(f"ranks {gone or sorted(set(self.joining) - set(joiners))} "
+                                    "went away before the scale-out")
+            self._exit(host.config.dump_exit_code,
+                       f"scale-out abandoned (ranks went away); dying-gasp checkpoint saved at "
+                       f"iteration {inc.lock_step} in {path}")
+            return
+        host.sm.to(State.REPAIR, f"scale-out to DP {dp_size} with ranks {self.joining}")
+        for rank in self.joining:  # part of the job again, holding no state yet
+            row = host.table.get(rank)
+            if row is not None:
+                row.health, row.fresh = Health.ALIVE, True
+        self._start_phase("scale_out", world, {"incident": inc.id, "lock_step": inc.lock_step,
+                                               "path": path, "ranks": world,
+                                               "dp_size": dp_size})
+
+    def _after_scale_out(self, phase: Phase) -> None:
+        inc, host = self.incident, self.host
+        if phase.failures:
+            self._end_with_the_dump(f"scale-out failed ({self._fail_text(phase)})")
+            return
+        assert self.growing is not None
+        world, dp_size = self.growing
+        for rank, result in phase.results.items():
+            row = host.table.get(rank)
+            replica = result.get("replica")
+            if row is not None and isinstance(replica, dict):
+                row.replica = replica
+        emit("scale_out", CONTROLLER_RANK, world_size=len(world), dp_size=dp_size, ranks=world,
+             joined=self.joining, step=inc.lock_step, incident=inc.id)
+        log.warning("incident %d: job grown to %d ranks (DP %d) at step %d; joined: %s",
+                    inc.id, len(world), dp_size, inc.lock_step, self.joining)
         self._resume(false_alarm=False)
 
     def _end_with_the_dump(self, why: str) -> None:
@@ -549,6 +647,8 @@ class IncidentFlow:
     def _exit(self, code: int, reason: str) -> None:
         host = self.host
         self.phase = None
+        if self.growing is not None:
+            self._send_joining_away(reason)
         self.exit_code = code
         host.sm.to(State.EXIT, reason)
         emit("exit", CONTROLLER_RANK, code=code, reason=reason, incident=self.incident.id)

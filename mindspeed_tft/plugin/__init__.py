@@ -257,7 +257,8 @@ class TFTPlugin:
             keep_ports.append(int(os.environ["MASTER_PORT"]))
         self.snapshots = StepSnapshots()
         self.actions = RecoveryActions(self.rebuild_process_groups, self.snapshots, dense_map,
-                                       rank, keep_ports, scale_in=self.scale_in)
+                                       rank, keep_ports, scale_in=self.scale_in,
+                                       scale_out=self.scale_out)
         self.processor = Processor(rank, world_size, config,
                                    replica={"dense": dense_map.describe_rank(rank)})
         self.actions.register(self.processor)
@@ -315,13 +316,9 @@ class TFTPlugin:
         replicas of `ranks` (control-plane ranks) that split the global batch evenly
         (`recovery.elastic`), from the checkpoint under `root`. Returns whether this rank
         stays, the new DP size and, for the controller, the rank's new replica layout with
-        control-plane ranks."""
-        from megatron.core.num_microbatches_calculator import (
-            reconfigure_num_microbatches_calculator,
-        )
-
-        from mindspeed_tft.recovery.elastic import replica_num_for, shrunk_world
-        from mindspeed_tft.recovery.rebuild import leave_generation, release_retired_groups
+        control-plane ranks and the global batch in micro-batches."""
+        from mindspeed_tft.recovery.elastic import shrunk_world
+        from mindspeed_tft.recovery.rebuild import leave_generation
 
         args, me = self.args, self.actions.rank
         assert self.replica_groups is not None and self.state is not None
@@ -329,7 +326,6 @@ class TFTPlugin:
         actions = self.actions
         world, dp_size = shrunk_world(ranks, lambda r: dense.dp_index(actions.global_rank_of(r)),
                                       args.global_batch_size, args.micro_batch_size)
-        old_dp = args.data_parallel_size
         if self.injector is not None:
             self.injector.fire(self.state.iteration, "scale")
         leave_generation()
@@ -337,29 +333,67 @@ class TFTPlugin:
             print(f"[mindspeed-tft] rank {me}: the job continues at DP {dp_size} without this "
                   "rank's replica (the global batch splits evenly over that many)", flush=True)
             return {"stays": False, "dp_size": dp_size}
+        return self._enter_world(generation, world, dp_size, root)
+
+    def scale_out(self, generation: int, world: list[int], dp_size: int,
+                  root: str) -> dict[str, Any]:
+        """Elastic training (training thread): continue in the larger world `world`
+        (control-plane ranks, ascending) at DP `dp_size`, from the checkpoint under `root`.
+        A returning rank (no model yet) only joins the process groups here; its trainer
+        builds the model next and the action loads the checkpoint into it."""
+        from mindspeed_tft.recovery.rebuild import leave_generation
+
+        if self.state is not None:
+            if self.injector is not None:
+                self.injector.fire(self.state.iteration, "scale")
+            leave_generation()
+        return self._enter_world(generation, world, dp_size, root)
+
+    def _enter_world(self, generation: int, world: list[int], dp_size: int,
+                     root: str) -> dict[str, Any]:
+        """This rank's part of a scale change: megatron-core's parallel state, the replica
+        groups and (for a member) model, optimizer and data, rebuilt for `world`."""
+        from megatron.core.num_microbatches_calculator import (
+            reconfigure_num_microbatches_calculator,
+        )
+
+        from mindspeed_tft.recovery.elastic import replica_num_for
+        from mindspeed_tft.recovery.rebuild import release_retired_groups
+
+        args, me = self.args, self.actions.rank
+        old_dp = args.data_parallel_size
         replica_num = replica_num_for(dp_size, self.features.replica_num)
-        if replica_num != self.features.replica_num and args.rank == 0:
+        if replica_num != self.features.replica_num and world.index(me) == 0:
+            what = ("one copy of the optimizer state (a further fault ends in a dump, not a "
+                    "repair)" if replica_num == 1 else f"{replica_num} optimizer replicas")
             print(f"[mindspeed-tft] elastic training: --optimizer-replica-num "
                   f"{self.features.replica_num} does not divide the new DP size {dp_size}: the "
-                  "job continues with one copy of the optimizer state (a further fault ends "
-                  "in a dump, not a repair)", flush=True)
+                  f"job continues with {what}", flush=True)
         args.rank, args.world_size, args.data_parallel_size = world.index(me), len(world), dp_size
         args.optimizer_replica_num_effective = replica_num
         args.num_distributed_optimizer_instances = replica_num
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(args.rank), str(args.world_size)
-        self.state.model, self.state.optimizer = [], None  # free the old replicas' memory
+        member = self.state is not None
+        if member:
+            self.state.model, self.state.optimizer = [], None  # free the old replicas' memory
         self.rebuild_process_groups(generation, survivor=False)
-        reconfigure_num_microbatches_calculator(args.rank, None, args.global_batch_size,
-                                                args.micro_batch_size, dp_size)
-        iteration = self.state.rebuild(root)
+        iteration = None
+        if member:
+            reconfigure_num_microbatches_calculator(args.rank, None, args.global_batch_size,
+                                                    args.micro_batch_size, dp_size)
+            iteration = self.state.rebuild(root)
         release_retired_groups()
+        assert self.replica_groups is not None
         self.actions.scale_to(world, self.replica_groups.dense)
         layout = self.replica_groups.dense.describe_rank(args.rank)
         layout["holders"] = [world[h] for h in layout["holders"]]
+        where = (f"from iteration {iteration}" if member
+                 else f"once its model is built, from the checkpoint in {root}")
         print(f"[mindspeed-tft] rank {me}: continues as rank {args.rank} of {len(world)} at DP "
-              f"{dp_size} (was {old_dp}) from iteration {iteration}", flush=True)
+              f"{dp_size} (was {old_dp}) {where}", flush=True)
         return {"stays": True, "dp_size": dp_size, "iteration": iteration,
-                "replica": {"dense": layout}}
+                "replica": {"dense": layout},
+                "micro_batches": args.global_batch_size // args.micro_batch_size}
 
     def attach(self, state: TrainingState) -> None:
         """The trainer's state exists: recovery may act on it."""

@@ -20,6 +20,10 @@ an action:
 - `scale_in` (elastic training, after a dump): in the training thread, continue in a
   smaller world from the dump (the plugin's `scale_in`). Afterwards this rank's global rank
   in the process groups may differ from its control-plane rank (`members` maps them).
+- `scale_out` (elastic training, after a dump): in the training thread, continue in a
+  larger world from the dump (the plugin's `scale_out`). A returning rank (no model yet)
+  first joins the larger world's process groups, then waits until the trainer has built its
+  model (`attach`), then loads the dump like the others (`RecoverableState.rebuild`).
 
 A restarted worker registers before it has a model: its `repair` first joins the new
 process groups (the training thread, waiting in `TFTPlugin.join_job`, runs that), then waits
@@ -76,9 +80,11 @@ class RecoveryActions:
         rank: int,
         keep_ports: list[int],
         scale_in: Callable[[int, list[int], str], dict[str, Any]] | None = None,
+        scale_out: Callable[[int, list[int], int, str], dict[str, Any]] | None = None,
     ) -> None:
         self.rebuild_process_groups = rebuild_process_groups
         self.resize = scale_in
+        self.grow = scale_out
         #: control-plane ranks of the process-group world in global-rank order (None: the
         #: same numbers)
         self.members: list[int] | None = None
@@ -94,7 +100,8 @@ class RecoveryActions:
     def register(self, processor: Any) -> None:
         """Register every callback this class implements with `processor`."""
         self.processor = processor
-        for name in ("stop", "clean", "repair", "rollback", "dump", "rename", "scale_in"):
+        for name in ("stop", "clean", "repair", "rollback", "dump", "rename", "scale_in",
+                     "scale_out"):
             processor.register_callback(name, getattr(self, name))
 
     def attach(self, state: RecoverableState) -> None:
@@ -195,6 +202,25 @@ class RecoveryActions:
         result = self.processor.run_in_training_thread(
             lambda: resize(int(payload["incident"]), ranks, root))
         if result.get("stays") and result.get("iteration") != int(payload["lock_step"]):
+            raise RuntimeError(f"rank {self.rank} loaded iteration {result.get('iteration')} "
+                               f"from {root}, not the dump's {payload['lock_step']}")
+        return result
+
+    def scale_out(self, payload: dict[str, Any]) -> dict[str, Any]:
+        if self.grow is None:
+            raise RuntimeError(f"rank {self.rank}: this process cannot scale out")
+        grow = self.grow
+        root = os.path.dirname(str(payload["path"]))
+        world = [int(r) for r in payload["ranks"]]
+        returning = self.state is None
+        run = self.processor.run_in_training_thread
+        result = run(lambda: grow(int(payload["incident"]), world, int(payload["dp_size"]), root))
+        if returning:
+            if not self.attached.wait(self.processor.config.action_time_limit):
+                raise RuntimeError(f"rank {self.rank}: the trainer did not set up its model "
+                                   "in time")
+            result["iteration"] = run(lambda: self._training_state().rebuild(root))
+        if result.get("iteration") != int(payload["lock_step"]):
             raise RuntimeError(f"rank {self.rank} loaded iteration {result.get('iteration')} "
                                f"from {root}, not the dump's {payload['lock_step']}")
         return result

@@ -20,8 +20,9 @@ at DP3).
 
 Ranks keep their order: the new global rank of a remaining rank is its position among them,
 which keeps megatron-core's rank layout (tensor fastest, pipeline slowest) at the new DP size.
-Optimizer replicas are re-formed when N still divides d'; otherwise the job continues with
-one copy of the optimizer state (N = 1), and says so.
+Optimizer replicas are re-formed with the largest N' <= N that divides d' (N itself when it
+still divides d'; N = d stays full replication); where that is 1 the job continues with one
+copy of the optimizer state, and says so.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ def shrunk_world(ranks: Sequence[int], dp_index: Callable[[int], int],
 
 
 def replica_num_for(dp_size: int, wanted: int) -> int:
-    """The optimizer replica number N at DP size `dp_size`: `wanted` when it still divides
-    it, else 1 (one copy of the optimizer state)."""
-    return wanted if 1 <= wanted <= dp_size and dp_size % wanted == 0 else 1
+    """The optimizer replica number N at DP size `dp_size`: the largest divisor of it that
+    is at most `wanted` (`wanted` itself when it still divides it; full replicas, N = d,
+    stay full; 1 is one copy of the optimizer state)."""
+    return max(n for n in range(1, min(wanted, dp_size) + 1) if dp_size % n == 0)

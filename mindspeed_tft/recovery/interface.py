@@ -31,4 +31,6 @@ class RecoverableState(Protocol):
 
     def load_checkpoint(self, root: str) -> int: ...
 
+    def rebuild(self, root: str) -> int: ...
+
     after_rollback: Any
