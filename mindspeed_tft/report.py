@@ -3,23 +3,33 @@
     python -m mindspeed_tft.report runs/demo/faulty/events.jsonl
     python -m mindspeed_tft.report FAULTY.jsonl --compare FAULT_FREE.jsonl
 
+    python -m mindspeed_tft.report FAULTY.jsonl --plot timeline.png [--compare FAULT_FREE.jsonl]
+
 For every incident it prints what failed (injected fault, detected faults with their ranks
 and kinds), what the controller decided (strategy, lock step), every phase it went through
-with its duration (stop, clean, waiting for restarted workers, repair, rollback, dump,
-rename, exit), the shard copies, and where training resumed; then the iterations. With
-`--compare`, it checks that every logged loss equals the other job's (bit for bit) and
-exits 1 if one does not.
+with its duration (stop, clean, repair, rollback, dump, rename, scale_in, exit; `phases`),
+the shard copies, and where training resumed; then the iterations and the goodput
+(`goodput`): the productive step time over the wall time, and what each incident cost,
+phase by phase. With `--compare`, it checks that every logged loss equals the other job's
+(bit for bit) and exits 1 if one does not. `--plot` draws the timeline (mindspeed_tft/
+timeline.py; needs matplotlib: `pip install mindspeed-tft[plot]`), with the other job's
+loss curve when `--compare` is given.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
+import statistics
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mindspeed_tft.events import read_events
+from mindspeed_tft.events import CONTROLLER_RANK, read_events
+
+if TYPE_CHECKING:
+    from mindspeed_tft.timeline import Timeline
 
 
 @dataclass
@@ -52,6 +62,276 @@ def incidents(events: list[dict[str, Any]]) -> list[Incident]:
         ):
             current = None
     return found
+
+
+@dataclass
+class Phase:
+    """One phase of an incident's handling, in wall-clock (unix) seconds."""
+
+    name: str
+    start: float
+    end: float
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+def _starts_phase(event: dict[str, Any]) -> bool:
+    return event["event"] in ("action", "exit")
+
+
+def phases(incident: Incident) -> list[Phase]:
+    """The controller's phases of one incident, in order. Each `action` event (stop, clean,
+    repair, rollback, dump, rename, scale_in) and the `exit` event starts one, named after it,
+    which lasts until the next one starts or the incident ends. `clean` includes waiting for
+    restarted workers to register again (rejoin): that wait writes no event of its own."""
+    starts = [e for e in incident.events if _starts_phase(e)]
+    ends = [e["time"] for e in starts[1:]] + [incident.events[-1]["time"]] if starts else []
+    return [Phase(e.get("action", "exit"), e["time"], end)
+            for e, end in zip(starts, ends, strict=True)]
+
+
+@dataclass
+class Step:
+    """One logged iteration (`iteration` event) as a span of wall time."""
+
+    iteration: int
+    start: float
+    end: float
+    #: False: no event marks its start (the first step of a job): timed as the median step
+    measured: bool
+    #: its result counts: the last run of this iteration, not undone by a later rollback
+    counts: bool
+    #: the incident whose rollback discarded it (it was recomputed, or lost)
+    undone_by: int | None = None
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+def _incident_numbers(found: list[Incident]) -> dict[int, int]:
+    return {id(e): incident.number for incident in found for e in incident.events}
+
+
+def _verdicts(events: list[dict[str, Any]], found: list[Incident]) -> dict[int, int | None]:
+    """id(iteration event) -> None if its result counts, else the number of the incident
+    whose rollback discarded it: the first later repair or shrink to a step below it, or
+    else, for an iteration logged again later (e.g. a job restarted from an older checkpoint
+    without a controller), the next incident (0: none)."""
+    number = _incident_numbers(found)
+    first_events = {id(incident.events[0]): incident.number for incident in found}
+    later: list[tuple[int, int]] = []  # (step, incident) of rollbacks after, nearest first
+    next_incident = 0
+    seen: set[int] = set()
+    verdicts: dict[int, int | None] = {}
+    for event in reversed(events):
+        next_incident = first_events.get(id(event), next_incident)
+        if event["event"] in ("repaired", "scale_in"):
+            later.insert(0, (event["step"], number.get(id(event), 0)))
+        elif event["event"] == "iteration":
+            i = event["iteration"]
+            undone = next((n for step, n in later if step < i), None)
+            verdicts[id(event)] = (undone if undone is not None
+                                   else next_incident if i in seen else None)
+            seen.add(i)
+    return verdicts
+
+
+def _handled(incident: Incident) -> bool:
+    """Whether a controller handled the incident (without one, e.g. high availability off,
+    the job dies and is started again: the incident has no end event)."""
+    return any(e["rank"] == CONTROLLER_RANK for e in incident.events)
+
+
+def _marks(events: list[dict[str, Any]], found: list[Incident]) -> list[tuple[float, bool]]:
+    """Where a step may start, sorted: (time, True) after an iteration event, a checkpoint
+    save or the end of a handled incident; (time, False) where a job (its controller) starts
+    or an unhandled fault ends it (what follows is a new start, with no event of its own)."""
+    marks = [(e["time"], e["event"] != "state") for e in events
+             if e["event"] in ("iteration", "checkpoint_saved")
+             or (e["event"] == "state" and e.get("prev") is None)]
+    marks += [(i.events[-1]["time"], True) if _handled(i) else (i.events[0]["time"], False)
+              for i in found]
+    return sorted(marks)
+
+
+def _last_mark(marks: list[tuple[float, bool]], t: float) -> tuple[float, bool] | None:
+    index = bisect.bisect_left(marks, (t, False))
+    return marks[index - 1] if index else None
+
+
+def steps(events: list[dict[str, Any]], found: list[Incident] | None = None) -> list[Step]:
+    """Every logged iteration as a `Step`, in file order. A step runs from the previous
+    iteration event, checkpoint save or end of an incident (training resumes there) to its
+    own `iteration` event. Its result counts unless the same iteration is logged again later
+    or a later repair or shrink (`repaired`, `scale_in`) sets training back below it."""
+    found = incidents(events) if found is None else found
+    verdicts, marks = _verdicts(events, found), _marks(events, found)
+    timed: list[tuple[dict[str, Any], float | None]] = []
+    for event in (e for e in events if e["event"] == "iteration"):
+        mark = _last_mark(marks, event["time"])
+        timed.append((event, mark[0] if mark is not None and mark[1] else None))
+    median = statistics.median(
+        [e["time"] - start for e, start in timed if start is not None] or [0.0])
+    first = events[0]["time"] if events else 0.0
+    return [Step(e["iteration"], start if start is not None else max(first, e["time"] - median),
+                 e["time"], start is not None, verdicts[id(e)] is None, verdicts[id(e)] or None)
+            for e, start in timed]
+
+
+def _overlap(start: float, end: float, windows: list[tuple[float, float]]) -> float:
+    return sum(max(0.0, min(end, w_end) - max(start, w_start)) for w_start, w_end in windows)
+
+
+@dataclass
+class IncidentCost:
+    """The wall time one incident cost, by part (seconds, in order): `interrupted step` (from
+    the last step, checkpoint save or resume before the fault to the fault: work lost; the
+    fault is its `fault_injected` event, or else its first detection, which then includes the
+    detection delay), `detect` (the fault to the controller's first action), each phase
+    (`phases`), and `discarded steps` when its rollback discarded steps already done (their
+    first runs, recomputed after it unless the job ended). Without a controller
+    (`_handled`), `restart` replaces `detect` and the phases: from the fault to the first
+    step of the restarted job."""
+
+    number: int
+    fault: float
+    end: float
+    phases: list[Phase]
+    parts: dict[str, float]
+    discarded_steps: int = 0
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+
+def _window(incident: Incident, all_steps: list[Step]) -> tuple[float, float]:
+    """From the fault to the end of its handling; for an unhandled incident (`_handled`), to
+    the start of the first step after the fault."""
+    fault, end = incident.events[0]["time"], incident.events[-1]["time"]
+    if not _handled(incident):
+        end = min([s.start for s in all_steps if s.end > fault] + [end])
+    return fault, max(fault, end)
+
+
+def _incident_cost(incident: Incident, all_steps: list[Step],
+                   marks: list[tuple[float, bool]]) -> IncidentCost:
+    fault, end = _window(incident, all_steps)
+    found = phases(incident)
+    mark = _last_mark(marks, fault)
+    running = any(s.start < fault < s.end for s in all_steps)  # that step completed anyway
+    parts = {"interrupted step": fault - mark[0] if mark and mark[1] and not running else 0.0,
+             "detect" if _handled(incident) else "restart": (found[0].start if found else end)
+             - fault}
+    for phase in found:
+        parts[phase.name] = parts.get(phase.name, 0.0) + phase.seconds
+    undone = [s for s in all_steps if s.undone_by == incident.number]
+    if undone:
+        parts["discarded steps"] = sum(s.seconds for s in undone)
+    return IncidentCost(incident.number, fault, end, found, parts, len(undone))
+
+
+@dataclass
+class Goodput:
+    """Productive step time over wall time, and where the rest went (seconds).
+
+    Wall time runs from the first event of the file (the controller's start) to its last.
+    Productive step time is the time of the steps whose results count (`Step.counts`: not
+    the first runs of iterations recomputed after a rollback), without any part of them that
+    overlaps an incident. The rest: `startup` (the job's start to its first step, or to the
+    first fault), checkpoint saves (the previous step's end to a `checkpoint_saved` event),
+    each incident (`IncidentCost`), and `other` (e.g. the shutdown after the last step)."""
+
+    start: float
+    end: float
+    productive: float
+    steps: list[Step]
+    startup: float
+    checkpoints: float
+    incidents: list[IncidentCost]
+
+    @property
+    def wall(self) -> float:
+        return self.end - self.start
+
+    @property
+    def ratio(self) -> float:
+        """Productive step time / wall time (0 for an empty run)."""
+        return self.productive / self.wall if self.wall > 0 else 0.0
+
+    @property
+    def training_ratio(self) -> float:
+        """The same from the first step on (without the start-up)."""
+        rest = self.wall - self.startup
+        return self.productive / rest if rest > 0 else 0.0
+
+    @property
+    def counted(self) -> int:
+        return sum(1 for s in self.steps if s.counts)
+
+    @property
+    def median_step(self) -> float:
+        """The median of the measured steps (what a step no event starts is timed as)."""
+        return statistics.median([s.seconds for s in self.steps if s.measured] or [0.0])
+
+    @property
+    def other(self) -> float:
+        accounted = self.productive + self.startup + self.checkpoints
+        return self.wall - accounted - sum(c.total for c in self.incidents)
+
+
+def goodput(events: list[dict[str, Any]]) -> Goodput:
+    """The goodput of a run from its events (see `Goodput`, `Step`, `IncidentCost`)."""
+    if not events:
+        return Goodput(0.0, 0.0, 0.0, [], 0.0, 0.0, [])
+    found = incidents(events)
+    marks = _marks(events, found)
+    all_steps = steps(events, found)
+    windows = [_window(incident, all_steps) for incident in found]
+    start, end = events[0]["time"], max(e["time"] for e in events)
+    productive = sum(s.seconds - _overlap(s.start, s.end, windows) for s in all_steps if s.counts)
+    checkpoints = 0.0
+    for event in (e for e in events if e["event"] == "checkpoint_saved"):
+        mark = _last_mark(marks, event["time"])
+        if mark is not None and mark[1]:
+            checkpoints += event["time"] - mark[0] - _overlap(mark[0], event["time"], windows)
+    first = min([s.start for s in all_steps] + [w[0] for w in windows] + [end])
+    costs = [_incident_cost(incident, all_steps, marks) for incident in found]
+    return Goodput(start, end, productive, all_steps, first - start, checkpoints, costs)
+
+
+def describe_goodput(result: Goodput) -> list[str]:
+    """Lines for the goodput of a run and what each incident cost, phase by phase."""
+    lines = [f"goodput {result.ratio:.3f}: {result.productive:.2f} s of productive step time "
+             f"in {result.wall:.2f} s of wall time ({result.training_ratio:.3f} from the "
+             "first step on)"]
+    guessed = any(not s.measured for s in result.steps)
+    lines.append(f"  productive: {result.counted} steps whose results count (each iteration's "
+                 "last run, not undone by a rollback), each from the previous step, "
+                 "checkpoint save or resume to its iteration event"
+                 + (f" (a job's first step, which no event starts: the median step, "
+                    f"{result.median_step:.2f} s)" if guessed else ""))
+    lost = sum(c.total for c in result.incidents)
+    lines.append(f"  the rest: startup {result.startup:.2f} s (the job's start to its first "
+                 f"step), checkpoint saves {result.checkpoints:.2f} s, incidents {lost:.2f} s, "
+                 f"other {result.other:.2f} s (e.g. shutdown)")
+    for cost in result.incidents:
+        parts = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in cost.parts.items())
+        redone = f" ({cost.discarded_steps} steps)" if cost.discarded_steps else ""
+        lines.append(f"  incident {cost.number} cost {cost.total:.2f} s: {parts}{redone}")
+    return lines
+
+
+def timeline(events: list[dict[str, Any]],
+             compare: list[dict[str, Any]] | None = None) -> Timeline:
+    """The timeline picture of a run (mindspeed_tft/timeline.py; needs matplotlib), with the
+    loss curve of `compare` (a fault-free run's events) when given."""
+    from mindspeed_tft.timeline import build_timeline
+
+    return build_timeline(events, goodput(events), compare)
 
 
 def _describe(event: dict[str, Any]) -> str | None:
@@ -91,15 +371,16 @@ def _describe(event: dict[str, Any]) -> str | None:
 
 
 def describe_incident(incident: Incident) -> list[str]:
-    """Lines for one incident: each step with the time since the fault and its duration."""
+    """Lines for one incident: each step with the time since the fault, and each phase's
+    duration (`phases`)."""
     events = incident.events
     start = events[0]["time"]
     lines = [f"incident {incident.number}:"]
     rollbacks = [e for e in events if e["event"] == "rolled_back"]
-    shown = [e for e in events if _describe(e) is not None]
-    for index, event in enumerate(shown):
-        following = shown[index + 1]["time"] if index + 1 < len(shown) else event["time"]
-        took = f" ({following - event['time']:.2f} s)" if event["event"] == "action" else ""
+    starts = [e for e in events if _starts_phase(e)]
+    took_s = {id(e): p.seconds for e, p in zip(starts, phases(incident), strict=True)}
+    for event in (e for e in events if _describe(e) is not None):
+        took = f" ({took_s[id(event)]:.2f} s)" if event["event"] == "action" else ""
         lines.append(f"  +{event['time'] - start:7.2f} s  {_describe(event)}{took}")
         if event["event"] == "action" and event["action"] == "rollback" and rollbacks:
             ranks = sorted(e["rank"] for e in rollbacks)
@@ -110,11 +391,20 @@ def describe_incident(incident: Incident) -> list[str]:
     return lines
 
 
+def _plot_suffix(path: str) -> str:
+    suffix = path.rsplit(".", 1)[-1].lower() if "." in path else ""
+    if suffix not in ("png", "svg"):
+        raise argparse.ArgumentTypeError(f"{path}: the picture is written as .png or .svg")
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("events", help="the job's events file (--tft-events-file)")
     parser.add_argument("--compare", metavar="EVENTS",
                         help="another job's events file whose losses must be equal")
+    parser.add_argument("--plot", metavar="OUT", type=_plot_suffix,
+                        help="draw the timeline into OUT (.png or .svg; needs matplotlib)")
     args = parser.parse_args(argv)
     events = read_events(args.events)
     for incident in incidents(events):
@@ -123,8 +413,17 @@ def main(argv: list[str] | None = None) -> int:
     if mine:
         last = max(mine)
         print(f"iterations logged: {len(mine)}, last {last}, final loss {mine[last]!r}")
-    if args.compare:
-        other = losses(read_events(args.compare))
+    print("\n".join(describe_goodput(goodput(events))))
+    other_events = read_events(args.compare) if args.compare else None
+    if args.plot:
+        try:
+            timeline(events, other_events).save(args.plot)
+        except ImportError as e:
+            print(f"--plot: {e}", file=sys.stderr)
+            return 2
+        print(f"timeline: {args.plot}")
+    if other_events is not None:
+        other = losses(other_events)
         differ = sorted(i for i in set(mine) | set(other) if mine.get(i) != other.get(i))
         if differ:
             print(f"losses differ from {args.compare} at iterations {differ}")

@@ -6,8 +6,10 @@
 #    The launcher restarts only that worker, the survivors rebuild their process groups
 #    with it, it receives its model params and optimizer shard from a replica, everyone
 #    rolls back to the last completed step, and training goes on.
-# 2. Prints what happened, phase by phase, from the job's events file.
-# 3. Trains the same job without a fault and checks that every loss is the same.
+# 2. Prints what happened, phase by phase, from the job's events file, and the goodput;
+#    draws the recovery timeline (faulty/timeline.png, beside the events file).
+# 3. Trains the same job without a fault, checks that every loss is the same, and draws
+#    the timeline again with the fault-free run's loss curve.
 # Sets up .venv on first use. Writes under runs/demo/.
 #
 #   ./scripts/demo.sh                     # the reference trainer (pretrain_gpt.py here)
@@ -87,11 +89,13 @@ RUN_DIR="${DEMO_DIR}/faulty" TFT_INJECT_STATE_DIR="${DEMO_DIR}/faulty/inject" \
 
 echo
 echo "[demo] 2/3: what happened (from ${DEMO_DIR}/faulty/events.jsonl)"
-python -m mindspeed_tft.report "${DEMO_DIR}/faulty/events.jsonl"
+TIMELINE="${DEMO_DIR}/faulty/timeline.png"
+python -m mindspeed_tft.report "${DEMO_DIR}/faulty/events.jsonl" --plot "${TIMELINE}"
 
 echo
 echo "[demo] 3/3: the same training without a fault, for comparison"
 RUN_DIR="${DEMO_DIR}/fault-free" "${TRAIN}" > "${DEMO_DIR}/fault-free.log" 2>&1 \
     || { tail -30 "${DEMO_DIR}/fault-free.log"; exit 1; }
 python -m mindspeed_tft.report "${DEMO_DIR}/faulty/events.jsonl" \
-    --compare "${DEMO_DIR}/fault-free/events.jsonl" | tail -1
+    --compare "${DEMO_DIR}/fault-free/events.jsonl" --plot "${TIMELINE}" | tail -1
+echo "[demo] recovery timeline (with the fault-free run's loss): ${TIMELINE}"

@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from mindspeed_tft.report import goodput
 from tests.jobs import (
     HA_ARGS,
     STANDARD,
@@ -26,6 +27,7 @@ from tests.jobs import (
     tiny_job_env,
     wait_event,
 )
+from tests.test_timeline import check_timeline
 
 pytestmark = pytest.mark.multiproc
 
@@ -136,6 +138,12 @@ def test_no_replica_reloads_the_periodic_checkpoint(reference_job, tmp_path):
     assert job.losses() == reference.losses()
     pids = job.pids()
     assert [len(pids[r]) for r in range(4)] == [1, 1, 1, 2]
+    # goodput counts each iteration once: the first runs of 6-8 are the incident's cost
+    run = goodput(job.events)
+    assert 0 < run.ratio <= 1 and run.counted == STANDARD["train_iters"]
+    assert [c.discarded_steps for c in run.incidents] == [3]
+    timeline = check_timeline(job.events, tmp_path / "timeline.png", reference.events)
+    assert set(timeline.bands) >= {e["action"] for e in job.named("action")}
 
 
 def _end(proc, events) -> None:
