@@ -7,7 +7,7 @@
 
 For every incident it prints what failed (injected fault, detected faults with their ranks
 and kinds), what the controller decided (strategy, lock step), every phase it went through
-with its duration (stop, clean, repair, rollback, dump, rename, scale_in, exit; `phases`),
+with its duration (stop, clean, repair, rollback, dump, rename, scale_in, scale_out, exit; `phases`),
 the shard copies, and where training resumed; then the iterations and the goodput
 (`goodput`): the productive step time over the wall time, and what each incident cost,
 phase by phase. With `--compare`, it checks that every logged loss equals the other job's
@@ -46,12 +46,13 @@ def losses(events: Iterable[dict[str, Any]]) -> dict[int, float]:
 
 
 def incidents(events: list[dict[str, Any]]) -> list[Incident]:
-    """Group the events from each fault to the controller's return to NORMAL (or its end)."""
+    """Group the events from each fault (or scale-out, which is handled like one) to the
+    controller's return to NORMAL (or its end)."""
     found: list[Incident] = []
     current: Incident | None = None
     for event in events:
         name = event["event"]
-        if current is None and name in ("fault_injected", "fault_detected"):
+        if current is None and name in ("fault_injected", "fault_detected", "scale_out_started"):
             current = Incident(len(found) + 1)
             found.append(current)
         if current is None:
@@ -83,7 +84,7 @@ def _starts_phase(event: dict[str, Any]) -> bool:
 
 def phases(incident: Incident) -> list[Phase]:
     """The controller's phases of one incident, in order. Each `action` event (stop, clean,
-    repair, rollback, dump, rename, scale_in) and the `exit` event starts one, named after it,
+    repair, rollback, dump, rename, scale_in, scale_out) and the `exit` event starts one, named after it,
     which lasts until the next one starts or the incident ends. `clean` includes waiting for
     restarted workers to register again (rejoin): that wait writes no event of its own."""
     starts = [e for e in incident.events if _starts_phase(e)]
@@ -128,7 +129,7 @@ def _verdicts(events: list[dict[str, Any]], found: list[Incident]) -> dict[int, 
     verdicts: dict[int, int | None] = {}
     for event in reversed(events):
         next_incident = first_events.get(id(event), next_incident)
-        if event["event"] in ("repaired", "scale_in"):
+        if event["event"] in ("repaired", "scale_in", "scale_out"):
             later.insert(0, (event["step"], number.get(id(event), 0)))
         elif event["event"] == "iteration":
             i = event["iteration"]
@@ -166,7 +167,7 @@ def steps(events: list[dict[str, Any]], found: list[Incident] | None = None) -> 
     """Every logged iteration as a `Step`, in file order. A step runs from the previous
     iteration event, checkpoint save or end of an incident (training resumes there) to its
     own `iteration` event. Its result counts unless the same iteration is logged again later
-    or a later repair or shrink (`repaired`, `scale_in`) sets training back below it."""
+    or a later repair or scale change (`repaired`, `scale_in`, `scale_out`) sets training back below it."""
     found = incidents(events) if found is None else found
     verdicts, marks = _verdicts(events, found), _marks(events, found)
     timed: list[tuple[dict[str, Any], float | None]] = []
@@ -364,6 +365,13 @@ def _describe(event: dict[str, Any]) -> str | None:
     if name == "scale_in":
         return (f"elastic training: the job shrank to {event['world_size']} ranks (DP "
                 f"{event['dp_size']}, ranks {event['ranks']}) without ranks {event['left']}; "
+                f"training resumes at iteration {event['step']}")
+    if name == "scale_out_started":
+        return (f"elastic training: ranks {event['joining']} came back; the job grows to "
+                f"{event['world_size']} ranks (DP {event['dp_size']})")
+    if name == "scale_out":
+        return (f"elastic training: the job grew to {event['world_size']} ranks (DP "
+                f"{event['dp_size']}, ranks {event['ranks']}) with ranks {event['joined']}; "
                 f"training resumes at iteration {event['step']}")
     if name == "exit":
         return f"job exits with code {event['code']}: {event['reason']}"
