@@ -167,6 +167,9 @@ TABLE: tuple[Moment, ...] = (
            "a restarted worker gets its state from its peers, not from --load", MLM),
         _p("megatron.training.training:build_train_valid_test_datasets",
            "keep the datasets: recovery rebuilds the data iterators at a sample count", MLM),
+        _p("megatron.training.training:setup_model_and_optimizer",
+           "keep the call: elastic training builds model and optimizer again in a smaller or "
+           "larger world", MLM),
         _p("megatron.training.training:train",
            "run the training loop under the fault handler, re-enter it after a repair", MLM),
         _p("megatron.training.training:train_step",
@@ -176,7 +179,8 @@ TABLE: tuple[Moment, ...] = (
         _p("megatron.training.training:checkpoint_and_decide_exit",
            "the end of a step (after the periodic save): step reports and snapshots", MLM),
         _p("megatron.training.training:save_checkpoint",
-           "the 'save' phase of a step (TFT_INJECT), after Megatron-LM's own save", MLM),
+           "the 'save' phase of a step (TFT_INJECT), after Megatron-LM's own save; the live "
+           "model and optimizer (new ones after a scale change)", MLM),
         *(_p(f"{module}:pretrain", "leave the control plane when training ended", MLM)
           for module in ("megatron.training.training", "megatron.training")),
         _p("megatron.core.datasets.utils:compile_helpers", "Megatron-LM's megatron/training "

@@ -70,9 +70,6 @@ def test_help_lists_the_flags_with_and_without_the_import(megatron_lm):
      "handles SIGTERM itself"),
     (["--optimizer-replica-num", "3"],
      "--optimizer-replica-num 3 does not divide the data-parallel size 4"),
-    (["--enable-worker-reboot", "--enable-elastic-training"],
-     "--enable-elastic-training cannot be combined with --enable-high-availability: elastic "
-     "training runs in this project's trainer only so far"),
 ])
 def test_a_flag_the_plugin_cannot_serve_stops_at_start_up(megatron_lm, extra, message):
     """Refused after Megatron-LM's own validation, before torch.distributed starts: a clear
@@ -171,6 +168,36 @@ def test_worker_reboot_under_tft_run_restarts_only_the_killed_rank(
     assert {r: len(p) for r, p in pids.items()} == {r: 2 if r == rank else 1 for r in range(4)}
     assert job.losses() == reference.losses()
     assert all(e["match"] for e in job.named("replica_check"))
+
+
+def test_elastic_training_shrinks_in_megatron_lms_loop(megatron_lm, megatron_reference,
+                                                      tmp_path):
+    """A killed rank that gets no replacement: Megatron-LM's own loop continues at DP2 (8
+    micro-batches per step split over 2 ranks, not 3) from the dump, with Megatron-LM's
+    setup_model_and_optimizer and load_checkpoint, and finishes every iteration with the
+    fault-free samples and learning rate (losses within tests/test_elastic.py's tolerance)."""
+    from tests.test_elastic import LOSS_TOLERANCE
+
+    reference = megatron_reference(layout="dp4", ha_args=HA, **ITERS)
+    job = run_megatron_job(tmp_path, megatron_lm, layout="dp4", entry="", launcher="tft-run",
+                           ha_args=f"{HA} --enable-worker-reboot --enable-elastic-training",
+                           inject="kill:rank=1,step=4,phase=backward",
+                           env={"TFT_MAX_WORKER_RESTARTS": "0"}, **ITERS)
+    assert job.returncode == 0, job.describe()
+    (shrink,) = job.named("scale_in")
+    assert (shrink["ranks"], shrink["dp_size"], shrink["left"], shrink["step"]) == (
+        [0, 2], 2, [1, 3], 4)
+    expected = {e["iteration"]: e for e in reference.named("iteration")}
+    logged = job.named("iteration")
+    assert [e["iteration"] for e in logged] == sorted(expected)
+    for event in logged:
+        want = expected[event["iteration"]]
+        assert (event["consumed_samples"], event["lr"]) == (want["consumed_samples"], want["lr"])
+        assert abs(event["loss"] - want["loss"]) <= LOSS_TOLERANCE, event
+        if event["iteration"] <= 4:
+            assert event["loss"] == want["loss"], event
+    checks = [e for e in job.named("replica_check") if e["iteration"] > 4]
+    assert checks and all(e["match"] for e in checks)
 
 
 def test_no_replica_worker_reboot_reloads_the_periodic_checkpoint(

@@ -17,13 +17,19 @@ Nothing of Megatron-LM is copied or edited; the functions below wrap Megatron-LM
   `--load` is skipped (its state comes from its peers).
 - `build_train_valid_test_datasets`: the datasets are kept, to rebuild the data iterators
   at a sample count (model, optimizer and scheduler arrive with `train`).
+- `setup_model_and_optimizer`: the call is kept, so that elastic training can build model,
+  optimizer and scheduler again in a smaller or larger world (Megatron-LM's own setup,
+  without `--load`), then load the dump into them (`_rebuild_model_and_optimizer`).
 - `train`: runs under the fault handler (`TFTPlugin.run`) with the host's `TrainingState`;
-  after a repair it is entered again with the rebuilt data iterators and the training
-  config as it was at its first entry.
+  after a repair it is entered again with the state's model, optimizer and scheduler (new
+  ones after a scale change), the rebuilt data iterators and the training config as it was
+  at its first entry.
 - `train_step` / `post_training_step_callbacks` / `checkpoint_and_decide_exit`: the step's
   phases, its loss (the ``iteration`` event), its end; `save_checkpoint`: the ``save``
   phase, once Megatron-LM's own save returned (it publishes inside, so a fault injected
-  there hits a published checkpoint, unlike the reference trainer's).
+  there hits a published checkpoint, unlike the reference trainer's); it saves the state's
+  model, optimizer and scheduler (`pretrain`'s own, after `train`, are stale after a scale
+  change).
 - `pretrain`: a warm spare of `tft-run` waits for its rank first; the control plane is left
   when training ended.
 - `compile_helpers`: Megatron-LM's `megatron/training` on the megatron-core wheel, which
@@ -82,10 +88,6 @@ HOST_REFUSALS: tuple[tuple[str, Callable[[argparse.Namespace], bool], str], ...]
      "nvidia-resiliency-ext's fault tolerance would act on the same faults; remove it"),
     ("--non-persistent-save-interval", lambda a: a.non_persistent_save_interval is not None,
      "repairs and dumps use the persistent checkpoints under --save; remove it"),
-    ("--enable-elastic-training", lambda a: bool(getattr(a, "enable_elastic_training", False)),
-     "elastic training runs in this project's trainer only so far (Megatron-LM's loop "
-     "cannot rebuild its model in a smaller world yet); remove it (worker reboot and the "
-     "dump stay on) or train with pretrain_gpt.py of mindspeed-tft"),
 )
 
 
@@ -206,6 +208,9 @@ class MegatronHost:
         self.datasets_provider: Any = None
         self.local = _LocalCollectives()
         self.training_config: dict[str, Any] | None = None
+        #: Megatron-LM's `setup_model_and_optimizer` and the arguments `pretrain` called it
+        #: with (elastic training builds them again)
+        self.setup_call: tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]] | None = None
 
     @property
     def rejoining(self) -> bool:
@@ -396,6 +401,30 @@ def _load_in_place(root: str) -> int:
     return iteration
 
 
+def _rebuild_model_and_optimizer(root: str) -> int:
+    """Elastic training: model, optimizer and scheduler built again for the current parallel
+    state by Megatron-LM's own `setup_model_and_optimizer` (without `--load`: random init
+    skipped, the dump overwrites it), the dump under `root` loaded into them, the data
+    iterators rebuilt at its sample count. Returns the iteration loaded."""
+    args = _args()
+    state = _host.state
+    assert state is not None and _host.setup_call is not None, "mindspeed-tft: no state yet"
+    setup, call_args, call_kwargs = _host.setup_call
+    saved = {name: getattr(args, name) for name in ("load", "pretrained_checkpoint")}
+    args.load = args.pretrained_checkpoint = None
+    args.perform_initialization = False
+    try:
+        state.model, state.optimizer, state.opt_param_scheduler = setup(*call_args,
+                                                                        **call_kwargs)
+    finally:
+        for name, value in saved.items():
+            setattr(args, name, value)
+    iteration = _load_in_place(root)
+    state.reset_train_data_iterator()
+    _after_rollback()
+    return iteration
+
+
 def _after_rollback() -> None:
     """Megatron-LM state a rollback leaves behind: its timers (a timer left running by the
     interrupted step cannot be started again) and the rerun state machine's step state."""
@@ -422,24 +451,28 @@ def wrap_train(original: Callable[..., Any]) -> Callable[..., Any]:
             build_train_data_iterator=_rebuild_iterators,
             checkpoint_state_dict=_checkpoint_state_dict, load_checkpoint=_load_in_place,
             train_data_iterator=train_data_iterator, valid_data_iterator=valid_data_iterator,
-            after_rollback=_after_rollback,
+            after_rollback=_after_rollback, rebuild_model_and_optimizer=_rebuild_model_and_optimizer,
         )
         _host.state = state
         plugin.attach(state)
         hooks = plugin.hooks()
         _host.hooks = hooks
-        config = rest[1] if len(rest) > 1 else None
-
         def run_once() -> Any:
-            if config is not None:  # train() sets them, and asserts they are unset
+            from megatron.core.utils import get_model_config
+
+            tail = list(rest)
+            if len(tail) > 1 and tail[1] is not None:  # the model's config (new ones after a
+                config = tail[1] = get_model_config(state.model[0])  # scale change)
+                # train() sets these and asserts they are unset
                 if _host.training_config is None:
                     _host.training_config = {f: getattr(config, f) for f in _CONFIG_FIELDS}
                 for name, value in _host.training_config.items():
                     setattr(config, name, value)
             set_update_listener(hooks, state)
             hooks.on_train_start(state)
-            result = original(forward_step_func, model, optimizer, opt_param_scheduler,
-                              state.train_data_iterator, state.valid_data_iterator, *rest)
+            result = original(forward_step_func, state.model, state.optimizer,
+                              state.opt_param_scheduler, state.train_data_iterator,
+                              state.valid_data_iterator, *tail)
             hooks.on_train_end(state)
             return result
 
@@ -500,8 +533,19 @@ def wrap_checkpoint_and_decide_exit(original: Callable[..., Any]) -> Callable[..
     return checkpoint_and_decide_exit
 
 
+def wrap_setup_model_and_optimizer(original: Callable[..., Any]) -> Callable[..., Any]:
+    def setup_model_and_optimizer(*args: Any, **kwargs: Any) -> Any:
+        _host.setup_call = (original, args, kwargs)
+        return original(*args, **kwargs)
+
+    return setup_model_and_optimizer
+
+
 def wrap_save_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
     def save_checkpoint(iteration: int, *args: Any, **kwargs: Any) -> Any:
+        state = _host.state
+        if state is not None and len(args) >= 3:  # the live ones, new after a scale change
+            args = (state.model, state.optimizer, state.opt_param_scheduler, *args[3:])
         result = original(iteration, *args, **kwargs)
         if _host.state is not None:  # Megatron-LM publishes inside its save: after it
             _host.hooks.on_phase(_host.state, "save", iteration - 1)
@@ -562,6 +606,7 @@ def install_patches() -> None:
     for name, wrap in (
         ("load_checkpoint", wrap_load_checkpoint),
         ("build_train_valid_test_datasets", wrap_build_datasets),
+        ("setup_model_and_optimizer", wrap_setup_model_and_optimizer),
         ("train", wrap_train),
         ("train_step", wrap_train_step),
         ("post_training_step_callbacks", wrap_post_training_step_callbacks),

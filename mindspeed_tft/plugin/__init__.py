@@ -378,9 +378,9 @@ class TFTPlugin:
             self.state.model, self.state.optimizer = [], None  # free the old replicas' memory
         self.rebuild_process_groups(generation, survivor=False)
         iteration = None
+        reconfigure_num_microbatches_calculator(args.rank, None, args.global_batch_size,
+                                                args.micro_batch_size, dp_size)
         if member:
-            reconfigure_num_microbatches_calculator(args.rank, None, args.global_batch_size,
-                                                    args.micro_batch_size, dp_size)
             iteration = self.state.rebuild(root)
         release_retired_groups()
         assert self.replica_groups is not None

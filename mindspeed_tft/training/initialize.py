@@ -134,11 +134,14 @@ def initialize_distributed_state(args: argparse.Namespace) -> None:
 
 def seed_and_microbatches(args: argparse.Namespace) -> None:
     """Every RNG seeded and the micro-batch calculator set up (after the parallel state
-    exists: at start-up, or once a restarted worker joined the rebuilt groups)."""
-    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+    exists: at start-up, or once a restarted worker joined the rebuilt groups, which may
+    have configured the calculator already for the world it joined)."""
+    from megatron.core.num_microbatches_calculator import (
+        reconfigure_num_microbatches_calculator,
+    )
 
     set_random_seed(args.seed)
-    init_num_microbatches_calculator(
+    reconfigure_num_microbatches_calculator(
         args.rank,
         None,
         args.global_batch_size,
