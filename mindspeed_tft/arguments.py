@@ -8,7 +8,8 @@ A user turns the plugin on with four flags in the pretrain script (SPEC 1)::
     --enable-elastic-training           shrink by a DP replica when no replacement comes
     --distributed-optimizer-no-replica  N = 1: repair from the last periodic checkpoint
 
-plus ``--optimizer-replica-num`` (N, default 2) and ``--tft-events-file``.
+plus ``--optimizer-replica-num`` (N, default 2), ``--tft-events-file`` and
+``--tft-metrics-port``.
 
 `add_tft_args` is a Megatron-LM ``extra_args_provider``: it adds the argument group
 "mindspeed-tft high availability" and returns the parser. `validate_tft_args` runs after
@@ -36,8 +37,12 @@ Megatron's own validation (it needs ``data_parallel_size`` and friends) and:
    - ``args.tft_features``: a frozen `Features`, the one summary the rest of the plugin
      reads; ``describe()`` gives the startup log line.
 
-6. reads the environment the plugin will use (`check_environment`): a bad ``TFT_INJECT`` or
-   ``TTP_*`` value stops the start here, before the model is built.
+6. writes ``--tft-metrics-port P`` to ``TFT_METRICS_PORT`` in the environment
+   (`export_metrics_port`; the flag wins over the variable): the control plane reads its
+   settings from the environment only (`ControlConfig.from_env`), and `tft-run` does the
+   same with the training command's flag before it starts its controller;
+7. reads the environment the plugin will use (`check_environment`): a bad ``TFT_INJECT`` or
+   ``TTP_*`` / ``TFT_METRICS_*`` value stops the start here, before the model is built.
 
 Every refusal is a `TFTArgumentError` (a ValueError) whose message names the flag or value and
 says what is allowed.
@@ -53,7 +58,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 
 from mindspeed_tft.features import DEFAULT_OPTIMIZER_REPLICA_NUM, Features
 
@@ -77,6 +82,17 @@ _MODE_NAMES = ", ".join(HIGH_AVAILABILITY_MODES)
 
 class TFTArgumentError(ValueError):
     """A mindspeed-tft command-line or environment setting that cannot be used."""
+
+
+def _metrics_port(value: str) -> int:
+    try:
+        port = int(value)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a port (allowed: 1..65535; 0: no metrics endpoint)")
+    return port
 
 
 def add_tft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -148,7 +164,28 @@ def add_tft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "replica group) and record a replica_check event; a mismatch stops training with an "
         "error. 0 (default): never.",
     )
+    group.add_argument(
+        "--tft-metrics-port",
+        type=_metrics_port,
+        default=None,
+        metavar="PORT",
+        help="Serve the controller's metrics (OpenMetrics / Prometheus text: state, ranks, "
+        "incidents, time to recover, iterations lost, goodput) on PORT of TFT_METRICS_ADDR "
+        "(default 127.0.0.1), from rank 0 or tft-run's node-0 launcher. Sets TFT_METRICS_PORT "
+        "(the flag wins over it); 0: off. Needs --enable-high-availability and "
+        "pip install mindspeed-tft[metrics].",
+    )
     return parser
+
+
+def export_metrics_port(args: argparse.Namespace, environ: MutableMapping[str, str]) -> None:
+    """``--tft-metrics-port P`` -> ``TFT_METRICS_PORT=P`` in ``environ``, where the control
+    plane reads it (and processes started from here inherit it); nothing without the flag."""
+    from mindspeed_tft.control.config import METRICS_PORT_ENV
+
+    port = getattr(args, "tft_metrics_port", None)
+    if port is not None:
+        environ[METRICS_PORT_ENV] = str(port)
 
 
 def parse_high_availability_env(value: str) -> tuple[str, ...]:
@@ -174,12 +211,12 @@ def parse_high_availability_env(value: str) -> tuple[str, ...]:
 
 
 def validate_tft_args(
-    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+    args: argparse.Namespace, environ: MutableMapping[str, str] | None = None
 ) -> argparse.Namespace:
     """Check the mindspeed-tft settings in ``args`` and record the outcome on it.
 
-    Call after Megatron's own argument validation. ``environ`` defaults to ``os.environ``.
-    Raises `TFTArgumentError`; returns ``args`` with ``optimizer_replica_num_effective`` and
+    Call after Megatron's own argument validation. ``environ`` defaults to ``os.environ``
+    (with high availability, ``--tft-metrics-port`` is written to it). Raises `TFTArgumentError`; returns ``args`` with ``optimizer_replica_num_effective`` and
     ``tft_features`` set.
     """
     environ = os.environ if environ is None else environ
@@ -210,6 +247,8 @@ def validate_tft_args(
             ignored.append("--distributed-optimizer-no-replica")
         if args.optimizer_replica_num != DEFAULT_OPTIMIZER_REPLICA_NUM:
             ignored.append(f"--optimizer-replica-num {args.optimizer_replica_num}")
+        if getattr(args, "tft_metrics_port", None):
+            ignored.append(f"--tft-metrics-port {args.tft_metrics_port}")
         if ignored:
             verb, pronoun = ("takes", "it") if len(ignored) == 1 else ("take", "them")
             raise TFTArgumentError(
@@ -229,6 +268,8 @@ def validate_tft_args(
         args.optimizer_replica_num_effective if replicated else 1
     )
     args.tft_features = Features.from_args(args)
+    if args.enable_high_availability:
+        export_metrics_port(args, environ)
     check_environment(args, environ)
     return args
 
@@ -248,6 +289,10 @@ def check_environment(args: argparse.Namespace, environ: Mapping[str, str]) -> N
             config = ControlConfig.from_env(environ)
             if getattr(args, "rank", 0) == 0:  # rank 0 may host the controller (torchrun)
                 check_bind(config, config.controller_addr, "the controller")
+                if config.metrics_port:  # and its metrics endpoint: prometheus_client
+                    from mindspeed_tft.control.metrics import prometheus
+
+                    prometheus()
     except (FaultSpecError, ControlConfigError) as error:
         raise TFTArgumentError(str(error)) from None
 

@@ -12,11 +12,14 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
+import urllib.request
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from mindspeed_tft.report import goodput
+from mindspeed_tft.report import goodput, incidents
 from tests.jobs import (
     HA_ARGS,
     STANDARD,
@@ -26,6 +29,7 @@ from tests.jobs import (
     start_tiny_job,
     tiny_job_env,
     wait_event,
+    wait_for,
 )
 from tests.test_timeline import check_timeline
 
@@ -194,28 +198,66 @@ def test_kill_during_a_repair_ends_cleanly_never_hangs(tmp_path):
     assert "exits with code 1" in output or "exitcode" in output
 
 
-def _launch_node(run_dir, node_rank: int, master_port: int, ttp_port: int):
+def _launch_node(run_dir, node_rank: int, master_port: int, ttp_port: int, extra: str = ""):
     return start_tiny_job(tiny_job_env(
-        run_dir, **STANDARD, ha_args=ARF_ARGS,
+        run_dir, **STANDARD, ha_args=ARF_ARGS + extra,
         launcher=f"tft-run --nnodes 2 --node-rank {node_rank} --master-addr 127.0.0.1",
         env={"NPROC": "2", "MASTER_PORT": str(master_port), "TTP_PORT": str(ttp_port),
              "TTP_LOG_PATH": str(run_dir / f"ttp_logs_node{node_rank}")}))
 
 
+class _Scraper:
+    """Scrapes a metrics endpoint every `interval` seconds in a background thread and keeps
+    every scrape that answered: (time, {(name, labels): value}), parsed by prometheus_client."""
+
+    def __init__(self, port: int, interval: float = 0.3) -> None:
+        self.url = f"http://127.0.0.1:{port}/metrics"
+        self.interval = interval
+        self.scrapes: list[tuple[float, dict]] = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.wait(self.interval):
+            try:
+                with urllib.request.urlopen(self.url, timeout=5) as reply:
+                    text = reply.read().decode()
+            except OSError:
+                continue  # not up yet, or gone with the job
+            self.scrapes.append((time.time(), {
+                (s.name, frozenset(s.labels.items())): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}))
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join(10)
+
+
+def _named(samples: dict, name: str) -> dict:
+    return {labels: value for (n, labels), value in samples.items() if n == name}
+
+
 def test_a_lost_node_is_replaced_by_a_new_launcher(reference_job, tmp_path):
     """Two launchers (`--nnodes 2`, 2 ranks each). Node 1's launcher and its workers are
     killed; a replacement launcher with the same node rank brings ranks 2 and 3 back, they
-    receive their shards from ranks 0 and 1, and the job finishes bit-exact."""
+    receive their shards from ranks 0 and 1, and the job finishes bit-exact. Node 0's
+    controller serves its metrics (`--tft-metrics-port`), scraped all along: no incident
+    before the kill, one repaired after it, its time to recover within the events file's."""
     reference = reference_job(ha_args=HA_ARGS, **LAYOUTS["dp4"])
     run_dir = tmp_path / "job"
     run_dir.mkdir()
     events = run_dir / "events.jsonl"
-    master_port, ttp_port = free_port(), free_port()
-    node0 = _launch_node(run_dir, 0, master_port, ttp_port)
+    master_port, ttp_port, metrics_port = free_port(), free_port(), free_port()
+    node0 = _launch_node(run_dir, 0, master_port, ttp_port,
+                         f" --tft-metrics-port {metrics_port}")
     node1 = _launch_node(run_dir, 1, master_port, ttp_port)
     replacement = None
+    scraper = _Scraper(metrics_port)
     try:
         wait_event(events, lambda e: e["event"] == "iteration" and e["iteration"] >= 2, 180)
+        wait_for(lambda: scraper.scrapes, 10, "a scrape of node 0's metrics")
+        killed = time.time()
         # the node dies: its launcher and its workers (they run in sessions of their own)
         workers = {e["rank"]: e["pid"] for e in read_events_if_any(events)
                    if e["event"] == "replica_layout" and e["rank"] in (2, 3)}
@@ -228,6 +270,7 @@ def test_a_lost_node_is_replaced_by_a_new_launcher(reference_job, tmp_path):
         output0, _ = node0.communicate(timeout=300)
         output1, _ = replacement.communicate(timeout=60)
     finally:
+        scraper.stop()
         for proc in (node0, node1, replacement):
             _end(proc, events)
     assert node0.returncode == 0, output0[-3000:]
@@ -241,3 +284,17 @@ def test_a_lost_node_is_replaced_by_a_new_launcher(reference_job, tmp_path):
     assert received == [2, 3]
     losses = {e["iteration"]: e["loss"] for e in done if e["event"] == "iteration"}
     assert losses == reference.losses()
+
+    before = [samples for t, samples in scraper.scrapes if t < killed]
+    assert before and all(s[("tft_incidents_total", frozenset())] == 0 for s in before)
+    assert all(not _named(s, "tft_incidents_ended_total") for s in before)
+    last = scraper.scrapes[-1][1]
+    assert last[("tft_incidents_total", frozenset())] == 1
+    first_kind = next(e["kind"] for e in done if e["event"] == "fault_detected")
+    assert _named(last, "tft_incidents_ended_total") == {frozenset(
+        {"kind": first_kind, "strategy": "recover", "outcome": "repaired"}.items()): 1}
+    (incident,) = incidents(done)
+    repaired = next(e["time"] for e in incident.events if e["event"] == "repaired")
+    recovered_in = last[("tft_recovery_last_seconds", frozenset())]
+    assert 0 < recovered_in <= repaired - incident.events[0]["time"]
+    assert 0 < last[("tft_goodput_ratio", frozenset())] <= 1

@@ -26,7 +26,9 @@ files and logging. `ControlConfig.from_env()` builds it from the environment:
 | `TTP_CURVE_CLIENT_KEY` | client secret certificate (processors) | none | error |
 | `TTP_CURVE_AUTHORIZED_KEYS` | client public certificate file or folder the controller accepts | the client key | error |
 | `TTP_JOB_TOKEN` | per-job secret every REGISTER (and backup) must carry, 16..256 printable characters; `tft-run` on one node makes one when unset | none | error |
-| `TTP_ALLOW_INSECURE` | 1: let a controller bind a non-loopback address without CURVE (warned on every start) | 0 | error |
+| `TTP_ALLOW_INSECURE` | 1: let a controller bind a non-loopback address without CURVE, and the metrics endpoint a non-loopback `TFT_METRICS_ADDR` (warned on every start) | 0 | error |
+| `TFT_METRICS_PORT` | port of the active controller's metrics endpoint (OpenMetrics / Prometheus text, `control/metrics.py`; needs `pip install mindspeed-tft[metrics]`); `--tft-metrics-port` sets it; 0 or unset: off, 1..65535 | off | error |
+| `TFT_METRICS_ADDR` | address the metrics endpoint binds (IPv4 or IPv6 literal); a non-loopback one only with `TTP_ALLOW_INSECURE=1` | 127.0.0.1 | error |
 | `TTP_LOG_PATH` | log folder (file `ttp_log.log`) | logs | - |
 | `TTP_LOG_LEVEL` | DEBUG, INFO, WARNING, ERROR | INFO | error |
 | `TTP_LOG_MODE` | ONLY_ONE (one file) or PER_PROC (one file per process) | ONLY_ONE | error |
@@ -39,6 +41,11 @@ read from the environment; code (tests) may set shorter times through the constr
 Every variable is checked when the configuration is read, at start-up: a value that cannot
 be used stops the start with an error naming the variable and what is allowed; nothing
 falls back silently.
+
+The metrics endpoint has no authentication (CURVE covers the control plane's ZeroMQ sockets,
+not HTTP), so it is treated like a controller without CURVE: it binds a loopback address
+unless `TTP_ALLOW_INSECURE=1` lets it listen on the network (checked when the configuration
+is read, and warned about on every start).
 """
 
 from __future__ import annotations
@@ -59,6 +66,8 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LOG_MODES = ("ONLY_ONE", "PER_PROC")
 LOG_FILE = "ttp_log.log"
 MAX_BACKUPS = 2
+METRICS_PORT_ENV = "TFT_METRICS_PORT"
+METRICS_ADDR_ENV = "TFT_METRICS_ADDR"
 
 
 class ControlConfigError(ValueError):
@@ -108,6 +117,36 @@ def parse_hostport(value: str, name: str) -> tuple[str, int]:
                 f"{name}: {value!r} is not 'ip:port' (write IPv6 as '[addr]:port')"
             )
     return parse_ip(host, name, allow_wildcard=False), parse_port(port, name)
+
+
+def _metrics_port(env: Mapping[str, str]) -> int:
+    raw = (env.get(METRICS_PORT_ENV) or "").strip()
+    try:
+        port = int(raw or 0)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise ControlConfigError(f"{METRICS_PORT_ENV}={env[METRICS_PORT_ENV]!r} is not a port "
+                                 "(allowed: 1..65535; 0 or unset: no metrics endpoint)")
+    return port
+
+
+def _check_metrics_addr(values: dict[str, Any]) -> None:
+    """A metrics endpoint on the network only with TTP_ALLOW_INSECURE=1 (it has no
+    authentication); the opt-out is warned about on every start."""
+    addr = values["metrics_addr"]
+    if not values["metrics_port"] or ipaddress.ip_address(addr).is_loopback:
+        return
+    if not values["allow_insecure"]:
+        raise ControlConfigError(
+            f"{METRICS_ADDR_ENV}={addr!r} is not a loopback address: the metrics endpoint has "
+            "no authentication (CURVE does not cover it), so anyone who reaches it could read "
+            "the job's state; allowed: a loopback address (127.0.0.1, ::1), or "
+            "TTP_ALLOW_INSECURE=1 to serve the metrics on the network anyway")
+    values["warnings"] = [*values.get("warnings", []),
+                          f"INSECURE: the metrics endpoint listens on {addr} without "
+                          "authentication (TTP_ALLOW_INSECURE=1): anyone who reaches it can "
+                          "read the job's state"]
 
 
 def _number(env: Mapping[str, str], name: str, default: float, lo: float, hi: float, *,
@@ -209,6 +248,9 @@ class ControlConfig:
     log_level: str = "INFO"
     log_mode: str = "ONLY_ONE"
     log_stdout: bool = False
+    #: the active controller's metrics endpoint (control/metrics.py): port (0: off), address
+    metrics_port: int = 0
+    metrics_addr: str = DEFAULT_ADDR
     #: what setup_logging warns about on every start (e.g. a switched-off safety)
     warnings: list[str] = field(default_factory=list, repr=False, compare=False)
 
@@ -222,6 +264,8 @@ class ControlConfig:
         self.controller_addr = parse_ip(self.controller_addr, "controller_addr")
         self.processor_addr = parse_ip(self.processor_addr, "processor_addr", allow_wildcard=False)
         self.port = parse_port(self.port, "port", allow_any=True)  # 0: a controller binds any port
+        self.metrics_port = parse_port(self.metrics_port, "metrics_port", allow_any=True)  # 0: off
+        self.metrics_addr = parse_ip(self.metrics_addr, "metrics_addr")
 
     @property
     def lost_after(self) -> float:
@@ -283,6 +327,8 @@ class ControlConfig:
             "log_level": _choice(env, "TTP_LOG_LEVEL", "INFO", LOG_LEVELS),
             "log_mode": _choice(env, "TTP_LOG_MODE", "ONLY_ONE", LOG_MODES),
             "log_stdout": _choice(env, "TTP_LOG_STDOUT", "0", ("0", "1")) == "1",
+            "metrics_port": _metrics_port(env),
+            "metrics_addr": parse_ip(env.get(METRICS_ADDR_ENV) or DEFAULT_ADDR, METRICS_ADDR_ENV),
         }
         if (env.get("TFT_REPLACEMENT_WAIT") or "").strip():
             values["replacement_wait"] = _number(env, "TFT_REPLACEMENT_WAIT",
@@ -313,6 +359,7 @@ class ControlConfig:
             raise ControlConfigError(
                 "TTP_CURVE_CLIENT_KEY is set but TTP_CURVE_SERVER_KEY is not: CURVE needs both"
             )
+        _check_metrics_addr(values)
         return cls(**values)
 
 

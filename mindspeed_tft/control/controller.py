@@ -16,6 +16,10 @@ Backups (`role="backup"`) stay in sync with the active controller and take charg
 disappears, but only with more than half of the ranks alive: every controller holds a
 `backup.BackupSync` for that (`self.backups`), which reaches back into the controller only
 through the `BackupHost` methods below.
+
+With `TFT_METRICS_PORT` set, the active controller also serves its metrics over HTTP
+(`metrics.py`: state, ranks, incident counters in `self.stats`, goodput) from threads of
+their own, which read it through `snapshot()`.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from .backup import BackupSync
 from .classify import FaultKind
 from .config import ControlConfig, ControlConfigError, setup_logging
 from .elasticity import Elasticity
-from .incident import Incident, IncidentFlow
+from .incident import Incident, IncidentFlow, IncidentStats
 from .protocol import (
     CONTROLLER,
     TO_CONTROLLER,
@@ -123,6 +127,10 @@ class Controller:
         self.epoch = 0
         self.flow: IncidentFlow | None = None
         self.incidents = 0
+        #: counters over the incidents that ended (kind/strategy/outcome, recoveries, ...)
+        self.stats = IncidentStats()
+        #: the metrics endpoint (`metrics.MetricsServer`; TFT_METRICS_PORT, active role only)
+        self.metrics: Any = None
         #: elastic training: home replicas, the global batch in micro-batches (scale-out)
         self.elasticity = Elasticity()
         #: elastic training: ranks that left in a shrink and registered again; they wait
@@ -142,6 +150,8 @@ class Controller:
         #: CURVE: the client key each rank first registered with (rank -> z85 key)
         self._rank_keys: dict[int, str] = {}
         self._thread: threading.Thread | None = None
+        #: the thread running the loop (`start`'s or `run`'s caller), once it started
+        self._loop_ident: int | None = None
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         self._ready = threading.Event()
@@ -192,10 +202,11 @@ class Controller:
         return self.exit_code or 0
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop the loop and close the sockets."""
+        """Stop the loop and close the sockets (and the metrics endpoint)."""
         self._command("stop")
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+        self._stop_metrics()
         local.unregister(self)
 
     def wait_final(self, timeout: float | None = None) -> bool:
@@ -234,8 +245,11 @@ class Controller:
         return row is not None and row.health is Health.LEFT
 
     def snapshot(self, timeout: float = 5.0) -> dict[str, Any]:
-        """State, rank table, drop counters (computed in the loop thread when running)."""
-        if self._thread is None or not self._thread.is_alive() or self._final.is_set():
+        """State, rank table, drop counters (computed in the loop thread when running, in
+        `start`'s thread or in `run`'s: any other thread, e.g. the metrics endpoint's, asks
+        the loop)."""
+        if (self._loop_ident is None or self._final.is_set()
+                or threading.get_ident() == self._loop_ident):
             return self._snapshot()
         box: list[dict[str, Any]] = []
         done = threading.Event()
@@ -261,6 +275,7 @@ class Controller:
             pass
 
     def _main(self) -> None:
+        self._loop_ident = threading.get_ident()
         try:
             self._setup()
         except BaseException as e:
@@ -268,6 +283,7 @@ class Controller:
             self._ready.set()
             self._final.set()
             self._close()
+            self._stop_metrics()
             return
         self._ready.set()
         try:
@@ -304,6 +320,16 @@ class Controller:
         if self.role == "active":
             self.sm.emit_events = True
             self.sm.announce("controller started")
+            if cfg.metrics_port:  # served from its own threads; it reads `snapshot()`
+                from .metrics import serve
+
+                self.metrics = serve(self, cfg)
+                log.info("metrics endpoint on %s", self.metrics.url)
+
+    def _stop_metrics(self) -> None:
+        server, self.metrics = self.metrics, None
+        if server is not None:
+            server.stop()
 
     def _close(self) -> None:
         if self._monitor is not None:
@@ -827,6 +853,8 @@ class Controller:
     def flow_finished(self, flow: IncidentFlow) -> None:
         if self.flow is flow:
             self.flow = None
+        if flow.outcome is not None:
+            self.stats.add(flow.outcome)
         if flow.exit_code is not None:
             self.exit_code = flow.exit_code
             self._dismiss_returning(f"the job ended (exit code {flow.exit_code}) before it "
@@ -904,6 +932,10 @@ class Controller:
                 "phase": self.flow.phase.name if self.flow.phase else None,
             },
             "incidents": self.incidents,
+            "incident_stats": self.stats.view(),
+            # seconds since the longest-silent connected rank was heard from
+            "heartbeat_age": max((time.monotonic() - r.last_seen for r in self.table.connected()),
+                                 default=None),
             "exit_code": self.exit_code,
             "history": [s.value for s in self.sm.history],
         }

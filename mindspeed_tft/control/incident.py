@@ -33,11 +33,17 @@ arriving while still ABNORMAL join the incident before the decision, except a co
 error of a rank the stop was already sent to: stopped ranks shut their connections, so their
 peers' collectives fail before their own stop arrives (withdrawn at once). No phase waits longer
 than its deadline, so nothing hangs.
+
+When a flow ends (`_resume`, `_exit`), its `outcome` says how: the kind of its first fault, the
+strategy, the outcome, the time to recover and the iterations lost. The controller adds it to
+its `IncidentStats` (`flow_finished`), which the metrics endpoint serves (`metrics`).
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -81,6 +87,63 @@ class Incident:
     rollback_step: int | None = None
     #: ranks whose launcher will not restart them (restart budget spent), and why
     unreplaceable: dict[int, str] = field(default_factory=dict)
+    #: the time (events clock) of its first `fault_detected` (or `scale_out_started`) event,
+    #: and the kind of that first fault (None: a scale-out)
+    detected: float | None = None
+    first_kind: FaultKind | None = None
+
+
+#: how many recovery durations `IncidentStats` keeps (for the median)
+RECOVERIES_KEPT = 1000
+
+
+@dataclass
+class Outcome:
+    """How one incident ended (`IncidentFlow.outcome`, folded into `IncidentStats`)."""
+
+    kind: str
+    strategy: str
+    #: repaired, false_alarm, scaled_in, scaled_out (training went on); dumped, exited
+    outcome: str
+    #: from its first `fault_detected` event to the event after which training resumed
+    #: (`repaired`, `scale_in`, `scale_out`), read off the same clock as the events file;
+    #: None where training did not resume after a recovery (a false alarm, an exit)
+    recovery_seconds: float | None
+    #: completed iterations the job went back on: the lock step minus the step training
+    #: resumed from (a repair from the last periodic checkpoint without replicas); 0 for an
+    #: incident that ends the job (its dump holds the lock step; without one the controller
+    #: does not know the last checkpoint)
+    iterations_lost: int
+
+
+@dataclass
+class IncidentStats:
+    """The controller's counters over the incidents that ended (plain data, loop thread)."""
+
+    #: (kind, strategy, outcome) -> incidents
+    ended: dict[tuple[str, str, str], int] = field(default_factory=dict)
+    #: the last `RECOVERIES_KEPT` recovery durations, oldest first (seconds)
+    recoveries: deque[float] = field(default_factory=lambda: deque(maxlen=RECOVERIES_KEPT))
+    iterations_lost: int = 0
+
+    def add(self, outcome: Outcome) -> None:
+        key = (outcome.kind, outcome.strategy, outcome.outcome)
+        self.ended[key] = self.ended.get(key, 0) + 1
+        if outcome.recovery_seconds is not None:
+            self.recoveries.append(outcome.recovery_seconds)
+        self.iterations_lost += outcome.iterations_lost
+
+    def view(self) -> dict[str, Any]:
+        """A JSON-ready copy (for snapshots and the metrics endpoint)."""
+        return {
+            "ended": [{"kind": k, "strategy": s, "outcome": o, "count": n}
+                      for (k, s, o), n in sorted(self.ended.items())],
+            "recoveries": len(self.recoveries),
+            "recovery_last_seconds": self.recoveries[-1] if self.recoveries else None,
+            "recovery_median_seconds": (statistics.median(self.recoveries)
+                                        if self.recoveries else None),
+            "iterations_lost": self.iterations_lost,
+        }
 
 
 @dataclass
@@ -132,6 +195,10 @@ class IncidentFlow:
         self.joining: list[int] = []
         self.done = False
         self.exit_code: int | None = None
+        #: the time (events clock) of the event after which training resumed
+        self.resumed_at: float | None = None
+        #: how it ended, for the controller's counters (set by `_resume` and `_exit`)
+        self.outcome: Outcome | None = None
 
     # -- inputs ---------------------------------------------------------------------
     def begin(self, rank: int, kind: FaultKind, message: str) -> None:
@@ -148,8 +215,9 @@ class IncidentFlow:
         would, then dump the lock step and reload it in the larger world."""
         self.growing = (list(world), dp_size)
         self.joining = list(joining)
-        emit("scale_out_started", CONTROLLER_RANK, world_size=len(world), dp_size=dp_size,
-             joining=self.joining, incident=self.incident.id)
+        self.incident.detected = emit(
+            "scale_out_started", CONTROLLER_RANK, world_size=len(world), dp_size=dp_size,
+            joining=self.joining, incident=self.incident.id)["time"]
         self.host.sm.to(State.ABNORMAL, f"scale-out: ranks {self.joining} came back; the job "
                                         f"grows to DP {dp_size}")
         targets = [r.rank for r in self.host.table.connected() if not r.fresh]
@@ -269,8 +337,12 @@ class IncidentFlow:
             row = self.host.table.get(rank)
             if kind in PROCESS_KINDS and row is not None and not row.fresh:
                 inc.lost_steps[rank] = row.step
-            emit("fault_detected", CONTROLLER_RANK, ranks=[rank], kind=kind.value,
-                 message=message[:500], incident=inc.id)
+            event = emit("fault_detected", CONTROLLER_RANK, ranks=[rank], kind=kind.value,
+                         message=message[:500], incident=inc.id)
+            if inc.detected is None:
+                inc.detected = event["time"]
+            if inc.first_kind is None:
+                inc.first_kind = kind
             log.warning("fault on rank %d: %s (%s)", rank, kind, message[:200])
 
     def _withdraw(self, rank: int, why: str) -> None:
@@ -450,8 +522,8 @@ class IncidentFlow:
             return
         inc = self.incident
         step = inc.rollback_step if inc.rollback_step is not None else inc.lock_step
-        emit("repaired", CONTROLLER_RANK, strategy=str(inc.strategy), lock_step=inc.lock_step,
-             step=step, incident=inc.id)
+        self.resumed_at = emit("repaired", CONTROLLER_RANK, strategy=str(inc.strategy),
+                               lock_step=inc.lock_step, step=step, incident=inc.id)["time"]
         self._resume(false_alarm=False)
 
     def _resume(self, *, false_alarm: bool) -> None:
@@ -459,6 +531,10 @@ class IncidentFlow:
         step = inc.rollback_step if inc.rollback_step is not None else inc.lock_step
         payload = {"incident": inc.id, "step": step, "strategy": str(inc.strategy or "none"),
                    "false_alarm": false_alarm}
+        self.outcome = self._outcome(
+            "false_alarm" if false_alarm else "scaled_in" if self.shrinking is not None
+            else "scaled_out" if self.growing is not None else "repaired",
+            lost=0 if false_alarm else max(0, inc.lock_step - step))
         rows = host.table.connected()
         for row in rows:
             row.health = Health.ALIVE
@@ -576,9 +652,10 @@ class IncidentFlow:
         if isinstance(batches, int) and batches > 0:
             host.elasticity.micro_batches = batches
         left = sorted([*self.leaving, *standby])
-        emit("scale_in", CONTROLLER_RANK, world_size=len(staying), dp_size=dp_size,
-             ranks=staying, left=left, lost=sorted(self.shrinking or ()), step=inc.lock_step,
-             incident=inc.id)
+        self.resumed_at = emit(
+            "scale_in", CONTROLLER_RANK, world_size=len(staying), dp_size=dp_size,
+            ranks=staying, left=left, lost=sorted(self.shrinking or ()), step=inc.lock_step,
+            incident=inc.id)["time"]
         log.warning("incident %d: job shrunk to %d ranks (DP %s) at step %d; left: %s", inc.id,
                     len(staying), dp_size, inc.lock_step, left)
         self._resume(false_alarm=False)
@@ -631,8 +708,9 @@ class IncidentFlow:
             replica = result.get("replica")
             if row is not None and isinstance(replica, dict):
                 row.replica = replica
-        emit("scale_out", CONTROLLER_RANK, world_size=len(world), dp_size=dp_size, ranks=world,
-             joined=self.joining, step=inc.lock_step, incident=inc.id)
+        self.resumed_at = emit(
+            "scale_out", CONTROLLER_RANK, world_size=len(world), dp_size=dp_size, ranks=world,
+            joined=self.joining, step=inc.lock_step, incident=inc.id)["time"]
         log.warning("incident %d: job grown to %d ranks (DP %d) at step %d; joined: %s",
                     inc.id, len(world), dp_size, inc.lock_step, self.joining)
         self._resume(false_alarm=False)
@@ -650,6 +728,8 @@ class IncidentFlow:
         if self.growing is not None:
             self._send_joining_away(reason)
         self.exit_code = code
+        self.outcome = self._outcome("dumped" if code == host.config.dump_exit_code
+                                     else "exited", lost=0)
         host.sm.to(State.EXIT, reason)
         emit("exit", CONTROLLER_RANK, code=code, reason=reason, incident=self.incident.id)
         (log.info if code == 0 else log.error)("exit with code %d: %s", code, reason)
@@ -660,6 +740,14 @@ class IncidentFlow:
             row.health = Health.EXITING
         host.sm.to(State.FINAL, reason)
         self._finish()
+
+    def _outcome(self, outcome: str, lost: int) -> Outcome:
+        inc = self.incident
+        took = None  # resumed_at: set by the event after which training resumes
+        if self.resumed_at is not None and inc.detected is not None:
+            took = max(0.0, self.resumed_at - inc.detected)
+        kind = inc.first_kind.value if inc.first_kind is not None else "none"
+        return Outcome(kind, str(inc.strategy or "none"), outcome, took, lost)
 
     def _finish(self) -> None:
         self.done = True

@@ -8,6 +8,11 @@ The launcher accepts every torchrun argument (`torch.distributed.run.get_args_pa
 | `--tft-spares-per-node K` | warm spare worker processes kept ready on this node | 0 |
 | `TFT_MAX_WORKER_RESTARTS` | restarts of failed workers this node's launcher may make | 8 |
 
+With high availability, the training command's `--tft-metrics-port P` is written to
+`TFT_METRICS_PORT` in the launcher's environment (`mindspeed_tft.arguments.
+export_metrics_port`, as the trainer does), so node 0's controller serves its metrics there
+(`mindspeed_tft.control.metrics`); the workers inherit it.
+
 The features are read from the training script's own arguments with the trainer's parser
 group (`mindspeed_tft.arguments.add_tft_args`) and the trainer's rule for
 `HIGH_AVAILABILITY` (it wins over the command line), so launcher and trainer always agree:
@@ -24,7 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,10 +146,16 @@ def training_features(script_args: Sequence[str],
 
 
 def launch_options(args: argparse.Namespace,
-                   environ: Mapping[str, str] | None = None) -> LaunchOptions:
-    """Decide what the launch does from parsed launcher arguments (torchrun's + ours)."""
+                   environ: MutableMapping[str, str] | None = None) -> LaunchOptions:
+    """Decide what the launch does from parsed launcher arguments (torchrun's + ours);
+    with high availability, `--tft-metrics-port` goes to `environ` (default `os.environ`)."""
+    from mindspeed_tft.arguments import export_metrics_port
+
+    environ = os.environ if environ is None else environ
     tft_args = training_features(getattr(args, "training_script_args", []) or [], environ)
     high_availability = bool(tft_args.enable_high_availability)
+    if high_availability:
+        export_metrics_port(tft_args, environ)
     worker_reboot = high_availability and bool(tft_args.enable_worker_reboot)
     spares = int(getattr(args, "tft_spares_per_node", 0) or 0)
     if spares and not worker_reboot:

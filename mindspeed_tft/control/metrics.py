@@ -1,0 +1,277 @@
+"""The active controller's metrics endpoint: OpenMetrics / Prometheus text over HTTP.
+
+Opt-in: `TFT_METRICS_PORT` (or the training script's `--tft-metrics-port`, which sets it)
+makes the active controller, in rank 0's process or in `tft-run`'s node-0 launcher, serve
+`http://TFT_METRICS_ADDR:PORT/metrics` (loopback unless `TTP_ALLOW_INSECURE=1`, see
+`config`). It needs `prometheus_client` (`pip install mindspeed-tft[metrics]`), imported
+only here, and this module is imported only when the port is set.
+
+| metric | type | meaning |
+| --- | --- | --- |
+| `tft_controller_up` | gauge | 1: the controller's loop answered this scrape (0: nothing else is exported) |
+| `tft_controller_state{state}` | gauge | 1 for the current state (INIT, NORMAL, ...), 0 for the others |
+| `tft_world_size` | gauge | training ranks of the job |
+| `tft_ranks_registered` | gauge | ranks that registered (rows of the rank table) |
+| `tft_ranks_alive` | gauge | ranks registered and healthy (health `alive`) |
+| `tft_ranks{health}` | gauge | registered ranks by health (alive, faulty, hung, lost, done, exiting, left) |
+| `tft_heartbeat_age_max_seconds` | gauge | seconds since the longest-silent connected rank was heard from |
+| `tft_incidents_total` | counter | incidents begun (faults and scale-outs; one under way included) |
+| `tft_incidents_ended_total{kind,strategy,outcome}` | counter | incidents that ended, by the kind of their first fault (`none`: a scale-out), the strategy and the outcome (repaired, false_alarm, scaled_in, scaled_out, dumped, exited) |
+| `tft_recovery_last_seconds`, `tft_recovery_median_seconds` | gauge | time to recover of the last recovery and the median of the last 1000 |
+| `tft_iterations_lost_total` | counter | completed iterations repairs went back on |
+| `tft_iteration` | gauge | the highest iteration a rank of the job reported |
+| `tft_goodput_ratio` | gauge | productive step time / wall time (`report.goodput`) |
+
+The time to recover runs from the incident's first `fault_detected` event to the event after
+which training resumed (`repaired`, `scale_in`, `scale_out`), by the clock of those events:
+it equals that stretch of the events file; the delay from the fault itself to its detection
+is not in it (the controller cannot see it). The recovery metrics are absent before the first
+recovery.
+
+Goodput comes from the events file (`report.goodput` over what the process' events file
+holds, read incrementally), not from the rank table: it is the fraction of wall time spent
+in steps whose results count, which needs where each step started and ended and which
+steps a rollback discarded. Heartbeats sample a rank's step only every interval and say
+nothing of the steps between; the `iteration` events carry each step's end, and the
+rollbacks (`repaired`, `scale_in`, `scale_out`) are there too. So it is the number
+`python -m mindspeed_tft.report` prints for the same file, and it is absent when this
+process has no events file (`--tft-events-file` / `TFT_EVENTS_FILE`) or no event yet. It is
+recomputed only when events were appended since the last scrape; the events are kept in
+memory (as `report` does), which a job writing millions of events pays for.
+
+Thread safety: the controller's loop thread owns its state. A scrape (in the HTTP server's
+threads) asks the loop for a snapshot (`Controller.snapshot`, the loop answers between
+frames), and reads the events file under its own lock.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator
+from socketserver import ThreadingMixIn
+from types import ModuleType
+from typing import Any, Protocol
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from ..events import events_path
+from ..report import goodput
+from .config import METRICS_PORT_ENV, ControlConfig, ControlConfigError
+from .ranktable import Health
+from .states import State
+from .transport import hostport
+
+log = logging.getLogger("mindspeed_tft.control.metrics")
+
+#: seconds a scrape waits for the controller's loop to answer
+SNAPSHOT_TIMEOUT = 2.0
+INSTALL_HINT = "pip install 'mindspeed-tft[metrics]'"
+
+
+class SnapshotSource(Protocol):
+    """What the collector reads: the controller's `snapshot`."""
+
+    def snapshot(self, timeout: float = ...) -> dict[str, Any]: ...
+
+
+def prometheus() -> ModuleType:
+    """The `prometheus_client` package, or a clear error saying how to install it."""
+    try:
+        import prometheus_client
+        import prometheus_client.core  # noqa: F401 - the metric families
+    except ImportError:
+        raise ControlConfigError(
+            f"{METRICS_PORT_ENV} (--tft-metrics-port) is set but prometheus_client is not "
+            f"installed: {INSTALL_HINT} (or set {METRICS_PORT_ENV}=0)") from None
+    return prometheus_client
+
+
+class EventsGoodput:
+    """The goodput of the events file `path()` names, its new lines read at each call."""
+
+    def __init__(self, path: Callable[[], str | None] = events_path) -> None:
+        self._path = path
+        self._lock = threading.Lock()
+        self._file: str | None = None
+        self._offset = 0
+        self._events: list[dict[str, Any]] = []
+        self._ratio: float | None = None
+        self._stale = True
+
+    def ratio(self) -> float | None:
+        """Productive step time / wall time so far; None without an events file or event."""
+        with self._lock:
+            self._read_new()
+            if self._stale and self._events:
+                self._stale = False
+                try:
+                    self._ratio = goodput(self._events).ratio
+                except (KeyError, TypeError, ValueError) as e:  # an event it cannot place
+                    log.warning("goodput of %s not computed: %r", self._file, e)
+                    self._ratio = None
+            return self._ratio
+
+    def _read_new(self) -> None:
+        path = self._path()
+        if path != self._file:
+            self._file, self._offset, self._events, self._ratio = path, 0, [], None
+        if path is None:
+            return
+        try:
+            with open(path, "rb") as f:
+                if os.fstat(f.fileno()).st_size < self._offset:  # a new file took its place
+                    self._offset, self._events, self._ratio = 0, [], None
+                f.seek(self._offset)
+                data = f.read()
+        except OSError:
+            return
+        complete = data[:data.rfind(b"\n") + 1]  # a line being written waits for its end
+        self._offset += len(complete)
+        for line in complete.splitlines():
+            if line.strip():
+                try:
+                    self._events.append(json.loads(line))
+                except ValueError:
+                    log.warning("%s: a line that is not JSON skipped", path)
+                self._stale = True
+
+
+class ControllerCollector:
+    """A `prometheus_client` collector reading the controller when scraped."""
+
+    def __init__(self, source: SnapshotSource, goodput_of: EventsGoodput | None = None) -> None:
+        self.source = source
+        self.goodput = goodput_of or EventsGoodput()
+
+    def describe(self) -> list[Any]:
+        return []  # nothing to check at registration: every scrape reads afresh
+
+    def collect(self) -> Iterator[Any]:
+        core = prometheus().core
+        try:
+            snap = self.source.snapshot(SNAPSHOT_TIMEOUT)
+        except TimeoutError:
+            snap = None
+        yield core.GaugeMetricFamily("tft_controller_up", "1: the controller's loop answered "
+                                     "this scrape", value=0 if snap is None else 1)
+        if snap is None:
+            return
+        yield from _state(core, snap)
+        yield from _ranks(core, snap)
+        yield from _incidents(core, snap)
+        ratio = self.goodput.ratio()
+        if ratio is not None:
+            yield core.GaugeMetricFamily(
+                "tft_goodput_ratio", "Productive step time / wall time (report.goodput over "
+                "the events file)", value=ratio)
+
+
+def _state(core: Any, snap: dict[str, Any]) -> Iterator[Any]:
+    state = core.GaugeMetricFamily("tft_controller_state", "1 for the controller's current "
+                                   "state, 0 for the others", labels=["state"])
+    for s in State:
+        state.add_metric([s.value], 1 if snap["state"] == s.value else 0)
+    yield state
+
+
+def _ranks(core: Any, snap: dict[str, Any]) -> Iterator[Any]:
+    rows = list(snap["ranks"].values())
+    yield core.GaugeMetricFamily("tft_world_size", "Training ranks of the job",
+                                 value=snap["world_size"])
+    yield core.GaugeMetricFamily("tft_ranks_registered", "Ranks that registered",
+                                 value=len(rows))
+    health = {h.value: 0 for h in Health}
+    for row in rows:
+        health[row["health"]] = health.get(row["health"], 0) + 1
+    yield core.GaugeMetricFamily("tft_ranks_alive", "Ranks registered and healthy",
+                                 value=health[Health.ALIVE.value])
+    by_health = core.GaugeMetricFamily("tft_ranks", "Registered ranks by health",
+                                       labels=["health"])
+    for name, count in health.items():
+        by_health.add_metric([name], count)
+    yield by_health
+    if snap.get("heartbeat_age") is not None:
+        yield core.GaugeMetricFamily(
+            "tft_heartbeat_age_max_seconds", "Seconds since the longest-silent connected "
+            "rank was heard from", value=snap["heartbeat_age"])
+    steps = [row["step"] for row in rows
+             if not row["fresh"] and row["health"] != Health.LEFT.value]
+    if steps:
+        yield core.GaugeMetricFamily("tft_iteration", "The highest iteration a rank of the "
+                                     "job reported", value=max(steps))
+
+
+def _incidents(core: Any, snap: dict[str, Any]) -> Iterator[Any]:
+    stats = snap["incident_stats"]
+    yield core.CounterMetricFamily("tft_incidents", "Incidents begun (faults and "
+                                   "scale-outs)", value=snap["incidents"])
+    ended = core.CounterMetricFamily(
+        "tft_incidents_ended", "Incidents that ended, by the kind of their first fault, "
+        "strategy and outcome", labels=["kind", "strategy", "outcome"])
+    for row in stats["ended"]:
+        ended.add_metric([row["kind"], row["strategy"], row["outcome"]], row["count"])
+    yield ended
+    if stats["recovery_last_seconds"] is not None:
+        yield core.GaugeMetricFamily(
+            "tft_recovery_last_seconds", "Time to recover of the last recovery (its first "
+            "fault_detected event to training resuming)", value=stats["recovery_last_seconds"])
+        yield core.GaugeMetricFamily(
+            "tft_recovery_median_seconds", "Median time to recover (the last 1000 "
+            "recoveries)", value=stats["recovery_median_seconds"])
+    yield core.CounterMetricFamily("tft_iterations_lost", "Completed iterations repairs "
+                                   "went back on", value=stats["iterations_lost"])
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
+        pass  # a scrape every few seconds is not news
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class MetricsServer:
+    """`prometheus_client`'s WSGI app over a threading HTTP server, stoppable (`stop`)."""
+
+    def __init__(self, source: SnapshotSource, addr: str, port: int) -> None:
+        client = prometheus()
+        self.registry = client.CollectorRegistry(auto_describe=False)
+        self.registry.register(ControllerCollector(source))
+        server_class = type("_MetricsServer", (_Server,), {
+            "address_family": _family(addr)})
+        try:
+            self._httpd = make_server(addr, port, client.make_wsgi_app(self.registry),
+                                      server_class, handler_class=_QuietHandler)
+        except OSError as e:
+            raise ControlConfigError(
+                f"{METRICS_PORT_ENV}={port}: the metrics endpoint cannot listen on "
+                f"{hostport(addr, port)} ({e.strerror or e}); allowed: a free port") from None
+        self.addr, self.port = addr, int(self._httpd.server_address[1])
+        self._thread = threading.Thread(target=self._httpd.serve_forever,
+                                        name="tft-metrics", daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://{hostport(self.addr, self.port)}/metrics"
+
+    def stop(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(5)
+
+
+def _family(addr: str) -> int:
+    import socket
+
+    return socket.AF_INET6 if ":" in addr else socket.AF_INET
+
+
+def serve(source: SnapshotSource, config: ControlConfig) -> MetricsServer:
+    """Serve `source`'s metrics on `config.metrics_addr:metrics_port` (must be set)."""
+    if not config.metrics_port:
+        raise ValueError("serve() needs config.metrics_port")
+    return MetricsServer(source, config.metrics_addr, config.metrics_port)
