@@ -70,6 +70,7 @@ def test_add_tft_args_returns_parser_with_group_and_defaults(monkeypatch):
         "optimizer_replica_num": 2,
         "tft_events_file": None,
         "tft_check_replicas_interval": 0,
+        "tft_metrics_port": None,
     }
 
 
