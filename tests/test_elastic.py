@@ -37,7 +37,7 @@ pytestmark = pytest.mark.multiproc
 ELASTIC_ARGS = f"{HA_ARGS} --enable-worker-reboot --enable-elastic-training"
 NO_RESTARTS = {"TFT_MAX_WORKER_RESTARTS": "0"}
 #: long enough for a replacement launcher to start while the shrunk job still trains
-GROW = {**STANDARD, "train_iters": 40}
+GROW = {**STANDARD, "train_iters": 25}
 #: |loss - fault-free loss| after a shrink (see the module docstring)
 LOSS_TOLERANCE = 4 * 2.0**-20  # four fp32 ulps at a loss of 8
 
@@ -56,11 +56,9 @@ def _assert_the_fault_free_stream(job, reference, fault_step: int) -> None:
         assert abs(event["loss"] - want["loss"]) <= LOSS_TOLERANCE, event
 
 
+# DP4 -> DP3 (one copy at DP3) and DP2 (a healthy replica stands down too) are in the
+# two-shrink test below and in Megatron-LM's loop (tests/test_megatron_lm.py)
 @pytest.mark.parametrize(("layout", "gbs", "ranks", "dp_size", "left"), [
-    # 12 micro-batches per step: DP3 gets 4 each; N = 2 no longer divides 3 -> one copy
-    ("dp4", 24, [0, 2, 3], 3, [1]),
-    # 8 micro-batches per step split evenly over 2 ranks only: rank 3's replica leaves too
-    ("dp4", 16, [0, 2], 2, [1, 3]),
     # the lost rank's whole DP replica (its tensor-parallel peer 0 too) leaves: TP2 x DP1
     ("tp2dp2", 16, [2, 3], 1, [0, 1]),
 ])
@@ -178,17 +176,17 @@ def test_two_shrinks_then_the_node_comes_back_and_the_job_grows(reference_job, t
 
 
 def test_a_dump_written_after_a_shrink_resumes_at_the_launch_size(reference_job, tmp_path):
-    """DP4 -> DP3, then an error dumps the DP3 job; the dump (megatron-core's DP-zero
+    """DP4 -> DP2, then an error dumps the DP2 job; the dump (megatron-core's DP-zero
     optimizer format) resumes in a DP4 job that finishes with the fault-free losses."""
-    config = {"layout": "dp4", **STANDARD, "env": {"GBS": "24"}}
+    config = {"layout": "dp4", **STANDARD}
     reference = reference_job(ha_args=HA_ARGS, **config)
     faulty = run_tiny_job(
         tmp_path / "faulty",
         inject="kill:rank=1,step=7,phase=forward;raise:rank=2,step=11,phase=backward",
         ha_args=ELASTIC_ARGS, launcher="tft-run",
-        **{**config, "env": {**config["env"], **NO_RESTARTS}})
+        **{**config, "env": NO_RESTARTS})
     assert faulty.returncode != 0
-    assert [e["dp_size"] for e in faulty.named("scale_in")] == [3]
+    assert [e["dp_size"] for e in faulty.named("scale_in")] == [2]
     assert [e["iteration"] for e in faulty.named("dump_saved")] == [7, 11]
     assert (faulty.checkpoint_dir / "latest_checkpointed_iteration.txt").read_text() == "11"
     resumed = run_tiny_job(tmp_path / "resumed", load_dir=faulty.checkpoint_dir,
