@@ -101,9 +101,13 @@ REFERENCE_ARGS = "--enable-high-availability"
 ARF_ARGS = "--enable-high-availability --enable-worker-reboot"
 UCE_ARGS = "--enable-high-availability --enable-hbmfault-repair"
 ELASTIC_ARGS = f"{ARF_ARGS} --enable-elastic-training"
-#: the elastic job: no restart allowed; 24 samples per step (12 micro-batches: DP3 after a
-#: shrink of DP4; the preset's 16 would continue at DP2)
-ELASTIC_ENV = {"TFT_MAX_WORKER_RESTARTS": "0", "GBS": "24"}
+#: the elastic job: the incident waits 1 s for the killed rank's replacement, which comes
+#: later (a cold restart takes seconds): the job shrinks, then grows back when it registers;
+#: 24 samples per step (12 micro-batches: DP3 after a shrink of DP4; the preset's 16 would
+#: continue at DP2)
+ELASTIC_ENV = {"TFT_REPLACEMENT_WAIT": "1", "GBS": "24"}
+#: iterations the elastic job runs beyond --iters, for the late replacement to come back
+ELASTIC_EXTRA_ITERS = 40
 TARGETS = ("optimizer", "param", "grad", "activation")
 SPARE_LAUNCHER = "tft-run --tft-spares-per-node 1"
 GOAL_RATIO, GOAL_ARF_MARGIN_S, GOAL_UCE_MARGIN_S, GOAL_EFFICIENCY = 0.25, 1.0, 0.5, 0.5
@@ -218,9 +222,11 @@ def uce_row(target: str, job: Job, reference: dict[int, float] | None) -> Row:
 
 
 def elastic_row(job: Job) -> tuple[Row, dict[str, Any]]:
-    """The shrink of elastic training: fault -> first step at the smaller size, and the step
-    time before and after it (from the logging rank's iteration events)."""
-    row = Row("elastic (no replacement)", "tft-run, TFT_MAX_WORKER_RESTARTS=0", job)
+    """Elastic training: the shrink (fault -> first step at the smaller size, including the
+    1 s replacement wait), the grow when the late replacement registers (its registration
+    -> first step at the launch size), and the step time before, between and after (from
+    the logging rank's iteration events)."""
+    row = Row("elastic (late replacement)", "tft-run, TFT_REPLACEMENT_WAIT=1", job)
     if _no_fault(row):
         return row, {}
     t0 = _common(row, None)  # not bit-exact: gradients summed over fewer ranks
@@ -238,15 +244,38 @@ def elastic_row(job: Job) -> tuple[Row, dict[str, Any]]:
         ("smaller world rebuilt, dump reloaded (scale_in)", _t(shrink)),
         ("first step after the fault completed", _t(job.first_iteration_after_fault())),
     ]
+    grow_start = job.first("scale_out_started", shrink["time"])
+    grow = job.first("scale_out", shrink["time"])
+    end_shrunk = grow_start["time"] if grow_start is not None else float("inf")
     times = [(e["iteration"], e["time"]) for e in job.named("iteration")]
-    gaps = [(it, b - a) for (_, a), (it, b) in zip(times, times[1:], strict=False)]
-    before = [g for it, g in gaps[2:] if it <= shrink["step"]]
-    after = [g for it, g in gaps if it > shrink["step"] + 1]
-    step_before, step_after = _median(before), _median(after)
-    return row, {"elastic_s": _round(row.recovered_s), "elastic_dp": shrink["dp_size"],
-                 "elastic_step_before_s": _round(step_before),
-                 "elastic_step_after_s": _round(step_after),
-                 "elastic_step_ratio": _round(_ratio(step_after, step_before), 3)}
+    gaps = [(it, b, b - a) for (_, a), (it, b) in zip(times, times[1:], strict=False)]
+    before = [g for it, _, g in gaps[2:] if it <= shrink["step"]]
+    between = [g for it, t, g in gaps if it > shrink["step"] + 1 and t < end_shrunk]
+    after = [g for it, t, g in gaps if grow is not None and it > grow["step"] + 1
+             and t > grow["time"]]
+    step_before, step_between, step_after = _median(before), _median(between), _median(after)
+    figures = {"elastic_s": _round(row.recovered_s), "elastic_dp": shrink["dp_size"],
+               "elastic_step_before_s": _round(step_before),
+               "elastic_step_after_s": _round(step_between),
+               "elastic_step_ratio": _round(_ratio(step_between, step_before), 3)}
+    if grow is None or grow_start is None:
+        row.notes.append("no scale_out: the replacement did not come back before the end")
+        return row, figures
+    first_after = next((e for e in job.named("iteration")
+                        if e["time"] > grow["time"] and e["iteration"] > grow["step"]), None)
+    row.notes.append(f"grew back to DP {grow['dp_size']} at lock {grow['step']}")
+    row.marks += [
+        ("replacement registered: scale-out begins", _t(grow_start)),
+        ("larger world rebuilt, dump reloaded (scale_out)", _t(grow)),
+        ("first step after the grow completed", _t(first_after)),
+    ]
+    figures.update({
+        "elastic_grow_s": _round(first_after["time"] - grow_start["time"]
+                                 if first_after is not None else None),
+        "elastic_grow_dp": grow["dp_size"],
+        "elastic_step_after_grow_s": _round(step_after),
+        "elastic_step_grow_ratio": _round(_ratio(step_after, step_before), 3)})
+    return row, figures
 
 
 def baseline_row(launcher: str, job: Job, step: int) -> Row:
@@ -455,7 +484,8 @@ def measure_size(opts: argparse.Namespace, host: Any, size: Size, work: Path,
         reference) for t in targets]
     elastic, elastic_figures = elastic_row(run(JobSpec(
         "elastic", ha_args=ELASTIC_ARGS, launcher="tft-run", inject=kill,
-        env={**ha_env, **ELASTIC_ENV}, **base)))
+        env={**ha_env, **ELASTIC_ENV},
+        **{**base, "train_iters": base["train_iters"] + ELASTIC_EXTRA_ITERS})))
     moved = _state_moved([*spare_rows, *uce_rows])
     limits = measure_limits(moved, work, opts.timeout) if moved else None
 
@@ -475,13 +505,19 @@ def measure_size(opts: argparse.Namespace, host: Any, size: Size, work: Path,
         print_breakdown(f"where the time goes, {title} (s since the fault, +delta):",
                         r.job.fault()["time"], r.marks)
     if elastic.marks:
-        print_breakdown("where the time goes, elastic shrink (s since the fault, +delta):",
-                        elastic.job.fault()["time"], elastic.marks)
+        print_breakdown("where the time goes, elastic shrink and grow (s since the fault, "
+                        "+delta):", elastic.job.fault()["time"], elastic.marks)
         ratio_text = _fmt(elastic_figures.get("elastic_step_ratio"))
         print(f"    step {_fmt(elastic_figures.get('elastic_step_before_s'))} s at DP 4, "
               f"{_fmt(elastic_figures.get('elastic_step_after_s'))} s at DP "
               f"{elastic_figures.get('elastic_dp')} (after/before {ratio_text}; the same global "
               "batch on fewer ranks: d/(d-1) where each rank has its own core)")
+        if "elastic_grow_s" in elastic_figures:
+            print(f"    grown back to DP {elastic_figures['elastic_grow_dp']}: step "
+                  f"{_fmt(elastic_figures.get('elastic_step_after_grow_s'))} s (after/before "
+                  f"{_fmt(elastic_figures.get('elastic_step_grow_ratio'))}); registration -> "
+                  f"first step at DP {elastic_figures['elastic_grow_dp']}: "
+                  f"{_fmt(elastic_figures['elastic_grow_s'])} s")
     worst_uce = max((r for r in uce_rows if r.recovered_s is not None),
                     key=lambda r: r.recovered_s or 0.0, default=None)
     if worst_uce is not None:
