@@ -167,6 +167,9 @@ def test_two_shrinks_then_the_node_comes_back_and_the_job_grows(reference_job, t
     assert all(6 < e["step"] < GROW["train_iters"] for e in grows)
     dumps = [e["iteration"] for e in job.named("dump_saved")]
     assert dumps == [3, 6, *(e["step"] for e in grows)]
+    # node 0's launcher, which hosts the controller, logs each scale change
+    assert "controller DUMP -> REPAIR: scale-in without ranks [2]" in output0
+    assert "controller DUMP -> REPAIR: scale-out to DP 4 with ranks" in output0
     _assert_the_fault_free_stream(job, reference, fault_step=3)
     # after the grow: N = 4 again, the one shard on all four ranks, identical
     checks = [e for e in job.named("replica_check") if e["iteration"] > grow["step"]]

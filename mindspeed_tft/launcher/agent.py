@@ -82,6 +82,15 @@ def say(message: str) -> None:
     print(f"[tft-run] {message}", file=sys.stderr, flush=True)
 
 
+def _say_transition(old: Any, new: Any, reason: str) -> None:
+    """The controller's incident transitions in the launcher's log (its loop thread): what
+    happened to the job (a repair, a dump, a shrink or grow of elastic training) without
+    opening the controller's own log."""
+    if new.value in ("ABNORMAL", "DUMP", "REPAIR", "EXIT") or (
+            new.value == "NORMAL" and old.value not in ("INIT", "PAUSE")):
+        say(f"controller {old.value} -> {new.value}: {reason}")
+
+
 def describe_exit(returncode: int) -> str:
     """'died (signal 9)' or 'exited with code 76'."""
     if returncode < 0:
@@ -344,6 +353,7 @@ class TFTElasticAgent(LocalElasticAgent):
             config = config.replace(backups=self._published_backups(worker_group))
         controller = Controller(world_size, config,
                                 features=Features.from_args(self.options.tft_args))
+        controller.sm.listeners.append(_say_transition)
         controller.start()
         self.controller = controller
         say(f"controller for {world_size} ranks listening on {controller.endpoint}")
