@@ -47,7 +47,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ..events import CONTROLLER_RANK, emit
+from ..events import CONTROLLER_RANK, emit, validate_record
 from .classify import FaultKind
 from .config import ControlConfig
 from .elasticity import Elasticity
@@ -91,6 +91,9 @@ class Incident:
     #: and the kind of that first fault (None: a scale-out)
     detected: float | None = None
     first_kind: FaultKind | None = None
+    #: iteration records from the ranks' stop and rollback results, by iteration: the
+    #: resume hands those up to its step to the logging rank (logged exactly once)
+    iterations: dict[int, dict[str, Any]] = field(default_factory=dict)
 
 
 #: how many recovery durations `IncidentStats` keeps (for the median)
@@ -271,6 +274,7 @@ class IncidentFlow:
             phase.results[rank] = payload["result"]
             if phase.name == "stop":
                 self._note_status(rank, payload["result"])
+            self._note_iterations(payload["result"])
         else:
             phase.failures[rank] = payload.get("error", "failed")
         if not phase.pending:
@@ -373,6 +377,18 @@ class IncidentFlow:
             row.step = step
         if status in ("updated", "updating"):
             row.status = status
+
+    def _note_iterations(self, result: Any) -> None:
+        """Keep the iteration records a result carries (network input: checked)."""
+        records = result.get("iterations") if isinstance(result, dict) else None
+        for value in records[:8] if isinstance(records, list) else ():
+            record = validate_record(value)
+            if record is None:
+                continue
+            known = self.incident.iterations.get(record["iteration"])
+            if known is None or (known["lr"] is None and record["lr"] is not None):
+                # a whole record (logged after the update) beats one kept before it
+                self.incident.iterations[record["iteration"]] = record
 
     def _send(self, rank: int, name: str, payload: dict[str, Any], action_id: int | None = None) -> None:
         aid = self.host.new_action_id() if action_id is None else action_id
@@ -530,7 +546,8 @@ class IncidentFlow:
         inc, host = self.incident, self.host
         step = inc.rollback_step if inc.rollback_step is not None else inc.lock_step
         payload = {"incident": inc.id, "step": step, "strategy": str(inc.strategy or "none"),
-                   "false_alarm": false_alarm}
+                   "false_alarm": false_alarm,
+                   "iterations": [inc.iterations[i] for i in sorted(inc.iterations) if i <= step]}
         self.outcome = self._outcome(
             "false_alarm" if false_alarm else "scaled_in" if self.shrinking is not None
             else "scaled_out" if self.growing is not None else "repaired",
@@ -606,7 +623,8 @@ class IncidentFlow:
         lost_dp = {self._dp_index(r) for r in self.shrinking}
         members = host.table.members()
         staying = [r for r in members if self._dp_index(r) not in lost_dp]
-        self.leaving = [r for r in members if r not in staying]
+        # a lost rank that came back meanwhile waits outside the job already (`left`)
+        self.leaving = sorted({r for r in members if r not in staying} | self.shrinking)
         gone = [r for r in staying if (row := host.table.get(r)) is None or not row.connected]
         if None in lost_dp or not staying or gone:
             why = ("no data-parallel replica is left" if not staying else
