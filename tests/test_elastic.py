@@ -38,7 +38,7 @@ pytestmark = pytest.mark.multiproc
 ELASTIC_ARGS = f"{HA_ARGS} --enable-worker-reboot --enable-elastic-training"
 NO_RESTARTS = {"TFT_MAX_WORKER_RESTARTS": "0"}
 #: long enough for a replacement launcher to start while the shrunk job still trains
-GROW = {**STANDARD, "train_iters": 25}
+GROW = {**STANDARD, "train_iters": 40}
 #: |loss - fault-free loss| after a shrink (see the module docstring)
 LOSS_TOLERANCE = 4 * 2.0**-20  # four fp32 ulps at a loss of 8
 
@@ -156,7 +156,7 @@ def test_two_shrinks_then_the_node_comes_back_and_the_job_grows(reference_job, t
     job = JobResult(node0.returncode, output0, run_dir, read_events_if_any(events))
     assert node0.returncode == 0, job.describe()
     (done,) = job.named("exit")
-    assert finished - done["time"] < 60, "node 0's launcher lingered after training finished"
+    assert finished - done["time"] < 60, output0[-4000:]  # node 0's launcher lingered
     assert replacement.returncode == 0, output1[-3000:]
     shrinks = [(e["ranks"], e["dp_size"], e["left"], e["step"]) for e in job.named("scale_in")]
     assert shrinks == [([0, 1, 3], 3, [2], 3), ([0, 1], 2, [3], 6)]
