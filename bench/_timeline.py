@@ -74,12 +74,19 @@ class Job:
         return {e["iteration"]: e["loss"] for e in self.named("iteration")}
 
     def relogged(self) -> list[int]:
-        """Iterations whose `iteration` event was written more than once: the iterations
-        computed again after a rollback or a restart from a checkpoint."""
+        """Iterations computed again after a rollback (their `iteration_recomputed` events;
+        each iteration is logged once), or logged twice (a restart from a checkpoint
+        without a controller)."""
         seen: dict[int, int] = {}
         for e in self.named("iteration"):
             seen[e["iteration"]] = seen.get(e["iteration"], 0) + 1
-        return sorted(it for it, n in seen.items() if n > 1)
+        again = {e["iteration"] for e in self.named("iteration_recomputed")}
+        return sorted(again | {it for it, n in seen.items() if n > 1})
+
+    def steps_done(self) -> list[dict[str, Any]]:
+        """The `iteration` and `iteration_recomputed` events (every completed step), in order."""
+        return [e for e in self.events
+                if e.get("event") in ("iteration", "iteration_recomputed")]
 
     def fault(self) -> dict[str, Any]:
         fault = self.first("fault_injected")
@@ -92,7 +99,7 @@ class Job:
         step: the step the fault interrupted, completed (or the first step after it, when the
         survivors completed that update before the repair)."""
         fault = self.fault()
-        for e in self.named("iteration"):
+        for e in self.steps_done():
             if e["time"] > fault["time"] and e["iteration"] > fault["step"]:
                 return e
         return None

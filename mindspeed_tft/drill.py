@@ -319,7 +319,8 @@ def recover_seconds(events: list[dict[str, Any]]) -> float | None:
     if not found:
         return None
     fault = found[0].events[0]["time"]
-    after = [e["time"] for e in _named(events, "iteration") if e["time"] > fault]
+    after = [e["time"] for e in events
+             if e["event"] in ("iteration", "iteration_recomputed") and e["time"] > fault]
     return min(after) - fault if after else None
 
 

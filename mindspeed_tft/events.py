@@ -64,3 +64,145 @@ def read_events(path: str) -> list[dict[str, Any]]:
     """All events of a file, in file order (for tests, benchmarks and tools)."""
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+#: the fields of an iteration record besides `iteration` (SPEC 11, `iteration` event)
+RECORD_FIELDS = ("loss", "grad_norm", "lr", "consumed_samples")
+#: the store key holding the highest iteration the logging rank logged
+LOGGED_KEY = "tft/iterations/logged"
+
+
+def _default_store() -> Any | None:
+    """The default process group's store without PrefixStore wrappers, or None."""
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    store = dist.distributed_c10d._get_default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
+
+
+class IterationLog:
+    """Every iteration logged exactly once, whoever fails and whenever the stop lands.
+
+    Every rank that holds a step's reduced loss calls `record` after the step and keeps the
+    record (`latest`); `prepare` keeps it before the update too (`pending`), so a rank
+    stopped between its update and its log line still has it. The logging rank emits the
+    `iteration` event only above the highest iteration it logged (kept here and in the
+    torch.distributed store, for a replacement process or a new last rank), else
+    `iteration_recomputed`. After a repair `fill` logs the records of iterations the stop
+    cut off (the controller gathers them from every rank's stop and rollback results).
+    """
+
+    def __init__(self, store: Any | None = None) -> None:
+        self.latest: dict[str, Any] | None = None
+        self.pending: dict[str, Any] | None = None
+        self._highest: int | None = None
+        self._store = store
+
+    def store(self) -> Any | None:
+        return self._store if self._store is not None else _default_store()
+
+    def prepare(self, iteration: int, **fields: Any) -> None:
+        """The step's loss is known and its update is about to run."""
+        self.pending = _record(iteration, fields)
+
+    def records(self) -> list[dict[str, Any]]:
+        """What this rank knows of its last iterations (for the controller)."""
+        known = [self.latest] if self.latest is not None else []
+        if self.pending is not None and (
+                self.latest is None or self.pending["iteration"] > self.latest["iteration"]):
+            known.append(self.pending)
+        return known
+
+    def highest_logged(self, refresh: bool = False) -> int:
+        """The highest iteration logged so far: this process's, read from the store on the
+        first call and on `refresh` (another process may have logged since)."""
+        if self._highest is None or refresh:
+            store = self.store()
+            if store is not None and store.check([LOGGED_KEY]):
+                self._highest = max(self._highest or 0, int(store.get(LOGGED_KEY)))
+            self._highest = self._highest or 0
+        return self._highest
+
+    def record(self, iteration: int, *, logger: bool, **fields: Any) -> bool:
+        """Keep the step's record; on the logging rank emit it. False: a recomputed
+        iteration, whose log line the host skips."""
+        self.latest = _record(iteration, fields)
+        if not logger:
+            return True
+        if iteration <= self.highest_logged():
+            emit("iteration_recomputed", _rank(), **self.latest)
+            return False
+        self._logged(self.latest)
+        return True
+
+    def fill(self, records: list[dict[str, Any]], *, logger: bool,
+             train_iters: int | None = None) -> list[int]:
+        """After a repair: log the records above the highest logged iteration, in order."""
+        if not logger:
+            return []
+        # read the store again: after a scale change this process may be a new last rank
+        filled, highest = [], self.highest_logged(refresh=True)
+        for rec in sorted(records, key=lambda r: r["iteration"]):
+            if rec["iteration"] > highest:
+                self._logged(_record(rec["iteration"], rec))
+                print(_fill_line(rec, train_iters), flush=True)
+                filled.append(highest := rec["iteration"])
+        return filled
+
+    def _logged(self, rec: dict[str, Any]) -> None:
+        emit("iteration", _rank(), **rec)
+        self._highest = rec["iteration"]
+        store = self.store()
+        if store is not None:
+            store.set(LOGGED_KEY, str(rec["iteration"]))
+
+
+def _rank() -> int:
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    return dist.get_rank() if dist is not None and dist.is_initialized() else 0
+
+
+def _record(iteration: int, fields: dict[str, Any]) -> dict[str, Any]:
+    return {"iteration": int(iteration), **{k: fields.get(k) for k in RECORD_FIELDS}}
+
+
+def _fill_line(rec: dict[str, Any], train_iters: int | None) -> str:
+    """Megatron-LM's log line for an iteration logged after the repair."""
+    from datetime import datetime
+
+    stamp = datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+    line = (f" [{stamp}] iteration {rec['iteration']:8d}/{train_iters or 0:8d} |"
+            f" consumed samples: {rec.get('consumed_samples') or 0:12d} |")
+    if rec.get("lr") is not None:
+        line += f" learning rate: {rec['lr']:.6E} |"
+    line += f" lm loss: {rec['loss']:.6E} |"
+    if rec.get("grad_norm") is not None:
+        line += f" grad norm: {rec['grad_norm']:.3f} |"
+    return line + " (logged after the repair: the stop cut its log line off) |"
+
+
+def validate_record(value: Any) -> dict[str, Any] | None:
+    """An iteration record from the network, or None if it is not one (ints/floats only,
+    known keys only)."""
+    if not isinstance(value, dict) or set(value) - {"iteration", *RECORD_FIELDS}:
+        return None
+    iteration = value.get("iteration")
+    if type(iteration) is not int or iteration < 1 or type(value.get("loss")) not in (int, float):
+        return None
+    for key in ("grad_norm", "lr", "consumed_samples"):
+        if value.get(key) is not None and type(value[key]) not in (int, float):
+            return None
+    if value.get("consumed_samples") is not None and type(value["consumed_samples"]) is not int:
+        return None
+    return _record(iteration, value)
+
+
+#: the process's iteration log (SPEC 11: every iteration logged exactly once)
+iteration_log = IterationLog()

@@ -31,6 +31,9 @@ from mindspeed_tft.events import CONTROLLER_RANK, read_events
 if TYPE_CHECKING:
     from mindspeed_tft.timeline import Timeline
 
+#: the events that end a step: a first run, or a recompute after a rollback (SPEC 11)
+STEP_EVENTS = ("iteration", "iteration_recomputed")
+
 
 @dataclass
 class Incident:
@@ -131,7 +134,7 @@ def _verdicts(events: list[dict[str, Any]], found: list[Incident]) -> dict[int, 
         next_incident = first_events.get(id(event), next_incident)
         if event["event"] in ("repaired", "scale_in", "scale_out"):
             later.insert(0, (event["step"], number.get(id(event), 0)))
-        elif event["event"] == "iteration":
+        elif event["event"] in STEP_EVENTS:
             i = event["iteration"]
             undone = next((n for step, n in later if step < i), None)
             verdicts[id(event)] = (undone if undone is not None
@@ -151,7 +154,7 @@ def _marks(events: list[dict[str, Any]], found: list[Incident]) -> list[tuple[fl
     save or the end of a handled incident; (time, False) where a job (its controller) starts
     or an unhandled fault ends it (what follows is a new start, with no event of its own)."""
     marks = [(e["time"], e["event"] != "state") for e in events
-             if e["event"] in ("iteration", "checkpoint_saved")
+             if e["event"] in (*STEP_EVENTS, "checkpoint_saved")
              or (e["event"] == "state" and e.get("prev") is None)]
     marks += [(i.events[-1]["time"], True) if _handled(i) else (i.events[0]["time"], False)
               for i in found]
@@ -166,12 +169,13 @@ def _last_mark(marks: list[tuple[float, bool]], t: float) -> tuple[float, bool] 
 def steps(events: list[dict[str, Any]], found: list[Incident] | None = None) -> list[Step]:
     """Every logged iteration as a `Step`, in file order. A step runs from the previous
     iteration event, checkpoint save or end of an incident (training resumes there) to its
-    own `iteration` event. Its result counts unless the same iteration is logged again later
+    own `iteration` event (or `iteration_recomputed`: a step recomputed after a rollback, whose
+    earlier run is the discarded one, ends like any other). Its result counts unless the same iteration is logged again later
     or a later repair or scale change (`repaired`, `scale_in`, `scale_out`) sets training back below it."""
     found = incidents(events) if found is None else found
     verdicts, marks = _verdicts(events, found), _marks(events, found)
     timed: list[tuple[dict[str, Any], float | None]] = []
-    for event in (e for e in events if e["event"] == "iteration"):
+    for event in (e for e in events if e["event"] in STEP_EVENTS):
         mark = _last_mark(marks, event["time"])
         timed.append((event, mark[0] if mark is not None and mark[1] else None))
     median = statistics.median(

@@ -36,6 +36,9 @@ if TYPE_CHECKING:
     from matplotlib.lines import Line2D
     from matplotlib.text import Text
 
+#: the events of a completed step: its first run, or its recompute after a rollback
+_STEP_EVENTS = ("iteration", "iteration_recomputed")
+
 Events = list[dict[str, Any]]
 
 #: incidents drawn in their own panel (the overview shows them all)
@@ -232,7 +235,7 @@ def _resumed_at(events: Events, cost: IncidentLike) -> int | None:
 
 
 def _iterations(events: Events) -> list[tuple[float, int]]:
-    return sorted((e["time"], e["iteration"]) for e in events if e["event"] == "iteration")
+    return sorted((e["time"], e["iteration"]) for e in events if e["event"] in _STEP_EVENTS)
 
 
 def _describe(events: Events, cost: IncidentLike) -> str:
@@ -416,7 +419,7 @@ def _lane_mark(timeline: Timeline, ax: Axes, event: dict[str, Any], start: float
 def _draw_loss(timeline: Timeline, ax: Axes, events: Events, run: RunLike,
                compare: Events | None) -> None:
     logged = sorted((e["time"], e["loss"], e["iteration"]) for e in events
-                    if e["event"] == "iteration")
+                    if e["event"] in _STEP_EVENTS)
     breaks = [(c.fault, math.nan, 0) for c in run.incidents]  # no line across an incident
     points = sorted(logged + breaks, key=lambda p: p[0])
     (line,) = ax.plot([t - run.start for t, _, _ in points], [v for _, v, _ in points],
@@ -451,7 +454,7 @@ def _draw_loss_by_iteration(timeline: Timeline, ax: Axes, events: Events,
                             compare: Events | None) -> None:
     """Every logged loss by iteration (first runs of rolled-back iterations hollow), and the
     fault-free run's: equal losses lie on each other."""
-    logged = [(e["iteration"], e["loss"]) for e in events if e["event"] == "iteration"]
+    logged = [(e["iteration"], e["loss"]) for e in events if e["event"] in _STEP_EVENTS]
     last = {i: loss for i, loss in logged}
     first_runs = [(i, v) for n, (i, v) in enumerate(logged)
                   if any(j == i for j, _ in logged[n + 1:])]

@@ -3,7 +3,7 @@ torchrun (or `tft-run`), gloo on CPU, and read back what they did.
 
 `run_tiny_job` runs one job in its own directory and returns a `JobResult`: exit code,
 combined output, and the events file (SPEC 11) parsed. Layouts name the parallelism:
-`dp4` (4 ranks, DP=4), `tp2dp2`, `pp2dp2`, `tp2dp4` (8 ranks). Every job has a timeout; on
+`dp4` (4 ranks, DP=4), `tp2dp2`, `pp2dp2`, `tp2dp4` and `pp2dp4` (8 ranks). Every job has a timeout; on
 timeout the whole process group is killed and the test fails with the output so far.
 """
 
@@ -29,6 +29,7 @@ LAYOUTS: dict[str, dict[str, int]] = {
     "dp4": {"NPROC": 4, "TP": 1, "PP": 1},
     "tp2dp2": {"NPROC": 4, "TP": 2, "PP": 1},
     "pp2dp2": {"NPROC": 4, "TP": 1, "PP": 2},
+    "pp2dp4": {"NPROC": 8, "TP": 1, "PP": 2},
     "dp8": {"NPROC": 8, "TP": 1, "PP": 1},
     "tp2dp4": {"NPROC": 8, "TP": 2, "PP": 1},
     "tp2pp2dp2": {"NPROC": 8, "TP": 2, "PP": 2},
@@ -55,6 +56,20 @@ class JobResult:
     def named(self, name: str) -> list[dict[str, Any]]:
         """Events called `name`, in order."""
         return [e for e in self.events if e["event"] == name]
+
+    def logged_lines(self) -> list[int]:
+        """The iterations of the log lines (`--log-interval 1`), in output order."""
+        import re
+
+        return [int(i) for i in re.findall(r" iteration +(\d+)/ *\d+ \|", self.output)]
+
+    def assert_logged_once(self, reference: JobResult, train_iters: int) -> None:
+        """Every iteration 1..train_iters logged exactly once, in order, in the events and
+        the log, with the reference's loss (SPEC 11)."""
+        once = list(range(1, train_iters + 1))
+        assert [e["iteration"] for e in self.named("iteration")] == once, self.describe()
+        assert self.logged_lines() == once, self.describe()
+        assert self.losses() == reference.losses()
 
     def pids(self) -> dict[int, list[int]]:
         """Rank -> the processes that ran it, in order (from each process's

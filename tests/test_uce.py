@@ -58,8 +58,24 @@ def test_repaired_in_place_and_bit_exact(layout, fault, reference_job, tmp_path)
     # Same processes before and after the repair: one pid per rank.
     pids = job.pids()
     assert sorted(pids) == [0, 1, 2, 3] and all(len(p) == 1 for p in pids.values())
-    # Every loss equals the fault-free run's; the replicas agree after every step.
-    assert job.losses() == reference.losses()
+    # Every iteration logged once with the fault-free run's loss; the replicas agree after
+    # every step.
+    job.assert_logged_once(reference, config["train_iters"])
+    assert all(e["match"] for e in job.named("replica_check"))
+
+
+def test_pipeline_uce_logs_every_iteration_once(reference_job, tmp_path):
+    """TP1 PP2 DP4 (8 ranks): a param UCE on rank 2 (first stage) in step 6; the stop may
+    reach the last stage, which logs, between its update of iteration 6 and its log line:
+    every iteration is still logged exactly once, with the fault-free run's loss."""
+    config = {"layout": "pp2dp4", "train_iters": 9, "save_interval": 100, "precision": "fp32"}
+    reference = reference_job(ha_args=HA_ARGS, **config)
+    job = run_tiny_job(tmp_path, inject="uce:rank=2,step=6,phase=backward,target=param",
+                       ha_args=RETRY_ARGS, **config)
+    assert job.returncode == 0, job.describe()
+    assert [e["strategy"] for e in job.named("strategy")] == ["retry"]
+    assert [(e["rank"], e["iteration"]) for e in job.named("shard_received")] == [(2, 6)]
+    job.assert_logged_once(reference, config["train_iters"])
     assert all(e["match"] for e in job.named("replica_check"))
 
 
@@ -91,9 +107,8 @@ def test_uce_with_no_replica_reloads_the_checkpoint_and_continues(reference_job,
     assert (strategy["strategy"], strategy["source"]) == ("load_checkpoint", "checkpoint")
     assert [(e["rank"], e["iteration"]) for e in job.named("rolled_back")] and all(
         e["iteration"] == 5 for e in job.named("rolled_back"))
-    iterations = [e["iteration"] for e in job.named("iteration")]
-    assert iterations == [*range(1, 8), *range(6, STANDARD["train_iters"] + 1)]  # 6, 7 again
-    assert job.losses() == reference.losses()
+    job.assert_logged_once(reference, STANDARD["train_iters"])
+    assert [e["iteration"] for e in job.named("iteration_recomputed")] == [6, 7]  # not logged
     assert all(len(p) == 1 for p in job.pids().values())
 
 

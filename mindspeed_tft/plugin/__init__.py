@@ -43,7 +43,7 @@ from typing import Any, NoReturn, TypeVar
 
 import torch.distributed as dist
 
-from mindspeed_tft.events import configure_events, emit
+from mindspeed_tft.events import configure_events, emit, iteration_log, validate_record
 from mindspeed_tft.faults import FaultInjector
 from mindspeed_tft.features import Features
 from mindspeed_tft.plugin.hooks import HookList, TrainerHooks
@@ -428,7 +428,16 @@ class TFTPlugin:
             return train_fn()
         from mindspeed_tft.control import run_with_fault_tolerance
 
-        return run_with_fault_tolerance(train_fn, self.processor, exit_fn=exit_without_teardown)
+        return run_with_fault_tolerance(train_fn, self.processor, on_resume=self._log_missed,
+                                        exit_fn=exit_without_teardown)
+
+    def _log_missed(self, decision: Any) -> None:
+        """After a repair: the logging rank logs the iterations the stop cut off."""
+        given = decision.payload.get("iterations")
+        records = [r for r in map(validate_record, given if isinstance(given, list) else [])
+                   if r is not None]
+        iteration_log.fill(records, logger=dist.get_rank() == dist.get_world_size() - 1,
+                           train_iters=getattr(self.args, "train_iters", None))
 
     def finish(self) -> None:
         """Training ended normally: leave the control plane."""

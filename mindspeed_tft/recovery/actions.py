@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mindspeed_tft.events import emit
+from mindspeed_tft.events import emit, iteration_log
 from mindspeed_tft.recovery import collectives
 from mindspeed_tft.recovery.dump import (
     SHARDS_DIRNAME,
@@ -132,7 +132,8 @@ class RecoveryActions:
         closed = collectives.abandon(
             f"incident {payload.get('incident')}: stopped by the controller", self.keep_ports
         )
-        return {"connections_closed": closed}
+        # the iterations this rank completed; the stop may have cut the logging rank's line off
+        return {"connections_closed": closed, "iterations": iteration_log.records()}
 
     # -- repair ---------------------------------------------------------------------------
     def clean(self, payload: dict[str, Any]) -> dict[str, Any]:
@@ -190,7 +191,8 @@ class RecoveryActions:
                              for chunk in state.model for p in chunk.parameters()),
              lr=state.optimizer.param_groups[0]["lr"],
              consumed_samples=state.args.consumed_train_samples)
-        return {"step": step}
+        # parked now: a record the stop result missed (the update ran on after it) is final
+        return {"step": step, "iterations": iteration_log.records()}
 
     # -- elastic training -----------------------------------------------------------------
     def scale_in(self, payload: dict[str, Any]) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mindspeed_tft.events import emit
+from mindspeed_tft.events import iteration_log
 from mindspeed_tft.plugin.hooks import (
     HookList,
     TrainerHooks,
@@ -212,14 +212,18 @@ def train_step(
         decoder_seq_length=args.seq_length,
         forward_only=False,
     )
+    loss_dict: dict[str, torch.Tensor] = {}
+    if ps.is_pipeline_last_stage(ignore_virtual=True) and losses_reduced:
+        loss_dict = _reduce_losses(losses_reduced)
+        # kept before the update: a stop may land between the update and the log line
+        batch = get_num_microbatches() * args.micro_batch_size * args.data_parallel_size
+        iteration_log.prepare(state.iteration + 1, loss=float(loss_dict["lm loss"]),
+                              consumed_samples=args.consumed_train_samples + batch)
     update_successful, grad_norm, _ = state.optimizer.step()
     if update_successful:
         increment = get_num_microbatches() * args.micro_batch_size * args.data_parallel_size
         state.opt_param_scheduler.step(increment=increment)
-    skipped = 0 if update_successful else 1
-    if ps.is_pipeline_last_stage(ignore_virtual=True) and losses_reduced:
-        return _reduce_losses(losses_reduced), skipped, grad_norm
-    return {}, skipped, grad_norm
+    return loss_dict, 0 if update_successful else 1, grad_norm
 
 
 def training_log(
@@ -327,17 +331,13 @@ def train(forward_step_func: ForwardStep, state: TrainingState, hooks: TrainerHo
             args.data_parallel_size * args.micro_batch_size * get_num_microbatches()
         )
         elapsed_ms = (time.perf_counter() - start) * 1000.0
-        if loss_dict and is_last_rank():
-            emit(
-                "iteration",
-                dist.get_rank(),
-                iteration=state.iteration,
-                loss=float(loss_dict["lm loss"]),
-                grad_norm=None if grad_norm is None else float(grad_norm),
-                lr=state.optimizer.param_groups[0]["lr"],
-                consumed_samples=args.consumed_train_samples,
-            )
-        training_log(state, loss_dict, grad_norm, skipped, elapsed_ms, interval_stats)
+        if not loss_dict or iteration_log.record(
+            state.iteration, logger=is_last_rank(), loss=float(loss_dict["lm loss"]),
+            grad_norm=None if grad_norm is None else float(grad_norm),
+            lr=state.optimizer.param_groups[0]["lr"],
+            consumed_samples=args.consumed_train_samples,
+        ):  # a recomputed iteration was logged before the fault: no second line
+            training_log(state, loss_dict, grad_norm, skipped, elapsed_ms, interval_stats)
         hooks.on_phase(state, "after", state.iteration - 1)
         if (
             args.eval_interval
