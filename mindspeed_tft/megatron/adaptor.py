@@ -26,7 +26,6 @@ Nothing of Megatron-LM is copied or edited; the functions below wrap Megatron-LM
   at its first entry.
 - `train_step` / `post_training_step_callbacks` / `checkpoint_and_decide_exit`: the step's
   phases, its loss (`events.iteration_log`: the ``iteration`` event), its end;
-  `training_log`: no line for a recomputed iteration (logged once, before the fault);
   `save_checkpoint`: the ``save`` phase, once Megatron-LM's own save returned (it
   publishes inside, so a fault injected there hits a published checkpoint, unlike the
   reference trainer's); it saves the state's model, optimizer and scheduler (`pretrain`'s
@@ -209,8 +208,6 @@ class MegatronHost:
         self.datasets_provider: Any = None
         self.local = _LocalCollectives()
         self.training_config: dict[str, Any] | None = None
-        #: the iteration of the last step when it was a recomputed one (no log line)
-        self.recomputed: int | None = None
         #: Megatron-LM's `setup_model_and_optimizer` and the arguments `pretrain` called it
         #: with (elastic training builds them again)
         self.setup_call: tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]] | None = None
@@ -503,28 +500,15 @@ def wrap_train_step(original: Callable[..., Any]) -> Callable[..., Any]:
         if loss_dict:
             batch = ps.get_data_parallel_world_size() * args.micro_batch_size * \
                 get_num_microbatches()
-            logged = iteration_log.record(
+            iteration_log.record(
                 args.curr_iteration + 1, logger=dist.get_rank() == dist.get_world_size() - 1,
                 loss=float(loss_dict["lm loss"]),
                 grad_norm=None if grad_norm is None else float(grad_norm),
                 lr=optimizer.param_groups[0]["lr"],
                 consumed_samples=args.consumed_train_samples + batch)
-            _host.recomputed = None if logged else args.curr_iteration + 1
         return result
 
     return train_step
-
-
-def wrap_training_log(original: Callable[..., Any]) -> Callable[..., Any]:
-    def training_log(loss_dict: Any, total_loss_dict: Any, learning_rate: Any,
-                     decoupled_learning_rate: Any, iteration: int, loss_scale: Any,
-                     report_memory_flag: Any, *rest: Any) -> Any:
-        if iteration == _host.recomputed:  # logged before the fault: no second line
-            return report_memory_flag
-        return original(loss_dict, total_loss_dict, learning_rate, decoupled_learning_rate,
-                        iteration, loss_scale, report_memory_flag, *rest)
-
-    return training_log
 
 
 def wrap_post_training_step_callbacks(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -626,7 +610,6 @@ def install_patches() -> None:
         ("setup_model_and_optimizer", wrap_setup_model_and_optimizer),
         ("train", wrap_train),
         ("train_step", wrap_train_step),
-        ("training_log", wrap_training_log),
         ("post_training_step_callbacks", wrap_post_training_step_callbacks),
         ("checkpoint_and_decide_exit", wrap_checkpoint_and_decide_exit),
         ("save_checkpoint", wrap_save_checkpoint),
