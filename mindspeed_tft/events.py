@@ -72,8 +72,10 @@ RECORD_FIELDS = ("loss", "grad_norm", "lr", "consumed_samples")
 LOGGED_KEY = "tft/iterations/logged"
 
 
-def _default_store() -> Any | None:
-    """The default process group's store without PrefixStore wrappers, or None."""
+def default_store() -> Any | None:
+    """The default process group's store without PrefixStore wrappers, or None (the fault
+    injection ledger and the iteration log use it). Does not import torch: without a
+    torch.distributed already imported there is no group."""
     import sys
 
     dist = sys.modules.get("torch.distributed")
@@ -104,7 +106,7 @@ class IterationLog:
         self._store = store
 
     def store(self) -> Any | None:
-        return self._store if self._store is not None else _default_store()
+        return self._store if self._store is not None else default_store()
 
     def prepare(self, iteration: int, **fields: Any) -> None:
         """The step's loss is known and its update is about to run."""

@@ -239,18 +239,7 @@ class _DefaultStore:
 DEFAULT_STORE: Any = _DefaultStore()
 
 
-def default_store() -> Any | None:
-    """The store of the default process group without PrefixStore wrappers, or None.
-
-    Does not import torch: without a torch.distributed already imported there is no group.
-    """
-    dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized():
-        return None
-    store = dist.distributed_c10d._get_default_store()
-    while isinstance(store, dist.PrefixStore):
-        store = store.underlying_store
-    return store
+default_store = events.default_store
 
 
 def _claim_in_store(store: Any, item: FaultItem) -> bool:
