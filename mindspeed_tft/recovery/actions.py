@@ -144,8 +144,8 @@ class RecoveryActions:
         rejoining = self.state is None
         run = self.processor.run_in_training_thread
         run(lambda: self.rebuild_process_groups(generation, not rejoining))
-        if rejoining and not self.attached.wait(self.processor.config.action_time_limit):
-            raise RuntimeError(f"rank {self.rank}: the trainer did not set up its model in time")
+        if rejoining:
+            self._wait_attached()
         return run(lambda: self._restore(payload))
 
     def _restore(self, payload: dict[str, Any]) -> dict[str, Any]:
@@ -203,9 +203,8 @@ class RecoveryActions:
         ranks = [int(r) for r in payload["ranks"]]
         result = self.processor.run_in_training_thread(
             lambda: resize(int(payload["incident"]), ranks, root))
-        if result.get("stays") and result.get("iteration") != int(payload["lock_step"]):
-            raise RuntimeError(f"rank {self.rank} loaded iteration {result.get('iteration')} "
-                               f"from {root}, not the dump's {payload['lock_step']}")
+        if result.get("stays"):
+            self._check_loaded(result, payload, root)
         return result
 
     def scale_out(self, payload: dict[str, Any]) -> dict[str, Any]:
@@ -218,14 +217,21 @@ class RecoveryActions:
         run = self.processor.run_in_training_thread
         result = run(lambda: grow(int(payload["incident"]), world, int(payload["dp_size"]), root))
         if returning:
-            if not self.attached.wait(self.processor.config.action_time_limit):
-                raise RuntimeError(f"rank {self.rank}: the trainer did not set up its model "
-                                   "in time")
+            self._wait_attached()
             result["iteration"] = run(lambda: self._training_state().rebuild(root))
+        self._check_loaded(result, payload, root)
+        return result
+
+    def _check_loaded(self, result: dict[str, Any], payload: dict[str, Any], root: str) -> None:
+        """A scale change loaded the dump of the lock step, not another checkpoint."""
         if result.get("iteration") != int(payload["lock_step"]):
             raise RuntimeError(f"rank {self.rank} loaded iteration {result.get('iteration')} "
                                f"from {root}, not the dump's {payload['lock_step']}")
-        return result
+
+    def _wait_attached(self) -> None:
+        """A restarted or returning rank: wait (bounded) until its trainer built its model."""
+        if not self.attached.wait(self.processor.config.action_time_limit):
+            raise RuntimeError(f"rank {self.rank}: the trainer did not set up its model in time")
 
     # -- dump -----------------------------------------------------------------------------
     def _checkpoint_root(self) -> str:
