@@ -1,14 +1,15 @@
 """A flood of hostile frames at the controller of a real job changes nothing.
 
 A 4-rank high-availability job of the reference trainer runs under torchrun (rank 0's
-process hosts the controller). Once every rank registered, an attacker process opens
-several connections to the controller's port and, for up to `FLOOD_SECONDS`, sends several
+process hosts the controller). From its second iteration until the job is over (at most
+`FLOOD_SECONDS`), an attacker process on several connections to the controller's port sends several
 MB/s of: the "million empty arrays" frame (1,000,005 bytes, under the protocol limit, 0.2-0.3 s
 of CPU each to decode before per-type caps) bare and behind every message type's header,
 frames over the protocol limit (libzmq cuts the connection), REGISTER frames at their cap full
 of nested empty arrays (the costliest frame an unregistered peer can get decoded), forged
 valid frames of every message type claiming each rank, random bytes, multi-part frames, and
-raw TCP garbage. The job still exits 0 with every rank alive (no fault detected, no rank
+raw TCP garbage. The flood spans the job's end, where finished ranks' rows must not go to
+forged registrations. The job still exits 0 with every rank alive (no fault detected, no rank
 lost), its losses are bit-identical to the fault-free run, and the controller's process
 grows by less than `RSS_BOUND_MIB` MiB (training's own growth included).
 
@@ -33,7 +34,7 @@ from tests.jobs import BF16, HA_ARGS, REPO, read_events_if_any, start_tiny_job, 
 
 pytestmark = pytest.mark.multiproc
 
-FLOOD_SECONDS = 20.0
+FLOOD_SECONDS = 120.0  # a bound: the flood stops when the job ends
 #: growth of the controller's host process (rank 0) from iteration 2 to the end of the
 #: flood; the fault-free job itself grows rank 0 by about 50 MiB over that stretch (395 -> 443
 #: MiB measured: checkpoints, allocator), so this leaves the flood under ~45 MiB. Before the
@@ -134,7 +135,7 @@ def attack(port: int, seconds: float, sent: dict[str, float], rate: float = 4e6,
         sent["bytes"] += sum(map(len, frame)) if isinstance(frame, list) else len(frame)
         sent["seconds"] = now - start
         if now >= next_cut:
-            next_cut = now + 0.5
+            next_cut = now + 0.2
             try:
                 cutter.send(b"\x00" * (2 << 20), zmq.NOBLOCK)
                 sent["over_limit"] += 1
@@ -169,6 +170,15 @@ def _drops(log: Path) -> dict[str, int]:
         for n, reason in re.findall(r"dropped frame #(\d+) \((\w+)\)", log.read_text()):
             counts[reason] = max(counts.get(reason, 0), int(n))
     return counts
+
+
+def _crash_lines(output: str) -> str:
+    """The lines of a job's output that say why a process aborted (a libzmq assertion, a C++
+    exception, a fatal Python error), which a tail of the output may no longer hold."""
+    marks = ("Assertion failed", "terminate called", "what():", "Fatal Python error",
+             "FATAL ERROR", "Traceback", "Error:")
+    found = [line for line in output.splitlines() if any(m in line for m in marks)]
+    return "\n".join(found[:40]) + "\n---\n"
 
 
 def test_flood_of_hostile_frames_changes_nothing(reference_job, tmp_path):
@@ -217,15 +227,17 @@ def test_flood_of_hostile_frames_changes_nothing(reference_job, tmp_path):
     print(f"flood: {sent}; controller RSS {baseline:.0f} -> peak {peak:.0f} MiB; "
           f"drops logged: {drops}; RSS series {series}")
     (run_dir / "output.log").write_text(output)
-    assert job.returncode == 0, output[-5000:]
+    assert job.returncode == 0, _crash_lines(output) + output[-5000:]
     all_events = read_events_if_any(events)
     assert not [e for e in all_events if e["event"] in ("fault_detected", "strategy")]
     losses = {e["iteration"]: e["loss"] for e in all_events if e["event"] == "iteration"}
     assert losses == reference.losses() and len(losses) == BF16["train_iters"]
     # the flood was real and reached the controller: several MB/s, every kind refused
+    # repeatedly (on a quiet machine the job ends about 4 s into the flood: a few of the
+    # 1 MB typed frames, the `oversized` ones, by then)
     assert sent["bytes"] / sent["seconds"] > 2e6, sent
     for reason in ("malformed", "oversized", "unexpected_type", "unregistered", "schema"):
-        assert drops.get(reason, 0) >= 10, (reason, drops)
+        assert drops.get(reason, 0) >= 3, (reason, drops)
     assert peak - baseline < RSS_BOUND_MIB, (baseline, peak)
 
 

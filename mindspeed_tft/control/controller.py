@@ -586,9 +586,16 @@ class Controller:
                 if not self._missing:
                     self.sm.to(State.NORMAL, f"all {self.world_size} ranks registered")
             return
+        failover = bool(p.get("failover", False))
         if row is not None and row.identity and not self._rebindable(row, now):
             self.drops.drop("rank_taken", f"rank {rank} registers from a second connection")
             self._send(identity, MsgType.REJECT, REFUSED_FOR_NOW)
+            return
+        if row is not None and row.health is Health.DONE and not failover:
+            # a rank that finished training is not restarted: only its own process, failing
+            # over, reconnects (a fresh registration here would undo the job's end)
+            self.drops.drop("rank_done", f"rank {rank} registers after it finished")
+            self._send(identity, MsgType.REJECT, REFUSED)
             return
         owner = self._rank_keys.get(rank)
         if key is not None and owner is not None and key != owner:
@@ -597,7 +604,6 @@ class Controller:
             self.drops.drop("rank_key", f"rank {rank} registers with another CURVE key")
             self._send(identity, MsgType.REJECT, REFUSED)
             return
-        failover = bool(p.get("failover", False))
         state = self.sm.state
         fresh = state is not State.INIT and not failover and self.role == "active"
         prev_health = row.health if row is not None else None

@@ -409,3 +409,39 @@ def test_forged_reports_for_a_registered_rank_change_nothing(tmp_path: Path) -> 
             p.close()
         ctx.destroy(linger=0)
         job.cleanup()
+
+
+def test_a_forged_registration_cannot_take_a_finished_ranks_place(tmp_path):
+    """Between the first rank's bye and the last one's, a finished rank's row is not free: a
+    fresh registration for it is refused (`rank_done`), and the job still ends with code 0
+    when the other rank finishes (before, the forger became a 'restarted' rank 0 and the job
+    never ended)."""
+    job = Job(tmp_path, 2, interval=INTERVAL, misses=5)
+    snap = tmp_path / "snap.json"
+    ctx = zmq.Context()
+    procs: list[Processor] = []
+    try:
+        port = job.start_controller(snapshot=snap)
+        cfg = ControlConfig(port=port, heartbeat_interval=INTERVAL, heartbeat_misses=5,
+                            log_path=str(tmp_path))
+        for r in (0, 1):
+            p = Processor(r, 2, cfg, hard_exit=False, host="localhost")
+            p.start(timeout=10)
+            procs.append(p)
+        job.wait_state("NORMAL", 10)
+        procs[0].stop(0)
+        wait_for(lambda: row(job, snap, 0).get("health") == "done", 10, what="rank 0 done")
+        forger = intruder(ctx, port)
+        register(forger, 0, 2)
+        answer = reply(forger)
+        assert answer.type == MsgType.REJECT and answer.payload == REFUSED
+        procs[1].stop(0)
+        job.wait_state("FINAL", 10)
+        assert [e["code"] for e in job.events() if e["event"] == "exit"] == [0]
+        wait_for(lambda: ((job.snapshot(snap) or {}).get("dropped") or {}).get("rank_done") == 1,
+                 5, what="the refusal counted")
+    finally:
+        for p in procs:
+            p.close()
+        ctx.destroy(linger=0)
+        job.cleanup()
