@@ -94,12 +94,13 @@ def test_kill_without_replacement_shrinks_and_finishes_every_iteration(
                for line in describe_incident(incident))
 
 
-def _start_node(run_dir, node_rank: int, ports: tuple[int, int], config: dict, inject: str):
+def _start_node(run_dir, node_rank: int, ports: tuple[int, int], config: dict, inject: str,
+                extra_env: dict[str, str] | None = None):
     """One of two launchers (`--nnodes 2`, 2 ranks each) of the job in `run_dir`."""
     master_port, ttp_port = ports
     env = {**config.get("env", {}), **NO_RESTARTS, "NPROC": "2", "MASTER_PORT": str(master_port),
            "TTP_PORT": str(ttp_port), "TTP_LOG_PATH": str(run_dir / f"logs{node_rank}"),
-           "TFT_REPLACEMENT_WAIT": "2"}
+           "TFT_REPLACEMENT_WAIT": "2", **(extra_env or {})}
     return start_tiny_job(tiny_job_env(
         run_dir, **{**config, "env": env}, inject=inject,
         ha_args=f"{ELASTIC_ARGS} --optimizer-replica-num 4",
@@ -184,29 +185,67 @@ def test_two_shrinks_then_the_node_comes_back_and_the_job_grows(reference_job, t
     assert {e["rank"] for e in checks} == {0, 1, 2, 3}
 
 
-def test_a_dump_written_after_a_shrink_resumes_at_the_launch_size(reference_job, tmp_path):
-    """DP4 -> DP2, then an error dumps the DP2 job; the dump (megatron-core's DP-zero
-    optimizer format) resumes in a DP4 job that finishes with the fault-free losses."""
-    config = {"layout": "dp4", **STANDARD}
+def test_a_fault_during_the_grow_ends_with_a_dump_that_resumes_at_the_launch_size(
+        reference_job, tmp_path):
+    """The job of the test above loses its node 1 (ranks 2 and 3) at step 3 at once: DP4 ->
+    DP2; the node comes back once the job shrank; rank 1 is killed inside the grow
+    (`phase=scale`, at whatever lock step the grow takes: one item per possible step). The grow's dump of the lock step is written at DP2 before the scale
+    change, so the job ends with it (exit 75, no hang: the returning launcher ends too, within
+    its registration timeout where one of its ranks registered only after the end), and
+    that dump (megatron-core's DP-zero optimizer format) resumes in a plain DP4 job with the
+    fault-free samples and learning rate, its losses within the tolerance."""
+    config = {"layout": "dp4", **GROW, "env": {"GBS": "48"}}
     reference = reference_job(ha_args=HA_ARGS, **config)
-    faulty = run_tiny_job(
-        tmp_path / "faulty",
-        inject="kill:rank=1,step=7,phase=forward;raise:rank=2,step=11,phase=backward",
-        ha_args=ELASTIC_ARGS, launcher="tft-run",
-        **{**config, "env": NO_RESTARTS})
-    assert faulty.returncode != 0
-    assert [e["dp_size"] for e in faulty.named("scale_in")] == [2]
-    assert [e["iteration"] for e in faulty.named("dump_saved")] == [7, 11]
-    assert (faulty.checkpoint_dir / "latest_checkpointed_iteration.txt").read_text() == "11"
+    run_dir = tmp_path / "job"
+    run_dir.mkdir()
+    events = run_dir / "events.jsonl"
+    ports = (free_port(), free_port())
+    in_the_grow = ";".join(f"kill:rank=1,step={s},phase=scale"
+                           for s in range(4, GROW["train_iters"]))
+    inject = f"kill:rank=2,step=3,phase=forward;kill:rank=3,step=3,phase=forward;{in_the_grow}"
+    node0 = _start_node(run_dir, 0, ports, config, inject)
+    node1 = _start_node(run_dir, 1, ports, config, inject)
+    replacement = None
+    try:
+        node1.communicate(timeout=120)
+        # the node comes back once the shrink is done (a grow from its lock step 3 would
+        # share the step with the shrink's own `scale` point)
+        deadline = time.monotonic() + 120
+        while not any(e["event"] == "scale_in" for e in read_events_if_any(events)):
+            assert node0.poll() is None and time.monotonic() < deadline, "no shrink"
+            time.sleep(0.2)
+        # a returning process that registers only after the job ended finds no controller:
+        # it waits for one up to TTP_REGISTER_TIMEOUT (default 600 s), here 15 s
+        replacement = _start_node(run_dir, 1, ports, config, inject,
+                                  {"TTP_REGISTER_TIMEOUT": "15"})
+        output0, _ = node0.communicate(timeout=300)
+        output1, _ = replacement.communicate(timeout=90)  # it ends after the job, bounded
+    finally:
+        _end_all((node0, node1, replacement), events)
+    faulty = JobResult(node0.returncode, output0, run_dir, read_events_if_any(events))
+    assert node0.returncode != 0, faulty.describe()
+    assert [(e["dp_size"], e["left"]) for e in faulty.named("scale_in")] == [(2, [2, 3])]
+    assert faulty.named("scale_out_started") and not faulty.named("scale_out")
+    dumps = [e["iteration"] for e in faulty.named("dump_saved")]
+    grow = dumps[-1]
+    assert dumps == [3, grow] and 4 <= grow < GROW["train_iters"], dumps
+    (exit_event,) = faulty.named("exit")
+    assert exit_event["code"] == 75, exit_event
+    assert f"dying-gasp checkpoint saved at iteration {grow}" in exit_event["reason"]
+    assert ("during the grow" in exit_event["reason"]
+            or "scale-out failed" in exit_event["reason"]), exit_event
+    assert (faulty.checkpoint_dir / "latest_checkpointed_iteration.txt").read_text() == str(grow)
     resumed = run_tiny_job(tmp_path / "resumed", load_dir=faulty.checkpoint_dir,
                            ha_args=HA_ARGS, **config)
     assert resumed.returncode == 0, resumed.describe()
-    assert "at iteration 11" in resumed.output
-    expected = reference.losses()
-    losses = resumed.losses()
-    assert sorted(losses) == list(range(12, STANDARD["train_iters"] + 1))
-    for iteration, loss in losses.items():
-        assert abs(loss - expected[iteration]) <= LOSS_TOLERANCE, (iteration, loss)
+    assert f"at iteration {grow}" in resumed.output
+    expected = {e["iteration"]: e for e in reference.named("iteration")}
+    logged = resumed.named("iteration")
+    assert [e["iteration"] for e in logged] == list(range(grow + 1, GROW["train_iters"] + 1))
+    for event in logged:
+        want = expected[event["iteration"]]
+        assert (event["consumed_samples"], event["lr"]) == (want["consumed_samples"], want["lr"])
+        assert abs(event["loss"] - want["loss"]) <= LOSS_TOLERANCE, event
 
 
 def test_a_fault_during_the_shrink_ends_with_the_dump(tmp_path):

@@ -253,7 +253,8 @@ class IncidentFlow:
         if self.phase is not None and self.phase.name in ("scale_in", "scale_out"):
             # the dump of the lock step is published: end there rather than dump again from
             # ranks that are tearing their state down
-            self._end_with_the_dump(f"{kind} on rank {rank} during the shrink")
+            change = "shrink" if self.phase.name == "scale_in" else "grow"
+            self._end_with_the_dump(f"{kind} on rank {rank} during the {change}")
             return
         if state in (State.ENV_CLEAR, State.REPAIR):
             self._repair_failed(f"cascading fault: {kind} on rank {rank} during {state}")
@@ -734,7 +735,7 @@ class IncidentFlow:
         self._resume(false_alarm=False)
 
     def _end_with_the_dump(self, why: str) -> None:
-        """A shrink failed after its dump was published: exit with the dump code
+        """A scale change failed after its dump was published: exit with the dump code
         (REPAIR -> DUMP -> EXIT: the dump is the state the job ends in)."""
         reason = f"{why}; dying-gasp checkpoint saved at iteration {self.incident.lock_step}"
         self.host.sm.to(State.DUMP, reason)
