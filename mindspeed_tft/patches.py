@@ -174,6 +174,9 @@ TABLE: tuple[Moment, ...] = (
            "run the training loop under the fault handler, re-enter it after a repair", MLM),
         _p("megatron.training.training:train_step",
            "report the step's phases (forward, backward) and its loss", MLM),
+        _p("megatron.training.training:print_rank_last",
+           "no second log line for an iteration recomputed after a rollback (training_log "
+           "runs on: its timers are collectives): logged exactly once (SPEC 11)", MLM),
         _p("megatron.training.training:post_training_step_callbacks",
            "the 'after' phase of a step, with its iteration", MLM),
         _p("megatron.training.training:checkpoint_and_decide_exit",

@@ -11,6 +11,7 @@ corrupted memory. Every loss is compared, bit for bit, with a fault-free run in 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -218,6 +219,11 @@ def test_no_replica_worker_reboot_reloads_the_periodic_checkpoint(
     assert {e["iteration"] for e in job.named("rolled_back")} == {4}
     assert [len(p) for _, p in sorted(job.pids().items())] == [1, 1, 1, 2]
     assert job.losses() == plain.losses()
+    # the restarted logging rank recomputes iterations 5 and 6, logged before the fault: their
+    # events and Megatron-LM's own log lines appear once
+    assert [e["iteration"] for e in job.named("iteration_recomputed")] == [5, 6]
+    lines = [int(n) for n in re.findall(r" iteration +(\d+)/ +\d+ \|", job.output)]
+    assert sorted(lines) == list(range(1, ITERS["train_iters"] + 1)), lines
 
 
 def test_megatron_training_on_the_megatron_core_wheel(megatron_lm, megatron_reference, tmp_path):

@@ -26,6 +26,8 @@ Nothing of Megatron-LM is copied or edited; the functions below wrap Megatron-LM
   at its first entry.
 - `train_step` / `post_training_step_callbacks` / `checkpoint_and_decide_exit`: the step's
   phases, its loss (`events.iteration_log`: the ``iteration`` event), its end;
+  `print_rank_last`: no second log line for an iteration recomputed after a rollback
+  (`training_log` itself runs as ever on every rank: it holds collectives);
   `save_checkpoint`: the ``save`` phase, once Megatron-LM's own save returned (it
   publishes inside, so a fault injected there hits a published checkpoint, unlike the
   reference trainer's); it saves the state's model, optimizer and scheduler (`pretrain`'s
@@ -208,6 +210,9 @@ class MegatronHost:
         self.datasets_provider: Any = None
         self.local = _LocalCollectives()
         self.training_config: dict[str, Any] | None = None
+        #: the iteration of the last step when it was a recomputed one (logged before the
+        #: fault: its line is not printed again)
+        self.recomputed: int | None = None
         #: Megatron-LM's `setup_model_and_optimizer` and the arguments `pretrain` called it
         #: with (elastic training builds them again)
         self.setup_call: tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]] | None = None
@@ -500,15 +505,28 @@ def wrap_train_step(original: Callable[..., Any]) -> Callable[..., Any]:
         if loss_dict:
             batch = ps.get_data_parallel_world_size() * args.micro_batch_size * \
                 get_num_microbatches()
-            iteration_log.record(
+            logged = iteration_log.record(
                 args.curr_iteration + 1, logger=dist.get_rank() == dist.get_world_size() - 1,
                 loss=float(loss_dict["lm loss"]),
                 grad_norm=None if grad_norm is None else float(grad_norm),
                 lr=optimizer.param_groups[0]["lr"],
                 consumed_samples=args.consumed_train_samples + batch)
+            _host.recomputed = None if logged else args.curr_iteration + 1
         return result
 
     return train_step
+
+
+def wrap_print_rank_last(original: Callable[..., Any]) -> Callable[..., Any]:
+    def print_rank_last(message: Any) -> None:
+        # Megatron-LM's line of a recomputed iteration (" [date] iteration <8 wide>/..."):
+        # logged once before the fault, not again
+        recomputed = _host.recomputed
+        if recomputed is not None and f" iteration {recomputed:8d}/" in str(message):
+            return
+        original(message)
+
+    return print_rank_last
 
 
 def wrap_post_training_step_callbacks(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -610,6 +628,7 @@ def install_patches() -> None:
         ("setup_model_and_optimizer", wrap_setup_model_and_optimizer),
         ("train", wrap_train),
         ("train_step", wrap_train_step),
+        ("print_rank_last", wrap_print_rank_last),
         ("post_training_step_callbacks", wrap_post_training_step_callbacks),
         ("checkpoint_and_decide_exit", wrap_checkpoint_and_decide_exit),
         ("save_checkpoint", wrap_save_checkpoint),
