@@ -143,8 +143,10 @@ class IterationLog:
         return True
 
     def fill(self, records: list[dict[str, Any]], *, logger: bool,
-             train_iters: int | None = None) -> list[int]:
-        """After a repair: log the records above the highest logged iteration, in order."""
+             train_iters: int | None = None,
+             why: str = "logged after the repair: the stop cut its log line off") -> list[int]:
+        """After a repair (or before the exit with a dump): log the records above the highest
+        logged iteration, in order; each line ends with `why`."""
         if not logger:
             return []
         # read the store again: after a scale change this process may be a new last rank
@@ -152,7 +154,8 @@ class IterationLog:
         for rec in sorted(records, key=lambda r: r["iteration"]):
             if rec["iteration"] > highest:
                 self._logged(_record(rec["iteration"], rec))
-                print(_fill_line(rec, train_iters), flush=True)
+                # one write: other ranks print to the same stream at this moment
+                print(_fill_line(rec, train_iters, why) + "\n", end="", flush=True)
                 filled.append(highest := rec["iteration"])
         return filled
 
@@ -175,8 +178,8 @@ def _record(iteration: int, fields: dict[str, Any]) -> dict[str, Any]:
     return {"iteration": int(iteration), **{k: fields.get(k) for k in RECORD_FIELDS}}
 
 
-def _fill_line(rec: dict[str, Any], train_iters: int | None) -> str:
-    """Megatron-LM's log line for an iteration logged after the repair."""
+def _fill_line(rec: dict[str, Any], train_iters: int | None, why: str) -> str:
+    """Megatron-LM's log line for an iteration logged after the repair (or at the exit)."""
     from datetime import datetime
 
     stamp = datetime.now().strftime("%Y-%m-%d %H:%M:%S")
@@ -187,7 +190,7 @@ def _fill_line(rec: dict[str, Any], train_iters: int | None) -> str:
     line += f" lm loss: {rec['loss']:.6E} |"
     if rec.get("grad_norm") is not None:
         line += f" grad norm: {rec['grad_norm']:.3f} |"
-    return line + " (logged after the repair: the stop cut its log line off) |"
+    return line + f" ({why}) |"
 
 
 def validate_record(value: Any) -> dict[str, Any] | None:

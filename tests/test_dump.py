@@ -100,6 +100,13 @@ def test_fault_produces_a_dump_that_resumes_bit_exact(
     if kind == "kill":
         assert codes[rank] == -9
         _assert_story_in_order(faulty, dump_iteration)
+    # every iteration up to the dump's logged once (SPEC 11): one the logging rank's death
+    # cut off (killed in its update) by a survivor at the exit
+    once = list(range(1, dump_iteration + 1))
+    assert [e["iteration"] for e in faulty.named("iteration")] == once, faulty.describe()
+    assert faulty.logged_lines() == once, faulty.describe()
+    if rank == 3 and dump_iteration > step:
+        assert "logged at the exit: the dump holds it" in faulty.output
     _assert_resumes_like_the_reference(reference, faulty, config, tmp_path, dump_iteration)
 
 

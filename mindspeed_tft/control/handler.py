@@ -31,10 +31,16 @@ log = logging.getLogger("mindspeed_tft.control.handler")
 T = TypeVar("T")
 
 
-def _leave(processor: Processor, decision: Decision, exit_fn: Callable[[int], Any]) -> None:
+def _leave(processor: Processor, decision: Decision, exit_fn: Callable[[int], Any],
+           on_exit: Callable[[Decision], None] | None = None) -> None:
+    if on_exit is not None:
+        try:
+            on_exit(decision)
+        except Exception:  # the exit goes on whatever happens here
+            log.exception("rank %d: before the exit", processor.rank)
     log.warning("rank %d exits with code %d: %s", processor.rank, decision.code, decision.reason)
     print(f"[mindspeed-tft] rank {processor.rank} exits with code {decision.code}: "
-          f"{decision.reason}", flush=True)
+          f"{decision.reason}\n", end="", flush=True)  # one write (other ranks print too)
     processor.close()
     local.wait_local_controllers(10.0)  # a controller in this process sends its last orders
     exit_fn(decision.code)
@@ -44,18 +50,20 @@ def _leave(processor: Processor, decision: Decision, exit_fn: Callable[[int], An
 def run_with_fault_tolerance(train_fn: Callable[[], T], processor: Processor, *,
                              decision_timeout: float | None = None,
                              on_resume: Callable[[Decision], None] | None = None,
+                             on_exit: Callable[[Decision], None] | None = None,
                              exit_fn: Callable[[int], Any] = sys.exit) -> T:
     """Run `train_fn` under the fault-tolerance protocol; returns what it returns.
 
     decision_timeout: seconds to wait for a decision (default from the config).
     on_resume: called with the resume decision before `train_fn` is entered again.
+    on_exit: called with an exit decision before the process leaves (errors logged only).
     exit_fn: how the process exits with the decided code (default `sys.exit`).
     """
     if processor.rejoining:
         log.info("rank %d restarted into a recovery: waiting for the repair", processor.rank)
         decision = processor.wait_decision(decision_timeout)
         if decision.action != "resume":
-            _leave(processor, decision, exit_fn)
+            _leave(processor, decision, exit_fn, on_exit)
         if on_resume is not None:
             on_resume(decision)
     while True:
@@ -81,7 +89,7 @@ def run_with_fault_tolerance(train_fn: Callable[[], T], processor: Processor, *,
             processor.mark_training(False)
         decision = processor.wait_decision(decision_timeout)
         if decision.action != "resume":
-            _leave(processor, decision, exit_fn)
+            _leave(processor, decision, exit_fn, on_exit)
         log.info("rank %d resumes training at step %s (%s)", processor.rank, decision.step,
                  decision.strategy)
         if on_resume is not None:

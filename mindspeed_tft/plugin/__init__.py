@@ -429,15 +429,31 @@ class TFTPlugin:
         from mindspeed_tft.control import run_with_fault_tolerance
 
         return run_with_fault_tolerance(train_fn, self.processor, on_resume=self._log_missed,
+                                        on_exit=self._log_missed_at_exit,
                                         exit_fn=exit_without_teardown)
 
     def _log_missed(self, decision: Any) -> None:
         """After a repair: the logging rank logs the iterations the stop cut off."""
-        given = decision.payload.get("iterations")
-        records = [r for r in map(validate_record, given if isinstance(given, list) else [])
-                   if r is not None]
-        iteration_log.fill(records, logger=dist.get_rank() == dist.get_world_size() - 1,
+        iteration_log.fill(self._records(decision),
+                           logger=dist.get_rank() == dist.get_world_size() - 1,
                            train_iters=getattr(self.args, "train_iters", None))
+
+    def _log_missed_at_exit(self, decision: Any) -> None:
+        """The job ends with a dump: the rank the controller chose (a survivor) logs the
+        iterations up to the dump's that the stop cut off."""
+        assert self.processor is not None
+        if decision.payload.get("logger") != self.processor.rank:
+            return
+        iteration_log.fill(self._records(decision), logger=True,
+                           train_iters=getattr(self.args, "train_iters", None),
+                           why="logged at the exit: the dump holds it, the stop cut its log "
+                               "line off")
+
+    @staticmethod
+    def _records(decision: Any) -> list[dict[str, Any]]:
+        given = decision.payload.get("iterations")
+        return [r for r in map(validate_record, given if isinstance(given, list) else [])
+                if r is not None]
 
     def finish(self) -> None:
         """Training ended normally: leave the control plane."""
