@@ -40,9 +40,9 @@ s is complete (iteration is s+1). An item whose phase point never comes (e.g. ``
 without a save) never fires.
 
 Phase ``scale`` fires in each remaining rank when elastic training shrinks the job from the
-dump of lock step s (`TFTPlugin.scale_in`), and in each member when it grows the job again
-(`TFTPlugin.scale_out`), before the new world's process groups are built: a fault during a
-scale change.
+dump of lock step s (`TFTPlugin.scale_in`), and in each member and each returning rank when
+it grows the job again from the dump of lock step s (`TFTPlugin.scale_out`), before the new
+world's process groups are built: a fault during a scale change.
 
 Phase ``publish`` fires inside `mindspeed_tft.recovery.layout.publish_checkpoint`, in the
 process that publishes a checkpoint of iteration s+1 (a periodic save at the end of step s,

@@ -335,18 +335,22 @@ class TFTPlugin:
             return {"stays": False, "dp_size": dp_size}
         return self._enter_world(generation, world, dp_size, root)
 
-    def scale_out(self, generation: int, world: list[int], dp_size: int,
-                  root: str) -> dict[str, Any]:
+    def scale_out(self, generation: int, world: list[int], dp_size: int, root: str,
+                  lock_step: int) -> dict[str, Any]:
         """Elastic training (training thread): continue in the larger world `world`
-        (control-plane ranks, ascending) at DP `dp_size`, from the checkpoint under `root`.
-        A returning rank (no model yet) only joins the process groups here; its trainer
-        builds the model next and the action loads the checkpoint into it."""
+        (control-plane ranks, ascending) at DP `dp_size`, from the checkpoint of `lock_step`
+        under `root`. A returning rank (no model yet) only joins the process groups here; its
+        trainer builds the model next and the action loads the checkpoint into it."""
         from mindspeed_tft.recovery.rebuild import leave_generation
 
         if self.state is not None:
             if self.injector is not None:
                 self.injector.fire(self.state.iteration, "scale")
             leave_generation()
+        else:  # a returning rank: its trainer has set up no injector yet
+            injector = FaultInjector.from_env(self.actions.rank)
+            if injector:
+                injector.fire(lock_step, "scale")
         return self._enter_world(generation, world, dp_size, root)
 
     def _enter_world(self, generation: int, world: list[int], dp_size: int,

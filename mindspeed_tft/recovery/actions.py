@@ -80,7 +80,7 @@ class RecoveryActions:
         rank: int,
         keep_ports: list[int],
         scale_in: Callable[[int, list[int], str], dict[str, Any]] | None = None,
-        scale_out: Callable[[int, list[int], int, str], dict[str, Any]] | None = None,
+        scale_out: Callable[[int, list[int], int, str, int], dict[str, Any]] | None = None,
     ) -> None:
         self.rebuild_process_groups = rebuild_process_groups
         self.resize = scale_in
@@ -215,7 +215,8 @@ class RecoveryActions:
         world = [int(r) for r in payload["ranks"]]
         returning = self.state is None
         run = self.processor.run_in_training_thread
-        result = run(lambda: grow(int(payload["incident"]), world, int(payload["dp_size"]), root))
+        result = run(lambda: grow(int(payload["incident"]), world, int(payload["dp_size"]), root,
+                                  int(payload["lock_step"])))
         if returning:
             self._wait_attached()
             result["iteration"] = run(lambda: self._training_state().rebuild(root))
