@@ -754,13 +754,15 @@ class IncidentFlow:
         (log.info if code == 0 else log.error)("exit with code %d: %s", code, reason)
         rows = host.table.connected()
         payload: dict[str, Any] = {"code": code, "reason": reason}
-        if code == host.config.dump_exit_code and rows and self.incident.lock_step is not None:
+        # a hung rank's training thread, stuck, would not log before the exit
+        waiting = [r.rank for r in rows if r.health is not Health.HUNG]
+        if code == host.config.dump_exit_code and waiting and self.incident.lock_step is not None:
             # the dump holds the lock step: iterations up to it the stop cut off are logged
             # now, by one surviving rank (the logging rank may be the one that failed)
             inc = self.incident
             payload["iterations"] = [inc.iterations[i] for i in sorted(inc.iterations)
                                      if i <= inc.lock_step]
-            payload["logger"] = max(r.rank for r in rows)
+            payload["logger"] = max(waiting)
         host.send_action_many([r.rank for r in rows], host.new_action_id(), "exit", payload,
                               host.config.action_time_limit)
         for row in rows:
