@@ -356,6 +356,18 @@ def test_job_token_guards_registration_and_backups(tmp_path: Path) -> None:
         job.cleanup()
 
 
+def _processors(job: Job, port: int, world: int, ranks: tuple[int, ...],
+                procs: list[Processor]) -> None:
+    """Real processors for `ranks` of the controller on `port` (appended to `procs` as they
+    start, so the caller closes every one that started)."""
+    cfg = ControlConfig(port=port, heartbeat_interval=INTERVAL, heartbeat_misses=5,
+                        log_path=str(job.tmp))
+    for r in ranks:
+        p = Processor(r, world, cfg, hard_exit=False, host="localhost")
+        p.start(timeout=10)
+        procs.append(p)
+
+
 def test_forged_reports_for_a_registered_rank_change_nothing(tmp_path: Path) -> None:
     job = Job(tmp_path, 3, interval=INTERVAL, misses=5)
     snap = tmp_path / "snap.json"
@@ -363,12 +375,7 @@ def test_forged_reports_for_a_registered_rank_change_nothing(tmp_path: Path) -> 
     procs: list[Processor] = []
     try:
         port = job.start_controller(snapshot=snap)
-        cfg = ControlConfig(port=port, heartbeat_interval=INTERVAL, heartbeat_misses=5,
-                            log_path=str(tmp_path))
-        for r in (0, 1):
-            p = Processor(r, 3, cfg, hard_exit=False, host="localhost")
-            p.start(timeout=10)
-            procs.append(p)
+        _processors(job, port, 3, (0, 1), procs)
         # rank 2 is a raw connection we control: registered for real, then it lies
         liar = intruder(ctx, port)
         liar.send(encode(MsgType.REGISTER, 2, 1, {"world_size": 3, "pid": 7, "host": "liar"}))
@@ -411,7 +418,7 @@ def test_forged_reports_for_a_registered_rank_change_nothing(tmp_path: Path) -> 
         job.cleanup()
 
 
-def test_a_forged_registration_cannot_take_a_finished_ranks_place(tmp_path):
+def test_a_forged_registration_cannot_take_a_finished_ranks_place(tmp_path: Path) -> None:
     """Between the first rank's bye and the last one's, a finished rank's row is not free: a
     fresh registration for it is refused (`rank_done`), and the job still ends with code 0
     when the other rank finishes (before, the forger became a 'restarted' rank 0 and the job
@@ -422,12 +429,7 @@ def test_a_forged_registration_cannot_take_a_finished_ranks_place(tmp_path):
     procs: list[Processor] = []
     try:
         port = job.start_controller(snapshot=snap)
-        cfg = ControlConfig(port=port, heartbeat_interval=INTERVAL, heartbeat_misses=5,
-                            log_path=str(tmp_path))
-        for r in (0, 1):
-            p = Processor(r, 2, cfg, hard_exit=False, host="localhost")
-            p.start(timeout=10)
-            procs.append(p)
+        _processors(job, port, 2, (0, 1), procs)
         job.wait_state("NORMAL", 10)
         procs[0].stop(0)
         wait_for(lambda: row(job, snap, 0).get("health") == "done", 10, what="rank 0 done")
