@@ -618,6 +618,7 @@ def _state_moved(rows: list[Row]) -> dict[str, dict[str, Any]]:
             "rollback_parts": min((e["seconds"] for e in rolled),
                                   key=lambda parts: sum(parts.values())),
             "param_bytes": rolled[0]["param_bytes"],
+            "params_gathered": any(e.get("params_gathered", True) for e in rolled),
             "first_step_s": None if done is None else done["time"] - repaired["time"],
         })
     return moved
@@ -648,18 +649,21 @@ def _repair_cost(moved: dict[str, dict[str, Any]],
     """Shard copy and rollback of each case beside the limits: efficiency = limit / measured.
     Shard copy's limit: one torch.distributed send of the same bytes. Rollback's: a plain
     copy of the main params' bytes (a third of the shard: main param, exp_avg, exp_avg_sq)
-    into the model params plus the all-gather of the model params in each chunk."""
+    into the model params plus, where the rollback all-gathered the params (not after a fault
+    that left every rank's params those of the lock step), their all-gather in each chunk."""
     cost: dict[str, Any] = {}
     if limits is not None:
         cost["limits"] = limits
     for case, m in moved.items():
         copy_limit = None if limits is None else limits["p2p_s"]
         rollback_limit = None if limits is None else (
-            limits["copy_s"] * (m["bytes"] / 3) / limits["bytes"] + limits["gather_s"])
+            limits["copy_s"] * (m["bytes"] / 3) / limits["bytes"]
+            + (limits["gather_s"] if m["params_gathered"] else 0.0))
         cost[case] = {
             "state_bytes": m["bytes"], "copy_s": m["copy_s"], "copy_limit_s": copy_limit,
             "rollback_s": round(m["rollback_s"], 4), "rollback_parts": m["rollback_parts"],
             "rollback_limit_s": _round(rollback_limit, 4),
+            "params_gathered": m["params_gathered"],
             "first_step_s": _round(m["first_step_s"]),
         }
         cost[f"{case}_copy_efficiency"] = _ratio(copy_limit, m["copy_s"])
@@ -688,7 +692,8 @@ def print_cost(cost: dict[str, Any]) -> None:
         print(f"{case.upper()}: shard copy {c['state_bytes'] / 2**20:.1f} MiB in "
               f"{c['copy_s']:.4f} s (limit {_fmt(c['copy_limit_s'])}, efficiency "
               f"{_fmt(cost[f'{case}_copy_efficiency'])}); rollback {c['rollback_s']:.4f} s "
-              f"({parts}; limit {_fmt(c['rollback_limit_s'])}, efficiency "
+              f"({parts}; params {'' if c['params_gathered'] else 'not '}all-gathered; "
+              f"limit {_fmt(c['rollback_limit_s'])}, efficiency "
               f"{_fmt(cost[f'{case}_rollback_efficiency'])}); first step after it "
               f"{_fmt(c['first_step_s'])} s")
 

@@ -54,6 +54,11 @@ def test_repaired_in_place_and_bit_exact(layout, fault, reference_job, tmp_path)
     else:
         assert received == []
     assert sorted(e["rank"] for e in job.named("rolled_back")) == [0, 1, 2, 3]
+    # A fault before the update leaves every rank's params those of the lock step: the
+    # rollback all-gathers them only where a UCE hit them (the distributed optimizer; without
+    # it every rank derives all its params from its own main params)
+    gathered = target == "param" and config.get("dist_opt", True)
+    assert {e["params_gathered"] for e in job.named("rolled_back")} == {gathered}
 
     # Same processes before and after the repair: one pid per rank.
     pids = job.pids()
@@ -62,6 +67,24 @@ def test_repaired_in_place_and_bit_exact(layout, fault, reference_job, tmp_path)
     # every step.
     job.assert_logged_once(reference, config["train_iters"])
     assert all(e["match"] for e in job.named("replica_check"))
+
+
+def test_a_fault_inside_the_update_rolls_back_with_the_params_all_gathered(
+        reference_job, tmp_path):
+    """A comm error as rank 2's update of step 7 begins: the others update and wait in the
+    param all-gather, so the lock step is 8 and their params are half gathered. Rank 2 gets
+    its shard of step 8; every rank all-gathers in the rollback; the losses are exact."""
+    config, step = LAYOUTS["dp4"]
+    reference = reference_job(ha_args=HA_ARGS, **config)
+    job = run_tiny_job(tmp_path, inject=f"comm:rank=2,step={step},phase=optimizer",
+                       ha_args=RETRY_ARGS, **config)
+    assert job.returncode == 0, job.describe()
+    assert [e["strategy"] for e in job.named("strategy")] == ["retry"]
+    assert [(e["rank"], e["iteration"]) for e in job.named("shard_received")] == [(2, step + 1)]
+    rolled = job.named("rolled_back")
+    assert {e["iteration"] for e in rolled} == {step + 1}
+    assert [e["params_gathered"] for e in rolled] == [True] * 4
+    job.assert_logged_once(reference, config["train_iters"])
 
 
 def test_pipeline_uce_logs_every_iteration_once(reference_job, tmp_path):

@@ -81,6 +81,9 @@ def test_killed_worker_is_replaced_and_training_is_bit_exact(
     (received,) = job.named("shard_received")
     assert received["rank"] == rank and received["iteration"] == step + behind
     assert {e["iteration"] for e in job.named("rolled_back")} == {step + behind}
+    # the new process has no params: the rollback all-gathers them (distributed optimizer)
+    assert {e["params_gathered"] for e in job.named("rolled_back")} == {
+        config.get("dist_opt", True)}
     lost = [e for e in job.named("fault_detected") if e["kind"] == "lost"]
     assert [e["ranks"] for e in lost] == [[rank]]
     assert "reported by its launcher" in lost[0]["message"]

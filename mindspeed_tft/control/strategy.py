@@ -205,7 +205,16 @@ class StrategyPlanner:
         if loaded:
             step = int(next(iter(loaded)))  # type: ignore[arg-type]
         incident.rollback_step = step
-        return {"incident": incident.id, "step": step, "strategy": str(incident.strategy)}
+        return {"incident": incident.id, "step": step, "strategy": str(incident.strategy),
+                "params_damaged": sorted(self.params_damaged(incident))}
+
+    def params_damaged(self, incident: IncidentFacts) -> set[int]:
+        """Ranks whose model params cannot be trusted outside their own shard: every faulty
+        rank but one whose UCE hit optimizer state only (its own shard's params are derived
+        from the main params it receives)."""
+        return {r for r in self.faulty(incident)
+                if not (incident.faults[r] is FaultKind.UCE
+                        and incident.details.get(r, {}).get("target") == "optimizer")}
 
     def dump_holders(self, incident: IncidentFacts, table: RankTable) -> dict[tuple[str, int, tuple[int, ...]], int]:
         """SPEC 7: for every shard the first healthy holder; PlanError names a shard without one."""

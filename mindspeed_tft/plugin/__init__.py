@@ -176,6 +176,9 @@ class SnapshotHooks(TrainerHooks):
     def on_train_start(self, state: TrainingState) -> None:
         self.snapshots.on_train_start(state)
 
+    def on_update_start(self, state: TrainingState, step: int) -> None:
+        self.snapshots.on_update_start(state, step)
+
     def on_update_end(self, state: TrainingState, step: int) -> None:
         self.snapshots.on_update_end(state, step)
 

@@ -60,7 +60,7 @@ from mindspeed_tft.recovery.layout import (
     model_parallel_dir_name,
     this_rank_dir_name,
 )
-from mindspeed_tft.recovery.rollback import rollback, transfer_shards
+from mindspeed_tft.recovery.rollback import gather_needed, rollback, transfer_shards
 from mindspeed_tft.recovery.snapshot import SnapshotUnavailableError, StepSnapshot, StepSnapshots
 from mindspeed_tft.replica.replica_map import ReplicaMap
 
@@ -168,9 +168,11 @@ class RecoveryActions:
                 "sent": len(payload.get("send", []))}
 
     def rollback(self, payload: dict[str, Any]) -> dict[str, Any]:
-        return self.processor.run_in_training_thread(lambda: self._rollback(int(payload["step"])))
+        damaged = self.rank in payload.get("params_damaged", [])
+        return self.processor.run_in_training_thread(
+            lambda: self._rollback(int(payload["step"]), damaged))
 
-    def _rollback(self, step: int) -> dict[str, Any]:
+    def _rollback(self, step: int, params_damaged: bool = True) -> dict[str, Any]:
         state = self._training_state()
         if self.loaded_step is not None:
             # the checkpoint load restored scheduler, samples and RNG of that iteration
@@ -183,10 +185,14 @@ class RecoveryActions:
                 if self.received_snapshot is None or self.received_snapshot.iteration != step:
                     raise
                 snapshot = self.received_snapshot
-        seconds = rollback(state, snapshot)
+        needed_here = (params_damaged or self.loaded_step is not None
+                       or self.snapshots.params_iteration != step)
+        gather = gather_needed(state, needed_here)
+        seconds = rollback(state, snapshot, gather)
+        self.snapshots.params_iteration = step
         emit("rolled_back", self.rank, iteration=step,
              shard=str(self.map.shard_of(self.global_rank)),
-             seconds=seconds,
+             seconds=seconds, params_gathered=gather,
              param_bytes=sum(p.numel() * p.element_size()
                              for chunk in state.model for p in chunk.parameters()),
              lr=state.optimizer.param_groups[0]["lr"],

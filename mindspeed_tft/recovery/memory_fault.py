@@ -11,7 +11,9 @@ activation (transient memory).
 
 `corrupt_memory(state, target)` is what fault injection (`TFT_INJECT` kind `uce`) does to a
 rank: it overwrites a slice of real memory of that region with garbage bytes, in place, and
-returns the address it hit, as a device would report it. The raised UCE error carries that
+returns the address it hit, as a device would report it. A `param` fault hits params outside
+this rank's own optimizer shard where it can (with the distributed optimizer, another rank's
+part of the param buffer), which only the rollback's all-gather repairs. The raised UCE error carries that
 address; the fault handler's report carries the region (`tft_detail`), which is how the
 controller knows whether the rank's data must be replaced.
 """
@@ -32,6 +34,7 @@ ACTIVATION = "activation"
 TARGETS = (OPTIMIZER, PARAM, GRAD, ACTIVATION)
 
 _GARBAGE = 0xFF  # NaN in every float format
+_HIT_BYTES = 4096
 
 
 def _megatron_optimizers(state: RecoverableState) -> list[Any]:
@@ -76,8 +79,6 @@ def _model_params(state: RecoverableState) -> Iterator[torch.Tensor]:
 
 
 def _regions(state: RecoverableState) -> Iterator[tuple[str, torch.Tensor]]:
-    for tensor in _optimizer_tensors(state):
-        yield OPTIMIZER, tensor
     for tensor in _model_params(state):
         yield PARAM, tensor
     for tensor in _buffers(state, "grad_data"):
@@ -86,13 +87,46 @@ def _regions(state: RecoverableState) -> Iterator[tuple[str, torch.Tensor]]:
         yield GRAD, tensor
 
 
+def _holds(tensor: torch.Tensor, address: int, *, whole_storage: bool) -> bool:
+    if whole_storage:
+        start, size = tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes()
+    else:
+        start, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+    return start <= address < start + size
+
+
 def classify_address(state: RecoverableState, address: int) -> str:
-    """The region of the training state that holds `address` (activation if none)."""
+    """The region of the training state that holds `address` (activation if none).
+
+    Optimizer state is matched by the tensors' own bytes, not their storage: with fp32
+    params the distributed optimizer's main params are views of this rank's shard of the
+    model param buffer, so an address there is optimizer state (restored by the shard copy),
+    while one elsewhere in that buffer is a model param of another rank's shard."""
+    if any(_holds(t, address, whole_storage=False) for t in _optimizer_tensors(state)):
+        return OPTIMIZER
     for region, tensor in _regions(state):
-        start = tensor.untyped_storage().data_ptr()
-        if start <= address < start + tensor.untyped_storage().nbytes():
+        if _holds(tensor, address, whole_storage=True):
             return region
     return ACTIVATION
+
+
+def _param_slice(state: RecoverableState, nbytes: int) -> torch.Tensor | None:
+    """A slice of model param memory outside this rank's optimizer state where there is one
+    (another rank's shard of the param buffer), else the first param bytes."""
+    owned = list(_optimizer_tensors(state))
+    first = None
+    for tensor in _model_params(state):
+        raw = tensor.detach().view(-1).view(torch.uint8)
+        if raw.numel() == 0:
+            continue
+        for start in (0, max(raw.numel() - nbytes, 0)):
+            window = raw[start:start + nbytes]
+            if not any(_holds(t, window.data_ptr(), whole_storage=False)
+                       or _holds(t, window.data_ptr() + window.numel() - 1, whole_storage=False)
+                       for t in owned):
+                return window
+        first = raw[:nbytes] if first is None else first
+    return first
 
 
 def _first(tensors: Iterator[torch.Tensor]) -> torch.Tensor | None:
@@ -107,7 +141,7 @@ def corrupt_memory(state: RecoverableState, target: str) -> int:
     if target == OPTIMIZER:
         tensor = _first(_optimizer_tensors(state))
     elif target == PARAM:
-        tensor = _first(_model_params(state))
+        tensor = _param_slice(state, _HIT_BYTES)
     elif target == GRAD:
         tensor = _first(_buffers(state, "grad_data"))
     elif target == ACTIVATION:
@@ -117,6 +151,6 @@ def corrupt_memory(state: RecoverableState, target: str) -> int:
     if tensor is None:
         raise RuntimeError(f"this rank holds no {target} memory to corrupt")
     raw = tensor.detach().view(-1).view(torch.uint8)
-    hit = raw[: min(raw.numel(), 4096)]
+    hit = raw[: min(raw.numel(), _HIT_BYTES)]
     hit.fill_(_GARBAGE)
     return hit.data_ptr()

@@ -7,6 +7,12 @@ step snapshot (scheduler, consumed samples, RNG), which a restarted worker has n
 `rollback` then puts every rank at the lock step: model params from the fp32 main params
 (and, with the distributed optimizer, all-gathered in each replica chunk), LR scheduler,
 consumed samples and a data iterator rebuilt at that position, every RNG, cleared grads.
+
+The all-gather is skipped when no rank needs it (`gather_needed`): a fault before any rank
+started the next update (forward, backward, a UCE in optimizer state, grads or activations)
+leaves every rank's params those of the lock step, and each rank's own shard is copied from
+its main params anyway. A rank needs it when its process is new, its params were hit (a UCE
+in params), or an update may have changed them since the lock step.
 """
 
 from __future__ import annotations
@@ -76,27 +82,42 @@ def transfer_shards(
     return received
 
 
-def sync_model_params_from_main(state: RecoverableState) -> None:
-    """Model params := the fp32 main params (the update's own copy), then all-gathered in
-    each chunk with the distributed optimizer (collective)."""
+def _distributed(state: RecoverableState) -> bool:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     chained = getattr(state.optimizer, "chained_optimizers", [state.optimizer])
-    distributed = False
+    return any(isinstance(opt, DistributedOptimizer) for opt in chained)
+
+
+def gather_needed(state: RecoverableState, needed_here: bool) -> bool:
+    """Whether any rank must all-gather its params in the rollback (collective over the
+    default group with the distributed optimizer; otherwise there is nothing to gather)."""
+    if not _distributed(state):
+        return False
+    device = next(state.model[0].parameters()).device
+    flag = torch.tensor([int(needed_here)], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def sync_model_params_from_main(state: RecoverableState, gather: bool = True) -> None:
+    """Model params := the fp32 main params (the update's own copy), then, with `gather`,
+    all-gathered in each chunk with the distributed optimizer (collective)."""
+    chained = getattr(state.optimizer, "chained_optimizers", [state.optimizer])
     for opt in chained:
         if hasattr(opt, "_copy_main_params_to_model_params"):
             opt._copy_main_params_to_model_params()
-        distributed |= isinstance(opt, DistributedOptimizer)
-    if distributed:
+    if gather and _distributed(state):
         for chunk in state.model:
             chunk.start_param_sync(force_sync=True)
 
 
-def rollback(state: RecoverableState, snapshot: StepSnapshot) -> dict[str, float]:
+def rollback(state: RecoverableState, snapshot: StepSnapshot,
+             gather: bool = True) -> dict[str, float]:
     """Put this rank at the snapshot's iteration (collective with the distributed
-    optimizer: the param all-gather). Returns the seconds each part took."""
+    optimizer and `gather`: the param all-gather). Returns the seconds each part took."""
     clock = _Clock()
-    sync_model_params_from_main(state)
+    sync_model_params_from_main(state, gather)
     clock.mark("params")
     restore_scheduler(state.opt_param_scheduler, snapshot.scheduler_state)
     state.args.consumed_train_samples = snapshot.consumed_train_samples

@@ -12,6 +12,12 @@ Recorded points:
 - end of each local update of step s: the RNG state, which is the one step s + 1 starts
   with (nothing draws random numbers between an update and the next forward pass);
 - end of each completed step: scheduler and consumed samples at the new iteration.
+
+It also knows whether the model params in memory are still the complete params of a step
+(`params_iteration`): true from the end of a step (or a train start) until the next update
+starts. A rollback to that step then has nothing to all-gather (`recovery.rollback`). With
+megatron-core's `overlap_param_gather` the all-gather of a step's params runs during the next
+forward pass, so the params are never known complete after a step there.
 """
 
 from __future__ import annotations
@@ -51,16 +57,24 @@ class SnapshotUnavailableError(RuntimeError):
 
 class StepSnapshots:
     """Remembers the last few steps' RNG, scheduler state and consumed samples (fed by the
-    plugin's step hooks: `on_train_start`, `on_update_end`, `on_step_end`)."""
+    plugin's step hooks: `on_train_start`, `on_update_start`, `on_update_end`,
+    `on_step_end`)."""
 
     def __init__(self) -> None:
         self._snapshots: dict[int, StepSnapshot] = {}
         self._rng_after_update: dict[int, dict[str, Any]] = {}
         self._samples_per_step = 0
+        #: the iteration whose complete params the model holds (None: unknown, or an update
+        #: may have changed them since)
+        self.params_iteration: int | None = None
 
     def on_train_start(self, state: RecoverableState) -> None:
         self._samples_per_step = state.args.global_batch_size
         self._record(state, get_rng_state())
+        self.params_iteration = state.iteration
+
+    def on_update_start(self, state: RecoverableState, step: int) -> None:
+        self.params_iteration = None
 
     def on_update_end(self, state: RecoverableState, step: int) -> None:
         self._rng_after_update[step + 1] = get_rng_state()
@@ -70,6 +84,7 @@ class StepSnapshots:
     def on_step_end(self, state: RecoverableState) -> None:
         rng = self._rng_after_update.get(state.iteration) or get_rng_state()
         self._record(state, rng)
+        self.params_iteration = None if _overlaps_param_gather(state) else state.iteration
 
     def _record(self, state: RecoverableState, rng: dict[str, Any]) -> None:
         self._snapshots[state.iteration] = StepSnapshot(
@@ -102,6 +117,11 @@ class StepSnapshots:
             scheduler_state=copy.deepcopy(scheduler.state_dict()),
             consumed_train_samples=previous.consumed_train_samples + self._samples_per_step,
         )
+
+
+def _overlaps_param_gather(state: RecoverableState) -> bool:
+    return any(getattr(getattr(chunk, "ddp_config", None), "overlap_param_gather", False)
+               for chunk in state.model)
 
 
 def encode_snapshot(snapshot: StepSnapshot) -> bytes:
