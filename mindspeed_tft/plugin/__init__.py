@@ -186,6 +186,16 @@ class SnapshotHooks(TrainerHooks):
         self.snapshots.on_step_end(state)
 
 
+class StopPointHooks(TrainerHooks):
+    """Installs the compute stop points (`collectives.install_stop_points`) into the model
+    at every train start (a rebuilt model gets them too)."""
+
+    def on_train_start(self, state: TrainingState) -> None:
+        from mindspeed_tft.recovery.collectives import install_stop_points
+
+        install_stop_points(state.model)
+
+
 class ReplicaCheckHooks(TrainerHooks):
     """Runs the replica consistency check (`--tft-check-replicas-interval`)."""
 
@@ -415,6 +425,7 @@ class TFTPlugin:
             assert self.termination is not None and self.snapshots is not None
             hooks.append(ProcessorHooks(self.processor, self.termination))
             hooks.append(SnapshotHooks(self.snapshots))
+            hooks.append(StopPointHooks())
         injector = FaultInjector.from_env(dist.get_rank())
         if injector:
             hooks.append(FaultInjectionHooks(injector))

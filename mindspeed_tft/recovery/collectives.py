@@ -32,6 +32,12 @@ in slices of `POLL_SECONDS` and, once `abandon()` was called, raises `Collective
 ("FORCE STOP ...", a consequence of the stop, SPEC 6) until `reset()`. A slice costs nothing
 when the operation completes within it: the wait returns as soon as the operation does.
 
+A peer of a faulty rank may also be computing, not waiting: it would only fail at its next
+collective, after the rest of its forward or backward pass. `install_stop_points()` (the
+plugin, at every train start) adds a forward pre-hook to every module with params and a
+gradient hook to every param that raise `CollectivesAbandoned` once `abandon()` was called,
+so the training thread leaves its compute within one module's work.
+
 Linux: the connections are found through /proc/self/fd and /proc/self/net/tcp{,6}.
 """
 
@@ -280,6 +286,43 @@ def shutdown_connections(keep_ports: Iterable[int], only: set[int] | None = None
         finally:
             sock.detach()
     return count
+
+
+def raise_if_abandoned() -> None:
+    """Raise `CollectivesAbandoned` once the control plane stopped this rank."""
+    if _abandoned.is_set():
+        raise CollectivesAbandoned(f"FORCE STOP: compute abandoned ({_abandon_reason})")
+
+
+def _stop_point_pre_hook(module: Any, args: Any) -> None:
+    raise_if_abandoned()
+
+
+def _stop_point_grad_hook(grad: Any) -> None:
+    raise_if_abandoned()
+
+
+def install_stop_points(model: Iterable[Any]) -> int:
+    """Let a stopped rank leave its forward and backward passes at the next module with
+    params (a forward pre-hook) or the next param gradient (a tensor hook), instead of
+    computing on to its next collective: a peer of a faulty rank otherwise spends the rest
+    of its step's compute (0.3 s of a UCE repair at 17 M parameters here) before it parks.
+    Idempotent (a module or param is hooked once); returns the number of hooks added."""
+    added = 0
+    for chunk in model:
+        for module in chunk.modules():
+            params = list(module.parameters(recurse=False))
+            if not params or getattr(module, "_tft_stop_point", False):
+                continue
+            module.register_forward_pre_hook(_stop_point_pre_hook)
+            module._tft_stop_point = True
+            added += 1
+            for param in params:
+                if param.requires_grad and not getattr(param, "_tft_stop_point", False):
+                    param.register_hook(_stop_point_grad_hook)
+                    param._tft_stop_point = True
+                    added += 1
+    return added
 
 
 def abandon(reason: str, keep_ports: Iterable[int]) -> int:

@@ -1,0 +1,67 @@
+"""Compute stop points (`collectives.install_stop_points`): once the control plane stopped a
+rank, its training thread leaves a forward or backward pass at the next module with params
+or the next param gradient, not at its next collective.
+
+Run in a fresh interpreter: `abandon()` sets process-wide state (it is what the controller's
+stop does in a training process)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+PROGRAM = textwrap.dedent("""
+    import torch
+    from mindspeed_tft.recovery import collectives
+
+    collectives.install_connection_tracking()  # abandon() then shuts group connections only
+    layers = [torch.nn.Linear(8, 8) for _ in range(4)]
+    model = torch.nn.Sequential(*layers)
+    assert collectives.install_stop_points([model]) == 4 * 3  # a pre-hook, weight, bias
+    assert collectives.install_stop_points([model]) == 0      # idempotent
+    ran = []
+    for i, layer in enumerate(layers):
+        layer.register_forward_hook(lambda m, a, o, i=i: ran.append(i))
+    x = torch.randn(2, 8)
+    model(x).sum().backward()                                  # not stopped: a normal step
+    assert ran == [0, 1, 2, 3], ran
+
+    # the stop arrives while layer 1 computes: layers 2 and 3 never run
+    ran.clear()
+    handle = layers[1].register_forward_hook(lambda m, a, o: collectives.abandon("test", []))
+    try:
+        model(x)
+        raise SystemExit("forward went on after the stop")
+    except collectives.CollectivesAbandoned as error:
+        assert "compute abandoned (test)" in str(error), error
+    assert ran == [0, 1], ran
+    handle.remove()
+
+    # in backward: the stop arrives with layer 3's weight gradient; the gradients of
+    # layers 0 to 2 are never computed
+    collectives.reset()
+    model.zero_grad(set_to_none=True)
+    def stop_now(grad):
+        collectives.abandon("test", [])
+
+    layers[3].weight.register_hook(stop_now)
+    loss = model(x).sum()
+    try:
+        loss.backward()
+        raise SystemExit("backward went on after the stop")
+    except collectives.CollectivesAbandoned:
+        pass
+    assert all(layer.weight.grad is None for layer in layers[:3])
+    print("ok", flush=True)
+""")
+
+
+def test_a_stopped_rank_leaves_forward_and_backward_at_the_next_module(tmp_path):
+    result = subprocess.run([sys.executable, "-c", PROGRAM], cwd=REPO, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip().endswith("ok")
