@@ -96,6 +96,8 @@ class RecoveryActions:
         self.attached = threading.Event()
         self.received_snapshot: StepSnapshot | None = None
         self.loaded_step: int | None = None
+        #: the repair copied the complete params of the lock step into this rank
+        self.params_restored = False
 
     def register(self, processor: Any) -> None:
         """Register every callback this class implements with `processor`."""
@@ -153,6 +155,7 @@ class RecoveryActions:
         lock_step = int(payload["lock_step"])
         self.received_snapshot = None
         self.loaded_step = None
+        self.params_restored = False
         if payload.get("source") == "checkpoint":
             root = state.args.save or state.args.load
             if not root:
@@ -161,9 +164,15 @@ class RecoveryActions:
             if self.loaded_step == 0:
                 raise RuntimeError(f"no periodic checkpoint under {root} to repair from")
             return {"step": self.loaded_step}
+        new_ranks = set(payload.get("new_ranks", []))
         receive = [{**e, "from": self.global_rank_of(int(e["from"]))} for e in payload.get("receive", [])]
-        send = [{**e, "to": self.global_rank_of(int(e["to"]))} for e in payload.get("send", [])]
-        self.received_snapshot = transfer_shards(state, self.snapshots, lock_step, receive, send)
+        send = [{**e, "to": self.global_rank_of(int(e["to"])), "params": int(e["to"]) in new_ranks}
+                for e in payload.get("send", [])]
+        self.received_snapshot, got_params = transfer_shards(state, self.snapshots, lock_step,
+                                                             receive, send)
+        if got_params:  # the complete params of the lock step: nothing to gather for them
+            self.snapshots.params_iteration = lock_step
+            self.params_restored = True
         return {"received": len(payload.get("receive", [])),
                 "sent": len(payload.get("send", []))}
 
@@ -185,7 +194,8 @@ class RecoveryActions:
                 if self.received_snapshot is None or self.received_snapshot.iteration != step:
                     raise
                 snapshot = self.received_snapshot
-        needed_here = (params_damaged or self.loaded_step is not None
+        needed_here = ((params_damaged and not self.params_restored)
+                       or self.loaded_step is not None
                        or self.snapshots.params_iteration != step)
         gather = gather_needed(state, needed_here)
         seconds = rollback(state, snapshot, gather)

@@ -61,28 +61,34 @@ def transfer_shards(
     lock_step: int,
     receive: list[dict[str, Any]],
     send: list[dict[str, Any]],
-) -> StepSnapshot | None:
-    """Run this rank's part of the shard transfers; returns the snapshot received (if any).
+) -> tuple[StepSnapshot | None, bool]:
+    """Run this rank's part of the shard transfers; returns the snapshot received (if any)
+    and whether the complete model params of the lock step came with it.
 
-    Point-to-point on the (rebuilt) world group, layout-checked by `copy_shard`."""
+    Point-to-point on the (rebuilt) world group, layout-checked by `copy_shard`. A send
+    entry marked `params` (its receiver is a new process) carries this rank's param buffers
+    too when they are complete at the lock step (`StepSnapshots.params_iteration`)."""
     me = dist.get_rank()
     received: StepSnapshot | None = None
+    got_params = False
     for entry in receive:
         src = int(entry["from"])
         copied = copy_shard(state.optimizer, state.model, src=src, dst=me)
         received = decode_snapshot(_recv_bytes(src))
+        got_params |= copied.param_bytes > 0
         emit("shard_received", me, source=src, optimizer=entry["optimizer"],
              shard=entry["shard"], iteration=lock_step, bytes=copied.nbytes,
-             seconds=round(copied.seconds, 4))
+             param_bytes=copied.param_bytes, seconds=round(copied.seconds, 4))
         log.info("rank %d received %s shard %s from rank %d (%d bytes)", me,
                  entry["optimizer"], entry["shard"], src, copied.nbytes)
     for entry in send:
         dst = int(entry["to"])
-        copy_shard(state.optimizer, state.model, src=me, dst=dst)
+        with_params = bool(entry.get("params")) and snapshots.params_iteration == lock_step
+        copy_shard(state.optimizer, state.model, src=me, dst=dst, with_params=with_params)
         _send_bytes(encode_snapshot(snapshots.at(lock_step, state.opt_param_scheduler)), dst)
         log.info("rank %d sent %s shard %s to rank %d", me, entry["optimizer"], entry["shard"],
                  dst)
-    return received
+    return received, got_params
 
 
 def _distributed(state: RecoverableState) -> bool:

@@ -6,8 +6,12 @@ the fp32 main param, Adam's `exp_avg` and `exp_avg_sq`; then the step count; the
 params the optimizer does not update (frozen ones, usually none). The order is the same on
 every holder of a shard (they build the same model and the same shard ranges), so the
 sender's tensor i lands in the receiver's tensor i. Model params the optimizer updates are
-not sent: the rollback derives them from the main params (`recovery.rollback`), as the
-update itself does.
+not sent, as a rule: the rollback derives them from the main params (`recovery.rollback`), as
+the update itself does. The exception (`with_params`): a restarted worker has no params at
+all, and a holder whose params are complete at the lock step sends its whole param buffers
+after the shard. One send of the params to the one rank that lacks them replaces the
+all-gather that every rank of the chunk would otherwise run in the rollback (0.41 s for
+228 MiB at 60 M parameters here, against 0.06 s for the send).
 
 How the bytes move (`copy_shard`):
 - a header first: the sender's byte, tensor and message counts and its step; the receiver
@@ -15,7 +19,8 @@ How the bytes move (`copy_shard`):
 - a tensor of at least `DIRECT_BYTES` travels as itself: the sender posts its bytes, the
   receiver receives into the destination tensor's bytes. No staging copy, no serialisation;
 - smaller tensors are packed into one message per `DIRECT_BYTES` (one copy of a few MiB);
-- every message is posted at once (`isend`/`irecv`, one tag each), so the receiver unpacks
+- every message is posted as soon as it is ready (`isend`/`irecv`, one tag each): the
+  sender packs message i + 1 while message i is on the wire, and the receiver unpacks
   message i while message i + 1 is still on the wire.
 
 No checksum of the bytes on the way: the transports already check them (TCP and Ethernet
@@ -120,13 +125,27 @@ def shard_digest(optimizer: Any, model: list[torch.nn.Module]) -> str:
     return f"{value:08x}"
 
 
+def param_buffers(model: list[torch.nn.Module]) -> list[torch.Tensor]:
+    """The model's complete params as megatron-core's DDP holds them with the distributed
+    optimizer (each buffer's `param_data`); empty without it (then every rank derives all its
+    params from its own main params)."""
+    out = []
+    for chunk in model:
+        for buffer in [*getattr(chunk, "buffers", []), *getattr(chunk, "expert_parallel_buffers", [])]:
+            if getattr(buffer, "param_data", None) is not None:
+                out.append(buffer.param_data.detach())
+    return out
+
+
 @dataclass
 class CopyResult:
-    """What `copy_shard` did: the bytes moved and (on the receiver) the seconds from the
+    """What `copy_shard` did: the bytes moved (shard and params), of them the model params'
+    (`param_bytes`, 0 when none travelled) and (on the receiver) the seconds from the
     sender's first message to the last byte in place (0 on the sender)."""
 
     nbytes: int
     seconds: float = 0.0
+    param_bytes: int = 0
 
 
 @dataclass
@@ -160,47 +179,58 @@ def _plan(tensors: list[torch.Tensor]) -> list[_Message]:
     return messages
 
 
-def _header(shard: Shard, plan: list[_Message]) -> torch.Tensor:
-    return torch.tensor([_MAGIC, shard.nbytes, len(shard.tensors), len(plan), shard.step],
+def _header(shard: Shard, tensors: list[torch.Tensor], plan: list[_Message],
+            params: int) -> torch.Tensor:
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    return torch.tensor([_MAGIC, nbytes, len(tensors), len(plan), shard.step, params],
                         dtype=torch.int64)
 
 
-def _send(shard: Shard, dst: int, group: dist.ProcessGroup | None) -> None:
-    plan = _plan(shard.tensors)
-    dist.send(_header(shard, plan), dst=dst, group=group)
-    buffers = [
-        _bytes_of(shard.tensors[m.first]) if m.direct
-        else torch.cat([_bytes_of(t) for t in shard.tensors[m.first:m.last]])
-        for m in plan
-    ]
-    works = [dist.isend(b, dst=dst, group=group, tag=i + 1) for i, b in enumerate(buffers)]
+def _send(shard: Shard, params: list[torch.Tensor], dst: int,
+          group: dist.ProcessGroup | None) -> None:
+    tensors = shard.tensors + params
+    plan = _plan(tensors)
+    dist.send(_header(shard, tensors, plan, len(params)), dst=dst, group=group)
+    buffers, works = [], []  # the buffers live until their sends completed
+    for i, m in enumerate(plan):  # message i is on the wire while message i + 1 is packed
+        buffers.append(_bytes_of(tensors[m.first]) if m.direct
+                       else torch.cat([_bytes_of(t) for t in tensors[m.first:m.last]]))
+        works.append(dist.isend(buffers[-1], dst=dst, group=group, tag=i + 1))
     for work in works:
         work.wait()
 
 
-def _receive(shard: Shard, src: int, group: dist.ProcessGroup | None) -> tuple[int, float]:
-    plan = _plan(shard.tensors)
-    header = torch.empty(5, dtype=torch.int64)
+def _receive(shard: Shard, params: list[torch.Tensor], src: int,
+             group: dist.ProcessGroup | None) -> tuple[int, float, int]:
+    """Receive a shard, and the model params when the sender sends them; returns the step,
+    the seconds and the number of param buffers received."""
+    header = torch.empty(6, dtype=torch.int64)
     dist.recv(header, src=src, group=group)
     started = time.perf_counter()  # the sender is here: what follows is the transfer
-    magic, nbytes, count, messages, step = (int(v) for v in header)
-    expected = [_MAGIC, shard.nbytes, len(shard.tensors), len(plan)]
-    if [magic, nbytes, count, messages] != expected:
+    magic, nbytes, count, messages, step, sent_params = (int(v) for v in header)
+    if sent_params not in (0, len(params)):
+        raise ShardTransferError(
+            f"rank {src} sends {sent_params} param buffers, this rank's model has "
+            f"{len(params)}: not a replica of this rank's model")
+    tensors = shard.tensors + (params if sent_params else [])
+    plan = _plan(tensors)
+    mine = sum(t.numel() * t.element_size() for t in tensors)
+    if [magic, nbytes, count, messages] != [_MAGIC, mine, len(tensors), len(plan)]:
         raise ShardTransferError(
             f"rank {src} offers a shard of {nbytes} bytes in {count} tensors and {messages} "
-            f"messages, this rank holds {shard.nbytes} bytes in {len(shard.tensors)} tensors "
+            f"messages, this rank holds {mine} bytes in {len(tensors)} tensors "
             f"and {len(plan)} messages: not a replica of this rank's shard"
         )
     buffers = [
-        _bytes_of(shard.tensors[m.first]) if m.direct else torch.empty(m.nbytes, dtype=torch.uint8)
+        _bytes_of(tensors[m.first]) if m.direct else torch.empty(m.nbytes, dtype=torch.uint8)
         for m in plan
     ]
     works = [dist.irecv(b, src=src, group=group, tag=i + 1) for i, b in enumerate(buffers)]
     for message, buffer, work in zip(plan, buffers, works, strict=True):
         work.wait()
         if not message.direct:  # while the next messages arrive
-            _unpack(buffer, shard.tensors[message.first:message.last])
-    return step, time.perf_counter() - started
+            _unpack(buffer, tensors[message.first:message.last])
+    return step, time.perf_counter() - started, sent_params
 
 
 def _unpack(buffer: torch.Tensor, tensors: list[torch.Tensor]) -> None:
@@ -219,21 +249,29 @@ def copy_shard(
     src: int,
     dst: int,
     group: dist.ProcessGroup | None = None,
+    *,
+    with_params: bool = False,
 ) -> CopyResult:
     """Copy the shard of global rank `src` into global rank `dst` (both must call it).
 
     Point-to-point on `group` (default: the world). The receiver checks that the sender's
-    shard has its own layout (bytes, tensors, messages) and takes the sender's step. The
-    receiver's model params are not touched (see the module docstring)."""
+    shard has its own layout (bytes, tensors, messages) and takes the sender's step.
+    `with_params` (the sender's choice; the header tells the receiver): the sender's complete
+    model params travel too, into the receiver's param buffers (distributed optimizer only);
+    otherwise the receiver's model params are not touched (see the module docstring)."""
     me = dist.get_rank()
     if me == src:
         shard = local_shard(optimizer, model)
-        _send(shard, dst, group)
-        return CopyResult(shard.nbytes)
+        params = param_buffers(model) if with_params else []
+        _send(shard, params, dst, group)
+        sent = sum(t.numel() * t.element_size() for t in params)
+        return CopyResult(shard.nbytes + sent, param_bytes=sent)
     if me != dst:
         raise ValueError(f"rank {me} is neither the source {src} nor the destination {dst}")
     shard = local_shard(optimizer, model, create=True)
-    step, seconds = _receive(shard, src, group)
+    params = param_buffers(model)
+    step, seconds, received = _receive(shard, params, src, group)
     for state in shard.states:
         state["step"] = torch.tensor(float(step))
-    return CopyResult(shard.nbytes, seconds)
+    got = sum(t.numel() * t.element_size() for t in params) if received else 0
+    return CopyResult(shard.nbytes + got, seconds, param_bytes=got)
