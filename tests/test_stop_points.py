@@ -1,6 +1,6 @@
 """Compute stop points (`collectives.install_stop_points`): once the control plane stopped a
-rank, its training thread leaves a forward or backward pass at the next module with params
-or the next param gradient, not at its next collective.
+rank, its training thread leaves a forward or backward pass at the next layer boundary, not
+at its next collective.
 
 Run in a fresh interpreter: `abandon()` sets process-wide state (it is what the controller's
 stop does in a training process)."""
@@ -18,10 +18,23 @@ PROGRAM = textwrap.dedent("""
     import torch
     from mindspeed_tft.recovery import collectives
 
+    class Net(torch.nn.Module):  # a transformer's shape: layers in a module list
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Linear(8, 8)
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+            self.head = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            x = self.embed(x)
+            for layer in self.layers:
+                x = layer(x)
+            return self.head(x)
+
     collectives.install_connection_tracking()  # abandon() then shuts group connections only
-    layers = [torch.nn.Linear(8, 8) for _ in range(4)]
-    model = torch.nn.Sequential(*layers)
-    assert collectives.install_stop_points([model]) == 4 * 3  # a pre-hook, weight, bias
+    model = Net()
+    layers = model.layers
+    assert collectives.install_stop_points([model]) == 4
     assert collectives.install_stop_points([model]) == 0      # idempotent
     ran = []
     for i, layer in enumerate(layers):
@@ -41,10 +54,11 @@ PROGRAM = textwrap.dedent("""
     assert ran == [0, 1], ran
     handle.remove()
 
-    # in backward: the stop arrives with layer 3's weight gradient; the gradients of
-    # layers 0 to 2 are never computed
+    # in backward: the stop arrives with layer 3's weight gradient; the backward pass of
+    # layers 0 to 2 never runs
     collectives.reset()
     model.zero_grad(set_to_none=True)
+
     def stop_now(grad):
         collectives.abandon("test", [])
 
@@ -56,11 +70,12 @@ PROGRAM = textwrap.dedent("""
     except collectives.CollectivesAbandoned:
         pass
     assert all(layer.weight.grad is None for layer in layers[:3])
+    assert model.embed.weight.grad is None
     print("ok", flush=True)
 """)
 
 
-def test_a_stopped_rank_leaves_forward_and_backward_at_the_next_module(tmp_path):
+def test_a_stopped_rank_leaves_forward_and_backward_at_the_next_layer(tmp_path):
     result = subprocess.run([sys.executable, "-c", PROGRAM], cwd=REPO, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
