@@ -244,6 +244,7 @@ def test_worker_reboot_restarts_only_the_failed_worker(job: Job) -> None:
     assert again["pid"] != pid1
     env_before, env_after = first[1][0]["env"], again["env"]
     assert env_after.pop("TFT_WORKER_RESTART_COUNT") == "1"
+    assert env_after.pop("TFT_PREDECESSOR_PID") == str(pid1)
     assert "TFT_WORKER_RESTART_COUNT" not in env_before
     assert env_after == env_before  # same RANK, LOCAL_RANK, WORLD_SIZE, MASTER_*, TORCHELASTIC_*
     assert env_after["RANK"] == "1" and env_after["LOCAL_RANK"] == "1"
@@ -383,6 +384,43 @@ def test_patch_torchrun_script(job: Job, tmp_path: Path) -> None:
     assert copy.read_bytes() == original.read_bytes()
 
 
+# -- a worker killed by a signal is dead before it is reaped ----------------------------------
+def test_procfs_sees_a_killed_process_before_its_reap(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mindspeed_tft.launcher import procfs, spare
+
+    def child(code: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", code])
+
+    def zombie(proc: subprocess.Popen) -> None:  # ended, not reaped (no poll, no wait)
+        wait_for(lambda: (s := procfs.read_stat(proc.pid)) is not None and s.ended, 10,
+                 f"pid {proc.pid} a zombie")
+
+    running = child("import time; time.sleep(60)")
+    exited = child("raise SystemExit(3)")
+    try:
+        stat = procfs.read_stat(running.pid)
+        assert stat is not None and not stat.exiting and not stat.ended
+        assert procfs.killed_returncode(running.pid) is None
+        assert not procfs.has_ended(running.pid)
+        zombie(exited)  # an exit code is no signal: the launcher waits for the reap
+        assert procfs.killed_returncode(exited.pid) is None and procfs.has_ended(exited.pid)
+
+        # the replacement of a dead worker waits for it only on an accelerator
+        monkeypatch.setenv(spare.PREDECESSOR_PID_ENV, str(running.pid))
+        assert spare.wait_for_assignment() is None  # CPU: at once,
+        assert running.poll() is None  # with its predecessor still there
+        os.kill(running.pid, signal.SIGKILL)
+        zombie(running)
+        assert procfs.killed_returncode(running.pid) == -signal.SIGKILL
+        assert running.returncode is None  # what the launcher saw before Popen could
+    finally:
+        for proc in (running, exited):
+            proc.kill()
+            proc.wait(10)
+    assert running.returncode == -signal.SIGKILL and exited.returncode == 3
+    assert procfs.killed_returncode(running.pid) is None and procfs.has_ended(running.pid)
+
+
 # -- warm spares --------------------------------------------------------------------------------
 def test_spare_takes_over_a_failed_worker(job: Job) -> None:
     launch = job.launch(worker_args=ARF, extra=["--tft-spares-per-node", "1"])
@@ -402,6 +440,7 @@ def test_spare_takes_over_a_failed_worker(job: Job) -> None:
     assert taken["t_start"] < killed  # it was started (and imported everything) before
     env = taken["env"]
     assert env.pop("TFT_WORKER_RESTART_COUNT") == "1"
+    assert env.pop("TFT_PREDECESSOR_PID") == str(first[0][0]["pid"])
     assert not any(k.startswith("TFT_SPARE") for k in env)
     assert env == first[0][0]["env"]
     assert f"handing rank 0 to warm spare pid {spare_pid}" in launch.text()

@@ -32,6 +32,8 @@ import sys
 import time
 from typing import Any, NoReturn
 
+from .procfs import has_ended
+
 #: "1" in a spare's environment
 SPARE_ENV = "TFT_SPARE"
 #: path of the launcher's Unix socket
@@ -41,6 +43,10 @@ SPARE_ID_ENV = "TFT_SPARE_ID"
 #: pid of the launcher that started the spare
 SPARE_LAUNCHER_PID_ENV = "TFT_SPARE_LAUNCHER_PID"
 SPARE_ENV_NAMES = (SPARE_ENV, SPARE_SOCKET_ENV, SPARE_ID_ENV, SPARE_LAUNCHER_PID_ENV)
+#: pid of the dead worker this process replaces (set by the launcher in restarted workers)
+PREDECESSOR_PID_ENV = "TFT_PREDECESSOR_PID"
+#: seconds a replacement that uses an accelerator waits for its predecessor to be gone
+PREDECESSOR_WAIT_SECONDS = 60.0
 #: longest message accepted on the channel
 MAX_MESSAGE_BYTES = 1 << 20
 
@@ -60,11 +66,18 @@ def wait_for_assignment(*, connect_timeout: float = 30.0,
     this process a rank, switch `os.environ` (and, when the launcher redirects worker
     output, stdout/stderr) to the assigned worker's, and return the environment received.
 
+    Either way, a process that replaces a dead worker on an accelerator first waits (at most
+    `PREDECESSOR_WAIT_SECONDS`) until the dead process is gone: the launcher starts it as
+    soon as a signal ends its predecessor, before the kernel has torn the predecessor down
+    and freed its device memory (`procfs`). On CPU it does not wait: the kernel frees the
+    host memory while the replacement sets up.
+
     Bounded: connecting gives up after `connect_timeout` seconds; while waiting, the
     launcher's liveness is checked every `check_interval` seconds and a spare whose launcher
     is gone exits (code 0) instead of waiting forever.
     """
     if not is_spare():
+        _wait_for_predecessor()
         return None
     path = os.environ.get(SPARE_SOCKET_ENV, "")
     if not path:
@@ -88,6 +101,7 @@ def wait_for_assignment(*, connect_timeout: float = 30.0,
         _send(sock, {"ok": True, "pid": os.getpid()})
     finally:
         sock.close()
+    _wait_for_predecessor()
     return dict(env)
 
 
@@ -99,6 +113,23 @@ def _import_lazy_modules() -> None:
     (its `_disable_dynamo` wrapper): 0.8 s of a repair on this project's CPU machine, spent
     after the spare took its rank, while the whole job waits for it."""
     import torch._dynamo  # noqa: F401
+
+
+def _wait_for_predecessor(timeout: float = PREDECESSOR_WAIT_SECONDS) -> None:
+    pid = _int_env(PREDECESSOR_PID_ENV)
+    if pid is None:
+        return
+    from mindspeed_tft.platform import CPU, detect_platform
+
+    if detect_platform() == CPU:
+        return
+    deadline = time.monotonic() + timeout
+    while not has_ended(pid):
+        if time.monotonic() > deadline:
+            print(f"[tft pid {os.getpid()}] the dead worker pid {pid} this process replaces "
+                  f"is still exiting after {timeout:g}s; going on", file=sys.stderr, flush=True)
+            return
+        time.sleep(0.01)
 
 
 def _int_env(name: str) -> int | None:
