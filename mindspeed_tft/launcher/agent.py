@@ -6,7 +6,8 @@ What changes, by feature (see `options`):
 
 - high availability: node 0's launcher (group rank 0) hosts the `Controller` in a thread,
   every worker gets `TFT_CONTROLLER_IN_LAUNCHER=1` (so rank 0 does not start one), and each
-  worker exit seen by node 0's launcher goes to `Controller.report_process_exit` at once.
+  worker exit seen by node 0's launcher goes to `Controller.report_process_exit` at once
+  (a worker killed by a signal as soon as the signal lands, before its reap: `procfs`).
   The launcher's exit waits, bounded, for the controller to reach FINAL.
 - backups: when the job spans several nodes and `TTP_BACKUP_ADDRS` is not set, the
   launchers of nodes 1 and 2 each host a backup controller (on this host's address toward
@@ -159,6 +160,7 @@ class TFTSubprocessContext(SubprocessContext):
         self._next_wait_log = 0.0
         #: replaced workers that were seen dying before the kernel let them be reaped
         self._dying: list[Any] = []
+        self._reported_dying: set[int] = set()  # without worker reboot: reported, not reaped
 
     def _start(self) -> None:
         """torch's start, with workers that die with this launcher (`lifetime`)."""
@@ -177,7 +179,12 @@ class TFTSubprocessContext(SubprocessContext):
         agent = self.agent
         if not agent.options.worker_reboot:  # torch's policy; the controller hears first
             for local_rank in sorted(self._running_local_ranks):
-                code = self.subprocess_handlers[local_rank].proc.poll()
+                proc = self.subprocess_handlers[local_rank].proc
+                code = proc.poll()
+                if code is None and local_rank not in self._reported_dying:
+                    code = killed_returncode(proc.pid)  # the dump starts before the reap
+                    if code is not None:
+                        self._reported_dying.add(local_rank)
                 if code is not None:
                     agent.report_exit(local_rank, code)
             return super()._poll()
