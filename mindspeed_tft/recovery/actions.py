@@ -198,7 +198,7 @@ class RecoveryActions:
                        or self.loaded_step is not None
                        or self.snapshots.params_iteration != step)
         gather = gather_needed(state, needed_here)
-        seconds = rollback(state, snapshot, gather)
+        seconds = rollback(state, snapshot, gather, copy=needed_here)
         self.snapshots.params_iteration = step
         emit("rolled_back", self.rank, iteration=step,
              shard=str(self.map.shard_of(self.global_rank)),

@@ -13,9 +13,12 @@ zeroing them here too cost a memset of the grad buffers (9 ms of a 17 M UCE repa
 
 The all-gather is skipped when no rank needs it (`gather_needed`): a fault before any rank
 started the next update (forward, backward, a UCE in optimizer state, grads or activations)
-leaves every rank's params those of the lock step, and each rank's own shard is copied from
-its main params anyway. A rank needs it when its process is new, its params were hit (a UCE
-in params), or an update may have changed them since the lock step.
+leaves every rank's params those of the lock step. A rank needs it when its process is new
+(and got no params from its peer), its params were hit (a UCE in params), or an update may
+have changed them since the lock step; only such a rank copies its main params into its
+model params first (a rank whose params are those of the lock step holds that copy
+already: megatron-core's copy is a Python loop over the params, and a cast per element
+with bf16 params).
 """
 
 from __future__ import annotations
@@ -109,12 +112,13 @@ def gather_needed(state: RecoverableState, needed_here: bool) -> bool:
     return bool(flag.item())
 
 
-def sync_model_params_from_main(state: RecoverableState, gather: bool = True) -> None:
-    """Model params := the fp32 main params (the update's own copy), then, with `gather`,
-    all-gathered in each chunk with the distributed optimizer (collective)."""
+def sync_model_params_from_main(state: RecoverableState, gather: bool = True,
+                                copy: bool = True) -> None:
+    """With `copy`, model params := the fp32 main params (the update's own copy); then, with
+    `gather`, all-gathered in each chunk with the distributed optimizer (collective)."""
     chained = getattr(state.optimizer, "chained_optimizers", [state.optimizer])
     for opt in chained:
-        if hasattr(opt, "_copy_main_params_to_model_params"):
+        if copy and hasattr(opt, "_copy_main_params_to_model_params"):
             opt._copy_main_params_to_model_params()
     if gather and _distributed(state):
         for chunk in state.model:
@@ -122,11 +126,12 @@ def sync_model_params_from_main(state: RecoverableState, gather: bool = True) ->
 
 
 def rollback(state: RecoverableState, snapshot: StepSnapshot,
-             gather: bool = True) -> dict[str, float]:
+             gather: bool = True, copy: bool = True) -> dict[str, float]:
     """Put this rank at the snapshot's iteration (collective with the distributed
-    optimizer and `gather`: the param all-gather). Returns the seconds each part took."""
+    optimizer and `gather`: the param all-gather; `copy` False: this rank's model params
+    are those of the snapshot already). Returns the seconds each part took."""
     clock = _Clock()
-    sync_model_params_from_main(state, gather)
+    sync_model_params_from_main(state, gather, copy)
     clock.mark("params")
     restore_scheduler(state.opt_param_scheduler, snapshot.scheduler_state)
     state.args.consumed_train_samples = snapshot.consumed_train_samples
