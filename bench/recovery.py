@@ -681,16 +681,16 @@ def _repair_cost(moved: dict[str, dict[str, Any]],
     model params where they travelled with it to a new process; measured for the ARF case's
     bytes and scaled linearly to the other case's). Rollback's: a plain
     copy of the main params' bytes (a third of the shard: main param, exp_avg, exp_avg_sq)
-    into the model params plus, where the rollback all-gathered the params (not after a fault
-    that left every rank's params those of the lock step), their all-gather in each chunk."""
+    into the model params plus their all-gather in each chunk, where the rollback moved the
+    params. After a fault that left every rank's params those of the lock step it moves
+    nothing (no copy, no all-gather: `params_gathered` false) and has no efficiency."""
     cost: dict[str, Any] = {}
     if limits is not None:
         cost["limits"] = limits
     for case, m in moved.items():
         copy_limit = None if limits is None else limits["p2p_s"] * m["bytes"] / limits["bytes"]
-        rollback_limit = None if limits is None else (
-            limits["copy_s"] * (m["shard_bytes"] / 3) / limits["bytes"]
-            + (limits["gather_s"] if m["params_gathered"] else 0.0))
+        rollback_limit = None if limits is None or not m["params_gathered"] else (
+            limits["copy_s"] * (m["shard_bytes"] / 3) / limits["bytes"] + limits["gather_s"])
         cost[case] = {
             "state_bytes": m["bytes"], "sent_param_bytes": m["bytes"] - m["shard_bytes"],
             "copy_s": m["copy_s"], "copy_limit_s": _round(copy_limit, 5),
@@ -702,8 +702,9 @@ def _repair_cost(moved: dict[str, dict[str, Any]],
         cost[f"{case}_copy_efficiency"] = _ratio(copy_limit, m["copy_s"])
         # the rollback's state part (params); scheduler, RNG and data iterator are a fixed
         # fraction of a millisecond at every size, shown in rollback_parts
-        cost[f"{case}_rollback_efficiency"] = _ratio(rollback_limit,
-                                                     m["rollback_parts"].get("params"))
+        if m["params_gathered"]:
+            cost[f"{case}_rollback_efficiency"] = _ratio(rollback_limit,
+                                                         m["rollback_parts"].get("params"))
     return cost
 
 
@@ -730,10 +731,10 @@ def print_cost(cost: dict[str, Any]) -> None:
         print(f"{case.upper()}: shard copy {c['state_bytes'] / 2**20:.1f} MiB{with_params} in "
               f"{c['copy_s']:.4f} s (limit {_fmt(c['copy_limit_s'])}, efficiency "
               f"{_fmt(cost[f'{case}_copy_efficiency'])}); rollback {c['rollback_s']:.4f} s "
-              f"({parts}; params {'' if c['params_gathered'] else 'not '}all-gathered; "
-              f"limit {_fmt(c['rollback_limit_s'])}, efficiency "
-              f"{_fmt(cost[f'{case}_rollback_efficiency'])}); first step after it "
-              f"{_fmt(c['first_step_s'])} s")
+              f"({parts}; " + (f"params all-gathered; limit {_fmt(c['rollback_limit_s'])}, "
+                               f"efficiency {_fmt(cost[f'{case}_rollback_efficiency'])}"
+                               if c["params_gathered"] else "no params moved: no rank needed "
+                               "them") + f"); first step after it {_fmt(c['first_step_s'])} s")
 
 
 def print_scaling(results: list[dict[str, Any]]) -> None:
