@@ -71,11 +71,71 @@ PROGRAM = textwrap.dedent("""
         pass
     assert all(layer.weight.grad is None for layer in layers[:3])
     assert model.embed.weight.grad is None
+
+    # a big layer: its big children (attention, MLP) get stop points too, small ones not
+    collectives.reset()
+    width = 1448  # 1448 * 1448 + 1448 params: just over SUBLAYER_STOP_POINT_PARAMS
+    assert width * width + width >= collectives.SUBLAYER_STOP_POINT_PARAMS
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.LayerNorm(width)
+            self.attention = torch.nn.Linear(width, width)
+            self.mlp = torch.nn.Linear(width, width)
+
+        def forward(self, x):
+            return self.mlp(self.attention(self.norm(x)))
+
+    class Big(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(Block() for _ in range(2))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    big = Big()
+    assert collectives.install_stop_points([big]) == 2 * 3     # each layer, attention, mlp
+    assert collectives.install_stop_points([big]) == 0
+    first = big.layers[0]
+    ran.clear()
+    first.attention.register_forward_hook(lambda m, a, o: ran.append("attention"))
+    first.mlp.register_forward_hook(lambda m, a, o: ran.append("mlp"))
+    x = torch.randn(2, width)
+    big(x).sum().backward()
+    assert ran == ["attention", "mlp"], ran
+    # the stop arrives while the attention computes: the mlp of the same layer never runs
+    ran.clear()
+    handle = first.attention.register_forward_hook(
+        lambda m, a, o: collectives.abandon("test", []))
+    try:
+        big(x)
+        raise SystemExit("forward went on after the stop")
+    except collectives.CollectivesAbandoned:
+        pass
+    assert ran == ["attention"], ran
+    handle.remove()
+
+    # in backward: stopped with the mlp's weight gradient, the attention's backward never runs
+    collectives.reset()
+    big.zero_grad(set_to_none=True)
+    first.mlp.weight.register_hook(stop_now)
+    loss = big(x).sum()
+    try:
+        loss.backward()
+        raise SystemExit("backward went on after the stop")
+    except collectives.CollectivesAbandoned:
+        pass
+    assert first.attention.weight.grad is None
     print("ok", flush=True)
 """)
 
 
 def test_a_stopped_rank_leaves_forward_and_backward_at_the_next_layer(tmp_path):
+    """And, in a big layer, at the next big sub-module (attention, MLP)."""
     result = subprocess.run([sys.executable, "-c", PROGRAM], cwd=REPO, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
