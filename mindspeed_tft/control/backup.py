@@ -15,7 +15,9 @@ It takes charge when the active controller has been silent for interval x misses
   incident under way is handled again from the start) and declares lost the ranks that do
   not show up within one timeout; the job may go on training (a repair);
 - with half of the ranks or fewer (but at least one), only after waiting one more timeout
-  plus an interval (every surviving rank has then had the time to fail over to it), and
+  plus an interval, and a timeout plus two intervals after it last sent a rank back to the
+  active controller (every surviving rank has then had the time to fail over to it, also
+  one sent back just before the active controller fell silent), and
   *dump-only*: the absent ranks are declared lost at once and every fault is handled with
   the dump strategy (a dying-gasp checkpoint from the survivors' replicas, then exit 75, or
   exit 1 when they do not hold a complete copy). It never resumes training.
@@ -103,6 +105,8 @@ class BackupSync:
         #: on a backup: the link to the active controller (None once in charge)
         self.upstream: zmq.Socket | None = None
         self._last_sync = 0.0
+        #: when this backup last sent a rank back to the active controller
+        self._last_redirect = float("-inf")
         self._next_hello = 0.0
         self._next_sync = 0.0
         #: whether ranks absent at a takeover may come back (see the module docstring)
@@ -260,6 +264,11 @@ class BackupSync:
         """Did the active controller sync within the heartbeat timeout?"""
         return now - self._last_sync <= self.config.lost_after
 
+    def redirected(self, now: float) -> None:
+        """A rank was sent back to the active controller (it comes back here only once
+        that one has been silent for the rank's own timeout: `standby_tick` waits for it)."""
+        self._last_redirect = now
+
     def standby_tick(self, now: float) -> None:
         """Say hello upstream; take charge when the active controller is gone."""
         if self.upstream is not None and now >= self._next_hello:
@@ -278,8 +287,13 @@ class BackupSync:
                                            or self.absent_ranks_return):
             self._take_over(now, live)
         elif live and now - self._last_sync > (2 * self.config.lost_after
-                                               + self.config.heartbeat_interval):
-            self._take_over(now, live, dump_only=True)  # every survivor had time to come
+                                               + self.config.heartbeat_interval) and (
+                now - self._last_redirect > self.config.lost_after
+                + 2 * self.config.heartbeat_interval):
+            # every survivor had time to come, also one sent back to the dead active
+            # controller just before it fell silent (it fails over again after its own
+            # timeout, lost_after + an interval: at most one interval later than above)
+            self._take_over(now, live, dump_only=True)
 
     def _take_over(self, now: float, live: int, dump_only: bool = False) -> None:
         log.warning("backup %d takes charge%s: active controller silent, %d of %d ranks here",

@@ -545,6 +545,7 @@ class Controller:
                 return
         if self.role == "backup" and self.backups.active_alive(self._now):
             self._send(identity, MsgType.REDIRECT, {"reason": "the active controller is alive"})
+            self.backups.redirected(self._now)
             return
         if not msg.payload.get("ack", True):
             return
