@@ -10,6 +10,7 @@ the job equals the fault-free run's, bit for bit.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -132,15 +133,32 @@ def test_hung_worker_is_detected_killed_and_replaced(reference_job, tmp_path):
 
 
 def test_two_faults_at_different_steps_are_both_repaired(reference_job, tmp_path):
+    """With a warm spare (`--tft-spares-per-node 1`): the first killed rank is taken over by
+    the spare, which imported everything its set-up needs before it was ready; the second
+    kill comes before the next spare is ready (it starts with the first takeover and needs
+    seconds of imports): a cold restart. Both repairs are bit-exact."""
     config = LAYOUTS["dp4"]
     reference = reference_job(ha_args=HA_ARGS, **config)
     job = run_tiny_job(
         tmp_path, inject="kill:rank=1,step=5,phase=backward;kill:rank=2,step=13,phase=forward",
-        ha_args=ARF_ARGS, launcher="tft-run", **config,
+        ha_args=ARF_ARGS, launcher="tft-run --tft-spares-per-node 1", **config,
     )
     _assert_repaired(job, reference, {1: 1, 2: 1})
     assert [e["strategy"] for e in job.named("strategy")] == ["recover", "recover"]
     assert [e["lock_step"] for e in job.named("repaired")] == [5, 13]
+    ready = re.findall(r"warm spare pid (\d+) is ready", job.output)
+    first_iteration = re.search(r" iteration +1/", job.output)
+    # a spare does the workers' imports and less: it is ready before their first step
+    assert ready and first_iteration and job.output.index(ready[0]) < first_iteration.start(), \
+        job.describe()
+    spare = int(ready[0])
+    assert f"handing rank 1 to warm spare pid {spare}" in job.output
+    assert job.pids()[1][1] == spare
+    assert "restarting it as rank 2" in job.output  # a cold restart
+    logs = "".join(p.read_text() for p in (job.run_dir / "logs").glob("*.log"))
+    (report,) = re.findall(rf"rank 1: warm spare pid {spare} set up [\d.]+ s after it took "
+                           r"its rank; modules imported since: (.*)", logs)
+    assert report == "none"  # SETUP_IMPORTS and SETUP_MODULES cover the set-up
 
 
 def test_no_replica_reloads_the_periodic_checkpoint(reference_job, tmp_path):

@@ -30,6 +30,8 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Iterable
+from importlib import import_module
 from typing import Any, NoReturn
 
 from .procfs import has_ended
@@ -49,6 +51,13 @@ PREDECESSOR_PID_ENV = "TFT_PREDECESSOR_PID"
 PREDECESSOR_WAIT_SECONDS = 60.0
 #: longest message accepted on the channel
 MAX_MESSAGE_BYTES = 1 << 20
+#: modules a worker's setup imports on first use, which a spare imports before it is ready:
+#: torch imports `torch._dynamo` on the first construction of a `torch.optim.Optimizer` (its
+#: `_disable_dynamo` wrapper), 0.8 s of a repair on this project's CPU machine
+LAZY_TORCH_IMPORTS = ("torch._dynamo",)
+
+#: (monotonic time, modules loaded) when this spare took its rank; None before, or in a worker
+_assignment: tuple[float, frozenset[str]] | None = None
 
 
 class SpareError(RuntimeError):
@@ -60,7 +69,7 @@ def is_spare() -> bool:
     return os.environ.get(SPARE_ENV) == "1"
 
 
-def wait_for_assignment(*, connect_timeout: float = 30.0,
+def wait_for_assignment(*, warm_imports: Iterable[str] = (), connect_timeout: float = 30.0,
                         check_interval: float = 1.0) -> dict[str, str] | None:
     """In a normal worker: None, at once. In a warm spare: block until the launcher assigns
     this process a rank, switch `os.environ` (and, when the launcher redirects worker
@@ -84,7 +93,8 @@ def wait_for_assignment(*, connect_timeout: float = 30.0,
         raise SpareError(f"{SPARE_ENV}=1 but {SPARE_SOCKET_ENV} is not set: this process was "
                          "not started as a spare by tft-run")
     launcher_pid = _int_env(SPARE_LAUNCHER_PID_ENV)
-    _import_lazy_modules()
+    for name in (*LAZY_TORCH_IMPORTS, *warm_imports):
+        import_module(name)
     sock = _connect(path, connect_timeout, launcher_pid)
     try:
         _send(sock, {"hello": os.environ.get(SPARE_ID_ENV, "?"), "pid": os.getpid()})
@@ -99,22 +109,27 @@ def wait_for_assignment(*, connect_timeout: float = 30.0,
         _redirect(1, message.get("stdout"))
         _redirect(2, message.get("stderr"))
         _send(sock, {"ok": True, "pid": os.getpid()})
+        global _assignment
+        _assignment = (time.monotonic(), frozenset(sys.modules))
     finally:
         sock.close()
     _wait_for_predecessor()
     return dict(env)
 
 
-# -- internals -----------------------------------------------------------------------------
-def _import_lazy_modules() -> None:
-    """Import what a worker's setup imports lazily, before the spare says it is ready.
+def setup_report() -> str | None:
+    """In a spare that took a rank: one line saying how long ago that was and which modules
+    it imported since (those its host's `warm_imports` missed). None in any other process."""
+    if _assignment is None:
+        return None
+    taken, before = _assignment
+    late = sorted(name for name in list(sys.modules) if name not in before)
+    shown = ", ".join(late[:12]) + (f" and {len(late) - 12} more" if len(late) > 12 else "")
+    return (f"warm spare pid {os.getpid()} set up {time.monotonic() - taken:.3f} s after it "
+            f"took its rank; modules imported since: {shown or 'none'}")
 
-    torch imports `torch._dynamo` on the first construction of a `torch.optim.Optimizer`
-    (its `_disable_dynamo` wrapper): 0.8 s of a repair on this project's CPU machine, spent
-    after the spare took its rank, while the whole job waits for it."""
-    import torch._dynamo  # noqa: F401
 
-
+# -- internals ---------------------------------------------------------------------------------
 def _wait_for_predecessor(timeout: float = PREDECESSOR_WAIT_SECONDS) -> None:
     pid = _int_env(PREDECESSOR_PID_ENV)
     if pid is None:

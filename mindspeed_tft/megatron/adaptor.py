@@ -57,7 +57,7 @@ import torch.distributed as dist
 
 from mindspeed_tft.arguments import TFTArgumentError, add_tft_args, validate_tft_args
 from mindspeed_tft.events import iteration_log
-from mindspeed_tft.plugin import TFTPlugin, exit_without_teardown
+from mindspeed_tft.plugin import SETUP_IMPORTS, TFTPlugin, exit_without_teardown
 from mindspeed_tft.plugin.hooks import (
     TrainerHooks,
     phase_reporting_forward_step,
@@ -593,7 +593,8 @@ def wrap_pretrain(original: Callable[..., Any]) -> Callable[..., Any]:
     def pretrain(*args: Any, **kwargs: Any) -> Any:
         from mindspeed_tft.launcher.spare import wait_for_assignment
 
-        wait_for_assignment()  # a warm spare of tft-run: imports done, waits for its rank
+        # a warm spare of tft-run: imports done, waits for its rank
+        wait_for_assignment(warm_imports=SETUP_IMPORTS)
         result = original(*args, **kwargs)
         plugin = _host.plugin
         if plugin is not None:

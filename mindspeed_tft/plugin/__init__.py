@@ -61,6 +61,19 @@ T = TypeVar("T")
 CONTROLLER_IN_LAUNCHER_ENV = "TFT_CONTROLLER_IN_LAUNCHER"
 #: exit code of a process ended by SIGTERM when no fault is being handled
 SIGTERM_EXIT_CODE = 143
+#: what this package imports on first use, from `register()` to the first repair: a warm
+#: spare of `tft-run` imports them before it is ready (`spare.wait_for_assignment`), so that
+#: a spare that takes over a rank spends the repair on set-up, not on imports
+SETUP_IMPORTS = (
+    "mindspeed_tft.control",
+    "mindspeed_tft.launcher.lifetime",
+    "mindspeed_tft.recovery.actions",
+    "mindspeed_tft.recovery.collectives",
+    "mindspeed_tft.recovery.elastic",
+    "mindspeed_tft.recovery.memory_fault",
+    "mindspeed_tft.recovery.rebuild",
+    "megatron.core.num_microbatches_calculator",
+)
 
 
 class FaultInjectionHooks(TrainerHooks):
@@ -414,7 +427,12 @@ class TFTPlugin:
 
     def attach(self, state: TrainingState) -> None:
         """The trainer's state exists: recovery may act on it."""
+        from mindspeed_tft.launcher.spare import setup_report
+
         self.state = state
+        report = setup_report()
+        if report is not None:  # a warm spare that took over a rank: what its set-up cost
+            log.info("rank %d: %s", dist.get_rank(), report)
         if self.actions is not None:
             self.actions.attach(state)
 

@@ -359,6 +359,21 @@ def train(forward_step_func: ForwardStep, state: TrainingState, hooks: TrainerHo
     return state.iteration
 
 
+#: what `pretrain` imports on first use (a warm spare imports them before it is ready; the
+#: platform adaptors are imported, not installed: importing one changes nothing)
+SETUP_MODULES = (
+    "mindspeed_tft.platform.cpu_adaptor",
+    "mindspeed_tft.platform.native_adam",
+    "megatron.core.datasets.helpers",
+    "mindspeed_tft.training.data",
+    "mindspeed_tft.training.tokenizer",
+    "megatron.core.distributed",
+    "megatron.core.optimizer",
+    "megatron.core.optimizer_param_scheduler",
+    "megatron.core.pipeline_parallel",
+)
+
+
 def pretrain(
     train_valid_test_datasets_provider: DatasetsProvider,
     model_provider: ModelProvider,
@@ -370,10 +385,10 @@ def pretrain(
     """Initialize, set up, train, save; returns the final iteration (Megatron-LM's shape)."""
     from mindspeed_tft import patches
     from mindspeed_tft.launcher.spare import wait_for_assignment
-    from mindspeed_tft.plugin import TFTPlugin
+    from mindspeed_tft.plugin import SETUP_IMPORTS, TFTPlugin
 
     # A warm spare of `tft-run` (imports done) waits here until it takes over a failed rank.
-    wait_for_assignment()
+    wait_for_assignment(warm_imports=(*SETUP_IMPORTS, *SETUP_MODULES))
     from mindspeed_tft.training.data import build_data_iterator, get_train_valid_test_num_samples
 
     args = initialize_megatron(extra_args_provider, extra_args_validator, argv,
