@@ -147,21 +147,36 @@ def test_uce_on_optimizer_state_and_params_is_repaired_in_place(
     assert all(e["match"] for e in job.named("replica_check"))
 
 
-@pytest.mark.parametrize(("layout", "rank", "extra"), [
-    ("dp4", 1, []),
-    ("pp2dp2", 3, GUIDE_SHAPE),
+#: what Megatron-LM's `pretrain` still imports after a warm spare took its rank: its dataset
+#: helpers, which rank 0 compiles at start-up (a spare may be ready before they exist)
+MEGATRON_LM_LATE_IMPORTS = {"megatron.core.datasets.helpers", "megatron.core.datasets.helpers_cpp"}
+
+
+@pytest.mark.parametrize(("layout", "rank", "extra", "spares"), [
+    ("dp4", 1, [], 1),
+    ("pp2dp2", 3, GUIDE_SHAPE, 0),
 ])
 def test_worker_reboot_under_tft_run_restarts_only_the_killed_rank(
-    layout, rank, extra, megatron_lm, megatron_reference, tmp_path
+    layout, rank, extra, spares, megatron_lm, megatron_reference, tmp_path
 ):
-    """`tft-run` runs the unchanged script through the adaptor by itself (no -m, no import)."""
+    """`tft-run` runs the unchanged script through the adaptor by itself (no -m, no import);
+    on dp4 with a warm spare, which takes the killed rank over (a spare does the workers'
+    imports and less: it is ready before their first step)."""
     arf = f"{HA} --enable-worker-reboot"
     # the switch changes no arithmetic: the plain HA run is the reference
     reference = megatron_reference(layout=layout, ha_args=HA, extra_args=extra, **ITERS)
+    launcher = f"tft-run --tft-spares-per-node {spares}" if spares else "tft-run"
     job = run_megatron_job(tmp_path, megatron_lm, layout=layout, ha_args=arf, entry="",
-                           launcher="tft-run", extra_args=extra,
+                           launcher=launcher, extra_args=extra,
                            inject=f"kill:rank={rank},step=4,phase=backward", **ITERS)
     assert job.returncode == 0, job.describe()
+    if spares:
+        (spare,) = re.findall(rf"handing rank {rank} to warm spare pid (\d+)", job.output)
+        assert job.pids()[rank][1] == int(spare)
+        logs = "".join(p.read_text() for p in (job.run_dir / "logs").glob("*.log"))
+        (late,) = re.findall(rf"rank {rank}: warm spare pid {spare} set up [\d.]+ s after it "
+                             r"took its rank; modules imported since: (.*)", logs)
+        assert set(late.split(", ")) <= MEGATRON_LM_LATE_IMPORTS | {"none"}, late
     assert "is a Megatron-LM training script: its workers run it through" in job.output
     assert [e["strategy"] for e in job.named("strategy")] == ["recover"]
     pids = job.pids()
