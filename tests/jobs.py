@@ -80,6 +80,18 @@ class JobResult:
                 pids[event["rank"]].append(event["pid"])
         return pids
 
+    def spare_handover(self, rank: int) -> tuple[int, str]:
+        """The warm spare that took `rank` over (the launcher's hand-over line) and what its
+        set-up imported after it took the rank (its `spare.setup_report()` line in the
+        plugin's log files): ("none" or a comma list)."""
+        import re
+
+        (pid,) = re.findall(rf"handing rank {rank} to warm spare pid (\d+)", self.output)
+        logs = "".join(p.read_text() for p in (self.run_dir / "logs").glob("*.log"))
+        (late,) = re.findall(rf"rank {rank}: warm spare pid {pid} set up [\d.]+ s after it "
+                             r"took its rank; modules imported since: (.*)", logs)
+        return int(pid), late
+
     def exit_codes(self) -> dict[int, int]:
         """Each rank's exit code, as torchrun's failure summary reports it."""
         import re

@@ -171,11 +171,8 @@ def test_worker_reboot_under_tft_run_restarts_only_the_killed_rank(
                            inject=f"kill:rank={rank},step=4,phase=backward", **ITERS)
     assert job.returncode == 0, job.describe()
     if spares:
-        (spare,) = re.findall(rf"handing rank {rank} to warm spare pid (\d+)", job.output)
-        assert job.pids()[rank][1] == int(spare)
-        logs = "".join(p.read_text() for p in (job.run_dir / "logs").glob("*.log"))
-        (late,) = re.findall(rf"rank {rank}: warm spare pid {spare} set up [\d.]+ s after it "
-                             r"took its rank; modules imported since: (.*)", logs)
+        spare, late = job.spare_handover(rank)
+        assert job.pids()[rank][1] == spare
         assert set(late.split(", ")) <= MEGATRON_LM_LATE_IMPORTS | {"none"}, late
     assert "is a Megatron-LM training script: its workers run it through" in job.output
     assert [e["strategy"] for e in job.named("strategy")] == ["recover"]
