@@ -43,14 +43,18 @@ PROGRAM = textwrap.dedent("""
     model(x).sum().backward()                                  # not stopped: a normal step
     assert ran == [0, 1, 2, 3], ran
 
+    def stopped(run, what):  # run() must end in the stop: its error
+        try:
+            run()
+        except collectives.CollectivesAbandoned as error:
+            return error
+        raise SystemExit(f"{what} went on after the stop")
+
     # the stop arrives while layer 1 computes: layers 2 and 3 never run
     ran.clear()
     handle = layers[1].register_forward_hook(lambda m, a, o: collectives.abandon("test", []))
-    try:
-        model(x)
-        raise SystemExit("forward went on after the stop")
-    except collectives.CollectivesAbandoned as error:
-        assert "compute abandoned (test)" in str(error), error
+    error = stopped(lambda: model(x), "forward")
+    assert "compute abandoned (test)" in str(error), error
     assert ran == [0, 1], ran
     handle.remove()
 
@@ -64,11 +68,7 @@ PROGRAM = textwrap.dedent("""
 
     layers[3].weight.register_hook(stop_now)
     loss = model(x).sum()
-    try:
-        loss.backward()
-        raise SystemExit("backward went on after the stop")
-    except collectives.CollectivesAbandoned:
-        pass
+    stopped(loss.backward, "backward")
     assert all(layer.weight.grad is None for layer in layers[:3])
     assert model.embed.weight.grad is None
 
@@ -111,11 +111,7 @@ PROGRAM = textwrap.dedent("""
     ran.clear()
     handle = first.attention.register_forward_hook(
         lambda m, a, o: collectives.abandon("test", []))
-    try:
-        big(x)
-        raise SystemExit("forward went on after the stop")
-    except collectives.CollectivesAbandoned:
-        pass
+    stopped(lambda: big(x), "forward")
     assert ran == ["attention"], ran
     handle.remove()
 
@@ -124,11 +120,7 @@ PROGRAM = textwrap.dedent("""
     big.zero_grad(set_to_none=True)
     first.mlp.weight.register_hook(stop_now)
     loss = big(x).sum()
-    try:
-        loss.backward()
-        raise SystemExit("backward went on after the stop")
-    except collectives.CollectivesAbandoned:
-        pass
+    stopped(loss.backward, "backward")
     assert first.attention.weight.grad is None
     print("ok", flush=True)
 """)
