@@ -136,6 +136,19 @@ class StrategyPlanner:
         steps += incident.lost_steps.values()  # last steps of processes that are gone
         return max(steps, default=0)
 
+    def stop_lock_step(self, incident: IncidentFacts, table: RankTable) -> int:
+        """The provisional lock step a stop carries: the highest step reported, where a rank
+        reported `updating` at step s counts as s + 1. A rank inside update s + 1 has passed
+        every collective before it (gradient reduction, grad norm), so every other healthy
+        rank has the inputs of that update too and may run it while the stop holds it. Then
+        a rank whose own update failed half-way has healthy holders at s + 1, and the ranks
+        that were inside the update when the stop came are not left alone ahead of their
+        replicas (which, held before the update, could not source their shard at s + 1)."""
+        steps = [r.step + (r.status == "updating") for r in table.all()
+                 if not r.fresh and r.health is not Health.LEFT]
+        steps += incident.lost_steps.values()
+        return max(steps, default=0)
+
     def faulty(self, incident: IncidentFacts) -> set[int]:
         """Ranks whose data is not to be trusted (a UCE in grads or activations spares it)."""
         out = set()
@@ -154,8 +167,9 @@ class StrategyPlanner:
 
     # -- payloads ---------------------------------------------------------------------
     def stop_payload(self, incident: IncidentFacts, table: RankTable) -> dict[str, Any]:
-        """Stop orders carry the provisional lock step: a rank behind it may catch up."""
-        return {"incident": incident.id, "lock_step": self.lock_step(incident, table),
+        """Stop orders carry the provisional lock step (`stop_lock_step`): a rank behind it
+        may catch up."""
+        return {"incident": incident.id, "lock_step": self.stop_lock_step(incident, table),
                 "faults": {str(r): k.value for r, k in incident.faults.items()}}
 
     def clean_payload(self, incident: IncidentFacts) -> dict[str, Any]:

@@ -285,6 +285,23 @@ def test_dump_holders_first_healthy() -> None:
     assert renamer == 0 and payloads[2]["shards"] == [] and payloads[0]["shards"][0]["shard"] == 0
 
 
+def test_stop_counts_an_update_under_way() -> None:
+    """A rank reported inside update s + 1 (its report says `updating` at s) has passed every
+    collective before it: the stop lets every rank run update s + 1, so that the shard of a
+    rank whose update failed half-way has a holder there (SPEC 3, 7)."""
+    planner = StrategyPlanner(Features(hbm_repair=True))
+    t = layout_table()
+    for r in range(4):
+        t.get(r).step = 7
+    inc = Incident(1, 0.0, faults={2: FaultKind.COMM})
+    assert planner.stop_payload(inc, t)["lock_step"] == 7
+    t.get(2).status = "updating"
+    assert planner.stop_payload(inc, t)["lock_step"] == 8
+    assert planner.lock_step(inc, t) == 7  # the lock step itself: only completed updates
+    t.get(2).fresh = True  # a restarted process's position does not count
+    assert planner.stop_payload(inc, t)["lock_step"] == 7
+
+
 def test_repair_plan_sources() -> None:
     planner = StrategyPlanner(Features(hbm_repair=True))
     t = layout_table()
