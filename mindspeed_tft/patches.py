@@ -123,7 +123,8 @@ TABLE: tuple[Moment, ...] = (
         _p("torch.distributed:all_reduce",
            "collected inside megatron-core's coalescing manager (gloo has none)", TORCH),
         *(_p(f"torch.distributed:{name}",
-             "gloo has no reduce-scatter: an all-reduce and a slice", TORCH)
+             "gloo's reduce-scatter waits ignore timeouts (not abandonable): an all-reduce "
+             "(in place when the output is the buffer's own slice) and a slice", TORCH)
           for name in ("reduce_scatter_tensor", "_reduce_scatter_base")),
         *(_p(f"{module}:dist_reduce_scatter_func",
              "megatron-core's reduce-scatter, as the gloo stand-in", MCORE)

@@ -386,7 +386,8 @@ def abandon(reason: str, keep_ports: Iterable[int]) -> int:
 
 
 class _SlicedReduce:
-    """An all-reduce in flight whose slice becomes the reduce-scatter's output on wait."""
+    """An all-reduce in flight whose slice becomes the reduce-scatter's output on wait
+    (`reduced` None: the all-reduce ran in place on a buffer the output is a slice of)."""
 
     def __init__(self, work: Any, reduced: Any, output: Any, index: int) -> None:
         self.work = work
@@ -398,13 +399,24 @@ class _SlicedReduce:
         if self.work is not None:
             self.work.wait(timeout)
             self.work = None
-            size = self.output.numel()
-            piece = self.reduced.view(-1)[self.index * size : (self.index + 1) * size]
-            self.output.view(-1).copy_(piece)
+            if self.reduced is not None:
+                size = self.output.numel()
+                piece = self.reduced.view(-1)[self.index * size : (self.index + 1) * size]
+                self.output.view(-1).copy_(piece)
         return True
 
     def is_completed(self) -> bool:
         return self.work is None or self.work.is_completed()
+
+
+def _is_own_slice(output: Any, input: Any, index: int) -> bool:
+    """Whether `output` is the `index`-th of the equal slices of contiguous `input` (how
+    megatron-core's grad buffers reduce-scatter: into a view of their own shard)."""
+    return (output.is_contiguous() and input.is_contiguous() and output.dtype == input.dtype
+            and output.device == input.device
+            and output.untyped_storage().data_ptr() == input.untyped_storage().data_ptr()
+            and output.data_ptr() == input.data_ptr()
+            + index * output.numel() * output.element_size())
 
 
 class _Collector:
@@ -457,9 +469,15 @@ def _collected(fn: Any) -> Any:
 def _reduce_scatter_via_all_reduce(original_all_reduce: Any) -> Any:
     def reduce_scatter(output: Any, input: Any, op: Any = dist.ReduceOp.SUM,
                        group: Any = None, async_op: bool = False) -> Any:
-        reduced = input.detach().clone()
-        work = original_all_reduce(reduced, op=op, group=group, async_op=True)
-        pending = _SlicedReduce(work, reduced, output, dist.get_rank(group))
+        index = dist.get_rank(group)
+        # megatron-core's grad buffers scatter into a view of their own shard and use nothing
+        # else of the buffer afterwards: reduce it in place, no copy of the whole buffer (a
+        # fresh buffer of that size costs more than the all-reduce's own memory traffic)
+        in_place = _is_own_slice(output, input, index)
+        reduced = None if in_place else input.detach().clone()
+        work = original_all_reduce(input if in_place else reduced, op=op, group=group,
+                                   async_op=True)
+        pending = _SlicedReduce(work, reduced, output, index)
         collector = _active_collector()
         if collector is not None:
             collector.pending.append(pending)
