@@ -68,6 +68,7 @@ def _patch_method(cls: type, name: str, category: str) -> None:
 
 def install() -> None:
     """Wrap the timed functions (call before the trainer runs)."""
+    import megatron.core.optimizer.clip_grads as clip_grads
     import megatron.core.optimizer.optimizer as mopt
     import megatron.core.pipeline_parallel as pp
     import torch
@@ -84,8 +85,12 @@ def install() -> None:
     _patch_method(mopt.MixedPrecisionOptimizer, "step", "optimizer_step")
     _patch_method(mopt.MixedPrecisionOptimizer, "prepare_grads", "prepare_grads")
     _patch_method(mopt.ChainedOptimizer, "get_grad_norm", "grad_norm")
+    _patch_method(mopt.ChainedOptimizer, "count_zeros", "count_zeros")
     _patch_method(DistributedOptimizer, "get_grad_norm", "grad_norm")
-    mopt.clip_grad_by_total_norm_fp32 = _timed("clip", mopt.clip_grad_by_total_norm_fp32)
+    # the CPU adaptor later wraps clip_grads' function and puts its wrapper into both modules:
+    # time the innermost one, so that the time is counted whichever wrapper calls it
+    clip = _timed("clip", clip_grads.clip_grad_by_total_norm_fp32)
+    clip_grads.clip_grad_by_total_norm_fp32 = mopt.clip_grad_by_total_norm_fp32 = clip
     _patch_method(mopt.MixedPrecisionOptimizer, "step_with_ready_grads", "local_update")
     _patch_method(torch.optim.AdamW, "step", "adam")
     _patch_method(torch.optim.Adam, "step", "adam")

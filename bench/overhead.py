@@ -70,7 +70,7 @@ PROFILE_LAUNCHER = REPO / "bench" / "_profile_launch.py"
 #: Components timed by `--profile` (see bench/_profile_worker.py), in display order.
 COMPONENTS = (
     "iteration", "train_step", "plugin_hooks", "forward_backward", "grad_sync", "optimizer_step", "prepare_grads",
-    "grad_norm", "clip", "local_update", "adam", "param_gather",
+    "grad_norm", "clip", "count_zeros", "local_update", "adam", "param_gather",
 )
 ITER_LINE = re.compile(
     r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)"
@@ -202,11 +202,11 @@ ATTRIBUTION = (
     ("grad reduction (gloo: all-reduce standing in for reduce-scatter, + across replicas)",
      ("grad_sync",)),
     ("param all-gather inside the chunk", ("param_gather",)),
-    ("grad norm and clipping", ("grad_norm", "clip", "prepare_grads")),
+    ("grad norm, clipping, zero count", ("grad_norm", "clip", "prepare_grads", "count_zeros")),
     ("plugin hooks (update bracket, step snapshots, processor reports)", ("plugin_hooks",)),
     ("everything else in the loop (forward/backward compute, logging, events)",
      ("iteration", "-local_update", "-grad_sync", "-param_gather", "-grad_norm",
-      "-clip", "-prepare_grads", "-plugin_hooks")),
+      "-clip", "-prepare_grads", "-count_zeros", "-plugin_hooks")),
 )
 GOAL_RATIO, GOAL_RATIO_UPPER, GOAL_REST_FRACTION = 1.03, 1.05, 0.01
 
@@ -215,7 +215,7 @@ def attribution(table: dict[str, Any]) -> list[dict[str, Any]]:
     """The on - off wall time of each cause of ATTRIBUTION, in ms and as a fraction of the
     off iteration; the rows add up to the iteration's delta. Components nest: local_update
     holds adam, forward_backward holds grad_sync, optimizer_step holds local_update,
-    param_gather, grad_norm, clip and prepare_grads; a "-" term is subtracted, and each
+    param_gather, grad_norm, clip, count_zeros and prepare_grads; a "-" term is subtracted, and each
     component is subtracted from "iteration" once, at its outermost level."""
     off_iteration = table["off"]["iteration"][0]
     rows = []

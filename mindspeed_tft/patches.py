@@ -117,6 +117,9 @@ TABLE: tuple[Moment, ...] = (
         _p("megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.save_parameter_state",
            "DP rank 0 of every replica instance would write the same file: only instance 0",
            MCORE),
+        _p("megatron.core.optimizer.optimizer:ChainedOptimizer.count_zeros",
+           "counts the zeros of the N-times larger shard every step even without "
+           "--log-num-zeros-in-grad (the count is dropped): only when asked", MCORE),
     )),
     Moment("gloo-collectives", "high availability on gloo",
            "mindspeed_tft.recovery.collectives:install_gloo_collectives", (

@@ -109,3 +109,16 @@ def test_shard_copied_to_another_holder_equals_the_original(tmp_path):
     assert reports[1]["copied"] == reports[3]["copied"] > 0  # bytes sent, bytes received
     assert reports[3]["after"] == reports[1]["after"] == reports[1]["before"]
     assert reports[0]["after"] == reports[0]["before"]
+
+
+def test_zeros_are_counted_only_when_asked():
+    """megatron-core 0.12.1 counts the grad zeros of the rank's shard (N times larger with
+    replicas) every step, asked or not; with replicas it counts only with
+    `--log-num-zeros-in-grad`, and then the same number."""
+    out = subprocess.run([sys.executable, str(REPO / "tests" / "programs" / "count_zeros.py"),
+                          str(free_port())], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result == {"unpatched": [3.0, 3.0], "patched": [0.0, 3.0]}
+

@@ -14,10 +14,16 @@ Two things of megatron-core 0.12.1 are wrong with N > 1 and are patched here:
   replica instance (`ReplicaGroups.grad_stats_group`).
 - parameter-state checkpoints: DP rank 0 of *every* chunk writes `distrib_optim.pt` to the
   same path. With replicas only chunk 0 gathers and writes; every chunk still reads it.
+
+And one thing costs N times as much with replicas: `ChainedOptimizer.count_zeros` counts the
+zeros of every main grad of the rank's shard (N times larger) on every step, even when
+`--log-num-zeros-in-grad` is off and the count is dropped (1 % of a 17 M step here). With
+replicas it counts only when an optimizer asks for it.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -44,6 +50,16 @@ def _save_parameter_state(self: Any, filename: str) -> None:
         torch.save(state_dict, filename)
 
 
+def _count_zeros_when_asked(count_zeros: Any) -> Any:
+    @functools.wraps(count_zeros)
+    def wrapper(self: Any) -> Any:
+        if not any(o.config.log_num_zeros_in_grad for o in self.chained_optimizers):
+            return 0  # what megatron-core returns when nobody asked, with unshared groups
+        return count_zeros(self)
+
+    return wrapper
+
+
 def use_replica_groups(groups: ReplicaGroups) -> None:
     """Route megatron-core's DistributedOptimizer through the replica layout of `groups`.
 
@@ -60,12 +76,14 @@ def use_replica_groups(groups: ReplicaGroups) -> None:
 def install_patches() -> None:
     """The ``replica-optimizer`` moment: megatron-core's DistributedOptimizer asks
     `use_replica_groups`' groups for its grad statistics and writes its parameter state from
-    replica instance 0 only (once per process)."""
+    replica instance 0 only, and counts grad zeros only when asked (once per process)."""
     global _installed
     if _installed:
         return
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import ChainedOptimizer
 
     DistributedOptimizer.get_grad_stats_parallel_group = _grad_stats_group
     DistributedOptimizer.save_parameter_state = _save_parameter_state
+    ChainedOptimizer.count_zeros = _count_zeros_when_asked(ChainedOptimizer.count_zeros)
     _installed = True
