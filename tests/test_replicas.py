@@ -121,4 +121,3 @@ def test_zeros_are_counted_only_when_asked():
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result == {"unpatched": [3.0, 3.0], "patched": [0.0, 3.0]}
-

@@ -130,23 +130,20 @@ class StrategyPlanner:
             return "checkpoint"
         return "replica"
 
-    def lock_step(self, incident: IncidentFacts, table: RankTable) -> int:
-        """The highest step any rank reported (fresh, restarted processes excluded)."""
-        steps = [r.step for r in table.all() if not r.fresh and r.health is not Health.LEFT]
-        steps += incident.lost_steps.values()  # last steps of processes that are gone
-        return max(steps, default=0)
+    def lock_step(self, incident: IncidentFacts, table: RankTable, *,
+                  under_way: bool = False) -> int:
+        """The highest step any rank reported (fresh, restarted processes excluded).
 
-    def stop_lock_step(self, incident: IncidentFacts, table: RankTable) -> int:
-        """The provisional lock step a stop carries: the highest step reported, where a rank
-        reported `updating` at step s counts as s + 1. A rank inside update s + 1 has passed
-        every collective before it (gradient reduction, grad norm), so every other healthy
-        rank has the inputs of that update too and may run it while the stop holds it. Then
-        a rank whose own update failed half-way has healthy holders at s + 1, and the ranks
-        that were inside the update when the stop came are not left alone ahead of their
-        replicas (which, held before the update, could not source their shard at s + 1)."""
-        steps = [r.step + (r.status == "updating") for r in table.all()
+        under_way: the provisional lock step a stop carries, where a rank reported `updating`
+        at step s counts as s + 1. A rank inside update s + 1 has passed every collective
+        before it (gradient reduction, grad norm), so every other healthy rank has the inputs
+        of that update too and may run it while the stop holds it. Then a rank whose own
+        update failed half-way has healthy holders at s + 1, and the ranks that were inside
+        the update when the stop came are not left alone ahead of their replicas (which,
+        held before the update, could not source their shard at s + 1)."""
+        steps = [r.step + (under_way and r.status == "updating") for r in table.all()
                  if not r.fresh and r.health is not Health.LEFT]
-        steps += incident.lost_steps.values()
+        steps += incident.lost_steps.values()  # last steps of processes that are gone
         return max(steps, default=0)
 
     def faulty(self, incident: IncidentFacts) -> set[int]:
@@ -167,9 +164,10 @@ class StrategyPlanner:
 
     # -- payloads ---------------------------------------------------------------------
     def stop_payload(self, incident: IncidentFacts, table: RankTable) -> dict[str, Any]:
-        """Stop orders carry the provisional lock step (`stop_lock_step`): a rank behind it
-        may catch up."""
-        return {"incident": incident.id, "lock_step": self.stop_lock_step(incident, table),
+        """Stop orders carry the provisional lock step (`lock_step(under_way=True)`): a rank
+        behind it may catch up."""
+        return {"incident": incident.id,
+                "lock_step": self.lock_step(incident, table, under_way=True),
                 "faults": {str(r): k.value for r, k in incident.faults.items()}}
 
     def clean_payload(self, incident: IncidentFacts) -> dict[str, Any]:
