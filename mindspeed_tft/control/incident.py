@@ -210,7 +210,10 @@ class IncidentFlow:
         self.host.sm.to(State.ABNORMAL, f"{kind} on rank {rank}")
         targets = [r.rank for r in self.host.table.connected() if not r.fresh]
         self.incident.stopped.update(targets)
-        self._start_phase("stop", targets, self.host.planner.stop_payload(self.incident, self.host.table))
+        payload = self.host.planner.stop_payload(self.incident, self.host.table)
+        log.info("incident %d: stop sent to %d ranks, provisional lock step %d",
+                 self.incident.id, len(targets), payload["lock_step"])
+        self._start_phase("stop", targets, payload)
 
     def begin_scale_out(self, world: list[int], dp_size: int, joining: list[int]) -> None:
         """Elastic training: grow the job to `world` (DP `dp_size`) with the returning
