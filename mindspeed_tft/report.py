@@ -7,7 +7,7 @@
 
 For every incident it prints what failed (injected fault, detected faults with their ranks
 and kinds), what the controller decided (strategy, lock step), every phase it went through
-with its duration (stop, clean, repair, rollback, dump, rename, scale_in, scale_out, exit; `phases`),
+with its duration (hold, stop, clean, repair, rollback, dump, rename, scale_in, scale_out, exit; `phases`),
 the shard copies, and where training resumed; then the iterations and the goodput
 (`goodput`): the productive step time over the wall time, and what each incident cost,
 phase by phase. With `--compare`, it checks that every logged loss equals the other job's
@@ -86,7 +86,7 @@ def _starts_phase(event: dict[str, Any]) -> bool:
 
 
 def phases(incident: Incident) -> list[Phase]:
-    """The controller's phases of one incident, in order. Each `action` event (stop, clean,
+    """The controller's phases of one incident, in order. Each `action` event (hold, stop, clean,
     repair, rollback, dump, rename, scale_in, scale_out) and the `exit` event starts one, named after it,
     which lasts until the next one starts or the incident ends. `clean` includes waiting for
     restarted workers to register again (rejoin): that wait writes no event of its own."""

@@ -50,7 +50,7 @@ WIDTH_IN = 11.0
 FORMATS = ("png", "svg")
 PHASE_COLORS = {
     "interrupted step": "#9e9e9e", "detect": "#e57373", "restart": "#e57373",
-    "stop": "#ffb74d", "clean": "#fff176", "repair": "#81c784", "rollback": "#4fc3f7",
+    "hold": "#ffe0b2", "stop": "#ffb74d", "clean": "#fff176", "repair": "#81c784", "rollback": "#4fc3f7",
     "dump": "#ba68c8", "rename": "#f48fb1", "scale_in": "#a1887f", "scale_out": "#8d6e63",
     "exit": "#616161",
 }

@@ -225,7 +225,8 @@ class ControlConfig:
     allow_insecure: bool = False
     max_message_bytes: int = 1 << 20
     #: seconds a processor waits for the controller's decision after reporting an error;
-    #: None: derived from the action time limit (enough for stop, clean, repair, rollback)
+    #: None: derived from the action time limit (enough for every phase of an incident:
+    #: hold, stop, clean, repair, rollback, dump, rename)
     decision_timeout: float | None = None
     #: seconds an `exit` action gives the training thread before the process is ended
     exit_grace: float = 10.0
@@ -286,7 +287,7 @@ class ControlConfig:
         """How long a rank waits for a decision before giving up and exiting."""
         if self.decision_timeout is not None:
             return self.decision_timeout
-        return 6 * self.action_time_limit + 2 * self.lost_after + 30
+        return 7 * self.action_time_limit + 2 * self.lost_after + 30
 
     def replace(self, **changes: Any) -> ControlConfig:
         """A copy with some fields changed."""

@@ -7,9 +7,9 @@ controller's orders (`orders`):
 
 - before an optimizer update (`before_update`) the training thread passes, is held while
   paused, or raises `ForceStop` once the rank is stopped;
-- an order holds the gate (`stop`, `pause`: an update in progress finishes, a rank behind
-  the lock step may catch up) and waits, bounded, for the training thread to park in the
-  fault handler;
+- an order holds the gate (`hold`, `stop`, `pause`: an update in progress finishes; after
+  a `hold`, the `stop` lets a rank behind the lock step catch up) and waits, bounded, for the
+  training thread to park in the fault handler;
 - the parked training thread runs the work that recovery hands it
   (`run_in_training_thread`, `serve_training_thread`) until a decision (`resume`,
   `decide`) lets it go (`wait_decision`).
@@ -275,6 +275,13 @@ class Gate:
             task.done.set()
 
     # -- orders ---------------------------------------------------------------------------
+    def hold(self) -> dict[str, Any]:
+        """The first round of a stop: hold the rank before its next update (an update in
+        progress finishes) and say where it is. Nothing is abandoned and nothing raises, so
+        the step it reports is where it stays until the stop lets it catch up to the lock
+        step that all the ranks' answers give."""
+        return self._hold(stop=False)
+
     def stop(self, lock_step: int | None, callback: Callback) -> dict[str, Any]:
         """Stop the rank: hold, run the stop callback, wait for the training thread to park;
         the result always carries `step`, `status` and `parked`."""
@@ -330,16 +337,19 @@ class Gate:
         deadline = time.monotonic() + wait
         # the watchdog keeps watching: a training thread that never comes back is hung
         with self._cond:
-            if stop:
+            if stop:  # a stop ends a hold or pause: a rank behind the lock step catches up
                 self._stopped = True
                 self._catch_up = lock_step
+                self._paused = False
             else:
                 self._paused = True
             self._cond.notify_all()
             while (remaining := deadline - time.monotonic()) > 0:
+                parked = self._parked()
                 behind = (lock_step is not None and self._step < lock_step and self._training
-                          and not self._parked())
-                if self._status != "updating" and not behind:
+                          and not parked)
+                # a parked rank's update failed half-way: it will not finish
+                if (self._status != "updating" or parked) and not behind:
                     break
                 self._cond.wait(min(remaining, 0.5))
             self._catch_up = None

@@ -5,7 +5,9 @@ drives the state machine through a sequence of phases. Each phase sends one acti
 of ranks and waits for every result, a lost rank, or the phase's deadline (the action time
 limit, `TTP_NORMAL_ACTION_TIME_LIMIT`), whichever comes first:
 
-    ABNORMAL   stop      hold every rank before its next update; results carry step/status
+    ABNORMAL   hold      hold every rank before its next update; results carry step/status
+               stop      stop them, with the provisional lock step the answers give (a rank
+                         behind it catches up); results carry step/status
                (decide)  lock step, strategy (`StrategyPlanner`), `strategy` event
     ENV_CLEAR  clean     drop pending collectives, free bad memory
                rejoin    recover only: wait for restarted workers to register again
@@ -19,7 +21,7 @@ limit, `TTP_NORMAL_ACTION_TIME_LIMIT`), whichever comes first:
                          smaller world (`scale_in` event); the others leave the job
 
 A scale-out (elastic training: ranks that left in a shrink came back, `begin_scale_out`) is
-handled as an incident without a fault: ABNORMAL stop (every rank held, the lock step
+handled as an incident without a fault: ABNORMAL hold + stop (every rank held, the lock step
 decided), DUMP dump + rename, then REPAIR `scale_out`: the members and the returning ranks
 reload the dump in the larger world (`scale_out` event) and resume. A fault reported before
 the dump turns it into an ordinary incident (the returning ranks are sent away); one after
@@ -208,12 +210,7 @@ class IncidentFlow:
         """First fault: NORMAL/PAUSE -> ABNORMAL and stop every rank."""
         self._record(rank, kind, message)
         self.host.sm.to(State.ABNORMAL, f"{kind} on rank {rank}")
-        targets = [r.rank for r in self.host.table.connected() if not r.fresh]
-        self.incident.stopped.update(targets)
-        payload = self.host.planner.stop_payload(self.incident, self.host.table)
-        log.info("incident %d: stop sent to %d ranks, provisional lock step %d",
-                 self.incident.id, len(targets), payload["lock_step"])
-        self._start_phase("stop", targets, payload)
+        self._hold_every_rank()
 
     def begin_scale_out(self, world: list[int], dp_size: int, joining: list[int]) -> None:
         """Elastic training: grow the job to `world` (DP `dp_size`) with the returning
@@ -226,10 +223,7 @@ class IncidentFlow:
             joining=self.joining, incident=self.incident.id)["time"]
         self.host.sm.to(State.ABNORMAL, f"scale-out: ranks {self.joining} came back; the job "
                                         f"grows to DP {dp_size}")
-        targets = [r.rank for r in self.host.table.connected() if not r.fresh]
-        self.incident.stopped.update(targets)
-        self._start_phase("stop", targets,
-                          self.host.planner.stop_payload(self.incident, self.host.table))
+        self._hold_every_rank()
 
     def add_fault(self, rank: int, kind: FaultKind, message: str) -> None:
         """A further fault while the incident is handled."""
@@ -276,7 +270,7 @@ class IncidentFlow:
                   str(payload.get("result") or payload.get("error"))[:200])
         if payload["ok"]:
             phase.results[rank] = payload["result"]
-            if phase.name == "stop":
+            if phase.name in ("hold", "stop"):
                 self._note_status(rank, payload["result"])
             self._note_iterations(payload["result"])
         else:
@@ -419,12 +413,33 @@ class IncidentFlow:
         self.phase = None
         getattr(self, f"_after_{phase.name}")(phase)
 
-    def _after_stop(self, phase: Phase) -> None:
+    def _hold_every_rank(self) -> None:
+        """ABNORMAL, first round: hold every rank before its next update and learn its
+        exact step (heartbeats are up to an interval old); `_after_hold` sends the stop."""
+        targets = [r.rank for r in self.host.table.connected() if not r.fresh]
+        self._start_phase("hold", targets, {"incident": self.incident.id})
+
+    def _after_hold(self, phase: Phase) -> None:
+        """Second round: stop the held ranks with the provisional lock step their answers
+        give (a rank behind it catches up). A rank that did not answer is hung."""
+        self._mark_hung(phase, "could not be held")
+        targets = [r.rank for r in self.host.table.connected()
+                   if not r.fresh and r.rank not in phase.failures]
+        self.incident.stopped.update(targets)
+        payload = self.host.planner.stop_payload(self.incident, self.host.table)
+        log.info("incident %d: stop sent to %d ranks, provisional lock step %d",
+                 self.incident.id, len(targets), payload["lock_step"])
+        self._start_phase("stop", targets, payload)
+
+    def _mark_hung(self, phase: Phase, why: str) -> None:
         for r, err in phase.failures.items():
             row = self.host.table.get(r)
             if r not in self.incident.faults and row is not None and row.connected:
                 row.health = Health.HUNG
-                self._record(r, FaultKind.HANG, f"could not be stopped: {err}")
+                self._record(r, FaultKind.HANG, f"{why}: {err}")
+
+    def _after_stop(self, phase: Phase) -> None:
+        self._mark_hung(phase, "could not be stopped")
         if self.growing is not None:
             if not self.incident.faults:
                 self.incident.lock_step = self.host.planner.lock_step(self.incident,

@@ -60,8 +60,8 @@ class MsgType:
 
 
 #: actions a controller can order; processors run the callback registered for each name
-ACTIONS = ("pause", "stop", "clean", "repair", "rollback", "dump", "rename", "resume", "exit",
-           "scale_in", "scale_out")
+ACTIONS = ("pause", "hold", "stop", "clean", "repair", "rollback", "dump", "rename", "resume",
+           "exit", "scale_in", "scale_out")
 #: what a processor can report (SPEC 6): see `classify.FaultKind`
 REPORT_KINDS = ("uce", "comm", "normal", "unknown", "hang")
 DATA_STATUS = ("updated", "updating")

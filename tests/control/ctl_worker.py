@@ -9,7 +9,10 @@ aborts the fake communicator and the blocked rank raises "NCCL communicator was 
 
 `--fault KIND@STEP` fires once in this process at the start of iteration STEP:
 uce, comm, normal (a FORCE STOP), unknown, kill (SIGKILL itself), hang (the training thread
-blocks forever while heartbeats go on). Every callback and decision is appended as a JSON
+blocks forever while heartbeats go on); `KIND@STEP:update` fires after iteration STEP's
+all-reduce, right before its update (every peer may finish that update meanwhile).
+`--lag STEP=SECONDS` sleeps that long after iteration STEP's all-reduce (a rank descheduled
+between its all-reduce and its update), before a fault at the update point. Every callback and decision is appended as a JSON
 line to `--out`, and the process exits with the decided code (0 after training finished).
 """
 
@@ -46,6 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--step-time", type=float, default=0.01)
     ap.add_argument("--fault", default="")
     ap.add_argument("--replicas", type=int, default=2, help="replica_num N (1: no replica)")
+    ap.add_argument("--lag", default="", help="STEP=SECONDS: sleep after that all-reduce")
     ap.add_argument("--slow", default="", help="CALLBACK=SECONDS: that callback sleeps")
     ap.add_argument("--die-in", default="", help="CALLBACK: SIGKILL this process inside it")
     ap.add_argument("--coll", required=True)
@@ -80,8 +84,10 @@ def main(argv: list[str] | None = None) -> None:
     state = {"iteration": 0}
     abort = threading.Event()
     hang_forever = threading.Event()
-    fault_kind, _, fault_step = args.fault.partition("@")
+    fault_kind, _, fault_at = args.fault.partition("@")
+    fault_step, _, fault_point = fault_at.partition(":")
     fired = [not fault_kind]
+    lag_step, _, lag_secs = args.lag.partition("=")
     slow_name, _, slow_secs = args.slow.partition("=")
 
     def callback(name: str):
@@ -123,27 +129,35 @@ def main(argv: list[str] | None = None) -> None:
                 return
             time.sleep(0.004)
 
+    def fire(nxt: int, point: str) -> None:
+        if fired[0] or nxt != int(fault_step) or point != (fault_point or "start"):
+            return
+        fired[0] = True
+        record("fault", kind=fault_kind, step=nxt, point=point)
+        if fault_kind == "uce":
+            raise RuntimeError("UCE ERROR: HBM MULTI BIT ECC on device 0")
+        if fault_kind == "comm":
+            raise RuntimeError("HCCL OP RETRY FAILED (Connection reset by peer)")
+        if fault_kind == "normal":
+            raise ForceStop("injected")
+        if fault_kind == "unknown":
+            raise ValueError("something nobody expected")
+        if fault_kind == "kill":
+            out.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        if fault_kind == "hang":
+            hang_forever.wait()
+
     def train() -> int:
         abort.clear()
         while state["iteration"] < args.steps:
             nxt = state["iteration"] + 1
-            if not fired[0] and nxt == int(fault_step):
-                fired[0] = True
-                record("fault", kind=fault_kind, step=nxt)
-                if fault_kind == "uce":
-                    raise RuntimeError("UCE ERROR: HBM MULTI BIT ECC on device 0")
-                if fault_kind == "comm":
-                    raise RuntimeError("HCCL OP RETRY FAILED (Connection reset by peer)")
-                if fault_kind == "normal":
-                    raise ForceStop("injected")
-                if fault_kind == "unknown":
-                    raise ValueError("something nobody expected")
-                if fault_kind == "kill":
-                    out.flush()
-                    os.kill(os.getpid(), signal.SIGKILL)
-                if fault_kind == "hang":
-                    hang_forever.wait()
+            fire(nxt, "start")
             allreduce(nxt)
+            if lag_step and nxt == int(lag_step):
+                record("lag", step=nxt, seconds=float(lag_secs))
+                time.sleep(float(lag_secs))
+            fire(nxt, "update")
             proc.before_update(nxt)
             time.sleep(args.step_time)
             state["iteration"] = nxt

@@ -2,8 +2,8 @@
 communication error is a consequence of the stop, not a fault of its own.
 
 Two raw connections play the ranks (real controller process, real protocol frames), so the
-order of the messages is exact: rank 0 reports an error, the controller sends the stop to
-both, and rank 1 reports "Connection closed by peer" after its stop was sent but before it
+order of the messages is exact: rank 0 reports an error, the controller holds both (they
+answer where they are) and sends them the stop, and rank 1 reports "Connection closed by peer" after its stop was sent but before it
 answered it. The decision names rank 0 only; rank 1's report is withdrawn.
 """
 
@@ -61,7 +61,12 @@ def test_comm_error_after_the_stop_is_its_consequence(tmp_path: Path) -> None:
             r.progress(3)
         ranks[0].send(MsgType.REPORT, {"kind": "unknown", "message": "ValueError: boom",
                                        "step": 3, "status": "updated"})
+        for r in ranks:
+            hold = r.recv_action("hold")
+            r.send(MsgType.RESULT, {"id": hold["id"], "action": "hold", "ok": True,
+                                    "result": {"step": 3, "status": "updated"}})
         stops = [r.recv_action("stop") for r in ranks]
+        assert [s["payload"]["lock_step"] for s in stops] == [3, 3]
         ranks[1].send(MsgType.REPORT, {"kind": "comm", "message": CLOSED, "step": 3,
                                        "status": "updated"})
         wait_for(lambda: any(e["event"] == "fault_withdrawn" for e in job.events()), 10,

@@ -1,4 +1,5 @@
-"""Lock step 0 (no update ever completed) exits cleanly; an operator pause holds every rank.
+"""Lock step 0 (no update ever completed) exits cleanly; the lock step is exact even where the
+heartbeats are stale; an operator pause holds every rank.
 
 The pause test also runs the controller the way rank 0 hosts it under plain torchrun: a
 background thread of another process (here, the test's), with the ranks in their own
@@ -32,6 +33,41 @@ def test_fault_before_the_first_update_exits_with_a_clear_reason(tmp_path: Path)
         assert "no optimizer update completed yet (lock step 0)" in exit_event["reason"]
         assert job.workers[0].wait(10) == 1 and job.workers[1].wait(10) == 1
         assert not [r for r in job.records(0) if r["event"] == "callback" and r["name"] == "dump"]
+    finally:
+        job.cleanup()
+
+
+def test_the_stop_lets_a_lagging_replica_catch_up_to_where_its_peers_are(tmp_path: Path) -> None:
+    """The stop's lock step comes from every rank's answer, not from the heartbeats.
+
+    4 ranks, 2 replicas: ranks 1 and 3 hold shard 1. After iteration 8's all-reduce rank 3
+    lags (1.2 s, as a rank descheduled on a busy host) and rank 1 fails 0.3 s later with a
+    UCE, before its update; ranks 0 and 2 complete update 8 meanwhile. Heartbeats every 10 s
+    have not told the controller any of this. The lock step is 8; rank 3, the only healthy
+    holder of shard 1, must be let through update 8. Had the stop carried the lock step the
+    table knew (rank 1's report: 7), rank 3 would have been stopped at 7 and shard 1 would
+    have no holder at 8: no repair, no dump, exit 1."""
+    job = Job(tmp_path, 4, features="dump,retry", interval=10.0, misses=10)
+    try:
+        job.start_controller()
+        lags = {1: "8=0.3", 3: "8=1.2"}
+        for r in range(4):
+            job.start_worker(r, steps=12, **({"lag": lags[r]} if r in lags else {}),
+                             **({"fault": "uce@8:update"} if r == 1 else {}))
+        for r in range(4):
+            assert job.workers[r].wait(60) == 0, f"rank {r}: {job.records(r)[-3:]}"
+        (strategy,) = [e for e in job.events() if e["event"] == "strategy"]
+        assert (strategy["strategy"], strategy["lock_step"]) == ("retry", 8)
+        stops = [r["payload"] for r in job.records(3)
+                 if r["event"] == "callback" and r["name"] == "stop"]
+        assert [p["lock_step"] for p in stops] == [8]
+        actions = [e["action"] for e in job.events() if e["event"] == "action"]
+        assert actions[:2] == ["hold", "stop"]
+        rollbacks = [r["payload"]["step"] for r in job.records(3)
+                     if r["event"] == "callback" and r["name"] == "rollback"]
+        assert rollbacks == [8]
+        assert all(job.records(r)[-1] == {**job.records(r)[-1], "event": "done", "iteration": 12}
+                   for r in range(4))
     finally:
         job.cleanup()
 
