@@ -9,11 +9,18 @@ interval, as independent ranks would be). After every rank registered we measure
 
 - cpu_cores: the controller process's CPU time over a steady-state window / wall time;
 - report_to_action_s: rank k-2 sends an error report; time until the first action (the
-  `stop` of SPEC 5, sent to every rank in rank order) reaches rank 0, the first addressed;
-- report_to_all_s: the same until the stop reaches rank k-2 itself, near the end of the
+  `hold` that starts every incident, sent to every rank in rank order) reaches rank 0, the
+  first addressed;
+- report_to_all_s: the same until the hold reaches rank k-2 itself, near the end of the
   broadcast (extra column);
-- silent_to_decision_s: another rank stops heartbeating; time from its last heartbeat to
-  the controller's `fault_detected` event for it (declared lost).
+- report_to_stop_s: the same until the `stop` reaches rank 0: the hold's round trip to every
+  rank (each simulated rank answers its hold at once) and the stop's first send (extra
+  column; the simulators' own answering is part of it);
+- hold_round_s: the same round as the controller's events show it, from its `hold` to its
+  `stop` action event (extra column);
+- silent_to_decision_s: another rank stops heartbeating; time from the last message it sent
+  (a heartbeat, or its answer to the hold) to the controller's `fault_detected` event for it
+  (declared lost).
 
 Goals at 16k: cpu_cores <= 0.5, silent_to_decision_s <= 3 x interval + 1,
 report_to_action_s <= 0.5. Prints a table; the last line is JSON:
@@ -61,16 +68,18 @@ def simulate(conn: Any, port: int, ranks: list[int], world: int, interval: float
         if i % 500 == 499:
             time.sleep(0.05)  # do not flood the listen backlog
     seq = [1] * n
+    index = {id(sock): i for i, sock in enumerate(socks)}
     for i, r in enumerate(ranks):
         s = socks[i]
         s.send(encode(MsgType.REGISTER, r, 1, {"world_size": world, "pid": os.getpid(),
                                                 "host": "sim"}), zmq.NOBLOCK)
     conn.send(("connected", n))
     silent: set[int] = set()
-    last_hb = [0.0] * n
+    last_sent = [0.0] * n  # a heartbeat or a result: the controller hears the rank then
     heard = [0.0] * n  # like a Processor: ask for an ack only when not heard for a while
     ack_after = interval * misses / 2
     watching: set[int] = set()
+    poller: zmq.Poller | None = None  # after the report: every rank answers its hold
     start = time.monotonic()
     i = 0
     rnd = 0
@@ -80,7 +89,7 @@ def simulate(conn: Any, port: int, ranks: list[int], world: int, interval: float
         budget = 2000
         while due <= now and budget:
             budget -= 1
-            if i not in watching:
+            if i not in watching and poller is None:
                 while True:  # throw the acks (and actions) away
                     try:
                         socks[i].recv(zmq.NOBLOCK)
@@ -94,31 +103,46 @@ def simulate(conn: Any, port: int, ranks: list[int], world: int, interval: float
                                          {"step": 1, "status": "updated",
                                           "ack": now - heard[i] >= ack_after}, check=False),
                                   zmq.NOBLOCK)
-                    last_hb[i] = time.time()
+                    last_sent[i] = time.time()
                 except zmq.Again:
                     pass
             i += 1
             if i == n:
                 i, rnd = 0, rnd + 1
             due = start + (rnd + i / n) * interval
-        for idx in list(watching):
+        ready = ([index[id(sock)] for sock, _ in poller.poll(0)] if poller is not None
+                 else list(watching))
+        for idx in ready:
             while True:
                 try:
                     frame = socks[idx].recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
                 msg = decode(frame)
-                if msg.type == MsgType.ACTION:
-                    conn.send(("action", ranks[idx], time.time(), msg.payload["name"]))
-                    watching.discard(idx)
-                    break
+                if msg.type != MsgType.ACTION:
+                    continue
+                name = msg.payload["name"]
+                if idx in watching:
+                    conn.send(("action", ranks[idx], time.time(), name))
+                    if name == "stop" or poller is None:
+                        watching.discard(idx)
+                if name == "hold" and poller is not None:
+                    seq[idx] += 1
+                    socks[idx].send(encode(MsgType.RESULT, ranks[idx], seq[idx], {
+                        "id": msg.payload["id"], "action": "hold", "ok": True,
+                        "result": {"step": 1, "status": "updated"}}), zmq.NOBLOCK)
+                    last_sent[idx] = time.time()
         if conn.poll(0):
             cmd = conn.recv()
             if cmd[0] == "stop":
                 break
             idx = cmd[1]
-            if cmd[0] in ("watch", "report"):
-                while True:  # from now on, the first action this rank gets is reported
+            if cmd[0] == "report" and poller is None:
+                poller = zmq.Poller()
+                for sock in socks:
+                    poller.register(sock, zmq.POLLIN)
+            if cmd[0] in ("watch", "report") and idx is not None:
+                while True:  # from now on, the actions this rank gets are reported
                     try:
                         socks[idx].recv(zmq.NOBLOCK)
                     except zmq.Again:
@@ -126,7 +150,7 @@ def simulate(conn: Any, port: int, ranks: list[int], world: int, interval: float
                 watching.add(idx)
             if cmd[0] == "watch":
                 conn.send(("watching",))
-            elif cmd[0] == "report":
+            elif cmd[0] == "report" and idx is not None:
                 seq[idx] += 1
                 sent = time.time()
                 socks[idx].send(encode(MsgType.REPORT, ranks[idx], seq[idx], {
@@ -135,9 +159,13 @@ def simulate(conn: Any, port: int, ranks: list[int], world: int, interval: float
                 conn.send(("reported", sent))
             elif cmd[0] == "silence":
                 silent.add(idx)
-                conn.send(("silenced", last_hb[idx]))
+                conn.send(("silenced", last_sent[idx]))
         nxt = start + (rnd + i / n) * interval
-        time.sleep(max(0.0, min(0.005, nxt - time.monotonic())))
+        wait = max(0.0, min(0.005, nxt - time.monotonic()))
+        if poller is not None:
+            poller.poll(wait * 1000)  # wake at once for an action (read on the next turn)
+        else:
+            time.sleep(wait)
     for s in socks:
         s.close(0)
     ctx.term()
@@ -214,31 +242,38 @@ def run_one(k: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         base = (len(sims) - 1) * per
         first_conn.send(("watch", 0))
         first_conn.recv()
+        for _, c in sims[:-1]:  # every simulator answers holds from now on
+            c.send(("report", None))
         last_conn.send(("report", (k - 2) - base))
         _, sent = last_conn.recv()
-        got: dict[int, tuple[float, str]] = {}
-        deadline = time.monotonic() + 30
-        while len(got) < 2:
+        got: dict[tuple[int, str], float] = {}
+        deadline = time.monotonic() + 60
+        while not {(0, "hold"), (0, "stop"), (k - 2, "hold")} <= got.keys():
             for c in {id(first_conn): first_conn, id(last_conn): last_conn}.values():
                 while c.poll(0):
                     _, rank, at, name = c.recv()
-                    got[rank] = (at, name)
+                    got.setdefault((rank, name), at)
             if time.monotonic() > deadline:
-                raise RuntimeError("no action after the report")
+                raise RuntimeError(f"no hold and stop after the report (got {sorted(got)})")
             time.sleep(0.005)
-        report_to_action, report_to_last = got[0][0] - sent, got[k - 2][0] - sent
-        action = got[0][1]
+        report_to_action, report_to_last = got[0, "hold"] - sent, got[k - 2, "hold"] - sent
+        report_to_stop = got[0, "stop"] - sent
+        # the hold round as the controller saw it: its `hold` and `stop` action events
+        acts = {e["action"]: e["time"] for e in events(ev) if e["event"] == "action"}
+        hold_round = acts["stop"] - acts["hold"]
         # rank k-1 going silent: time from its last heartbeat until it is declared lost
         last_conn.send(("silence", (k - 1) - base))
-        _, last_hb = last_conn.recv()
+        _, last_sent = last_conn.recv()
         lost = wait_event(ev, lambda e: e["event"] == "fault_detected" and e["ranks"] == [k - 1],
                           args.interval * (args.misses + 3) + 30)
-        silent_to_decision = lost["time"] - last_hb
+        silent_to_decision = lost["time"] - last_sent
         return {"k": k, "cpu_cores": round(cpu, 3),
                 "silent_to_decision_s": round(silent_to_decision, 3),
                 "report_to_action_s": round(report_to_action, 4),
                 "report_to_all_s": round(report_to_last, 4),
-                "_register_s": round(registered_s, 2), "_action": action, "_procs": nproc}
+                "report_to_stop_s": round(report_to_stop, 4),
+                "hold_round_s": round(hold_round, 4),
+                "_register_s": round(registered_s, 2), "_procs": nproc}
     finally:
         if ctrl.poll() is None:
             ctrl.kill()
@@ -279,10 +314,11 @@ def main() -> None:
                   file=sys.stderr)
     goal_silent = 3 * args.interval + 1
     print(f"{'k':>7} {'cpu_cores':>10} {'silent_to_decision_s':>21} {'report_to_action_s':>19} "
-          f"{'report_to_all_s':>16}")
+          f"{'report_to_all_s':>16} {'report_to_stop_s':>17} {'hold_round_s':>13}")
     for r in rows:
         print(f"{r['k']:>7} {r['cpu_cores']:>10.3f} {r['silent_to_decision_s']:>21.3f} "
-              f"{r['report_to_action_s']:>19.4f} {r['report_to_all_s']:>16.4f}")
+              f"{r['report_to_action_s']:>19.4f} {r['report_to_all_s']:>16.4f} "
+              f"{r['report_to_stop_s']:>17.4f} {r['hold_round_s']:>13.4f}")
     print(f"goals at 16k: cpu_cores <= 0.5, silent_to_decision_s <= {goal_silent:g}, "
           "report_to_action_s <= 0.5")
     print(json.dumps({"rows": [{k: v for k, v in r.items() if not k.startswith("_")}
