@@ -7,9 +7,9 @@ controller's orders (`orders`):
 
 - before an optimizer update (`before_update`) the training thread passes, is held while
   paused, or raises `ForceStop` once the rank is stopped;
-- an order holds the gate (`hold`, `stop`, `pause`: an update in progress finishes; after
-  a `hold`, the `stop` lets a rank behind the lock step catch up) and waits, bounded, for the
-  training thread to park in the fault handler;
+- an order holds the gate (`hold` answers at once; `stop` and `pause` let an update in
+  progress finish; after a `hold`, the `stop` lets a rank behind the lock step catch up)
+  and waits, bounded, for the training thread to park in the fault handler;
 - the parked training thread runs the work that recovery hands it
   (`run_in_training_thread`, `serve_training_thread`) until a decision (`resume`,
   `decide`) lets it go (`wait_decision`).
@@ -276,11 +276,15 @@ class Gate:
 
     # -- orders ---------------------------------------------------------------------------
     def hold(self) -> dict[str, Any]:
-        """The first round of a stop: hold the rank before its next update (an update in
-        progress finishes) and say where it is. Nothing is abandoned and nothing raises, so
-        the step it reports is where it stays until the stop lets it catch up to the lock
-        step that all the ranks' answers give."""
-        return self._hold(stop=False)
+        """The first round of a stop: hold the rank before its next update and say at once
+        where it is. Nothing is abandoned and nothing raises, and nothing is waited for: a
+        rank `updated` at step s stays there, one `updating` at s ends its update at s + 1
+        (the controller counts it so), until the stop lets it catch up to the lock step that
+        all the ranks' answers give. Not waiting matters for a rank hung inside its update."""
+        with self._cond:
+            self._paused = True
+            self._cond.notify_all()
+            return {"step": self._step, "status": self._status}
 
     def stop(self, lock_step: int | None, callback: Callback) -> dict[str, Any]:
         """Stop the rank: hold, run the stop callback, wait for the training thread to park;

@@ -27,8 +27,8 @@ Trainer hooks (all cheap, none talks to the network on the calling thread):
 Actions and callbacks: `register_callback(name, fn)` for stop, clean, repair, rollback,
 dump, rename, exit (and optionally pause, resume). `fn(payload) -> dict | None` runs on an
 order worker thread; its return value (plain data) goes back as the result, an exception as
-a failure. Built in: `hold` (no callback) holds the rank before its next update, lets an
-update in progress finish and answers its `step` and `status`; `stop` first marks the rank
+a failure. Built in: `hold` (no callback) holds the rank before its next update and
+answers its `step` and `status` at once; `stop` first marks the rank
 stopped, lets it catch up to the payload's lock step and waits (bounded) for an update in
 progress to finish, then calls the callback (which should make a stuck training thread raise,
 e.g. by aborting communicators); its result always carries `step` and `status`. `resume`

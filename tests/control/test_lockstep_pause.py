@@ -8,10 +8,14 @@ processes.
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from pathlib import Path
 
 from mindspeed_tft.control import ControlConfig, Controller, State
+from mindspeed_tft.control.classify import ForceStop
+from mindspeed_tft.control.gate import Decision, Gate
 from tests.control.ctl_harness import Job, wait_for
 
 
@@ -106,3 +110,39 @@ def test_operator_pause_holds_ranks_before_their_update(tmp_path: Path) -> None:
     finally:
         job.cleanup()
         ctrl.stop()
+
+
+def test_the_hold_answers_at_once_and_holds_the_next_update() -> None:
+    """`hold` waits for nothing (a rank hung inside its update must not delay the answer): a
+    rank inside update 5 answers `updating` at 4 at once; after its update it is held before
+    update 6, until the stop lets it through up to the lock step (6) and stops it after."""
+    gate = Gate(0, ControlConfig(port=0, park_timeout=5, action_time_limit=30))
+    gate.mark_training(True)
+    gate.report_update_end(4)
+    gate.before_update(5)  # the training thread is inside update 5
+    t0 = time.monotonic()
+    assert gate.hold() == {"step": 4, "status": "updating"}
+    assert time.monotonic() - t0 < 0.5
+    gate.report_update_end(5)
+    outcomes: queue.Queue[str] = queue.Queue()
+
+    def train() -> None:  # the training thread's next updates, and its fault handler
+        for step in (6, 7):
+            try:
+                gate.before_update(step, timeout=10)
+            except ForceStop:
+                outcomes.put(f"stopped before {step}")
+                outcomes.put(gate.wait_decision(timeout=10).action)
+                return
+            outcomes.put(f"update {step}")
+            gate.report_update_end(step)
+
+    thread = threading.Thread(target=train)
+    thread.start()
+    time.sleep(0.3)
+    assert outcomes.empty()  # held before update 6
+    result = gate.stop(6, lambda: {})  # lock step 6: update 6 may run, then it is stopped
+    assert result == {"step": 6, "status": "updated", "parked": True}
+    gate.decide(Decision("exit", 1))
+    thread.join(5)
+    assert [outcomes.get_nowait() for _ in range(3)] == ["update 6", "stopped before 7", "exit"]
