@@ -207,7 +207,7 @@ class IncidentFlow:
 
     # -- inputs ---------------------------------------------------------------------
     def begin(self, rank: int, kind: FaultKind, message: str) -> None:
-        """First fault: NORMAL/PAUSE -> ABNORMAL and stop every rank."""
+        """First fault: NORMAL/PAUSE -> ABNORMAL; hold, then stop, every rank."""
         self._record(rank, kind, message)
         self.host.sm.to(State.ABNORMAL, f"{kind} on rank {rank}")
         self._hold_every_rank()

@@ -12,8 +12,9 @@ uce, comm, normal (a FORCE STOP), unknown, kill (SIGKILL itself), hang (the trai
 blocks forever while heartbeats go on); `KIND@STEP:update` fires after iteration STEP's
 all-reduce, right before its update (every peer may finish that update meanwhile).
 `--lag STEP=SECONDS` sleeps that long after iteration STEP's all-reduce (a rank descheduled
-between its all-reduce and its update), before a fault at the update point. Every callback and decision is appended as a JSON
-line to `--out`, and the process exits with the decided code (0 after training finished).
+between its all-reduce and its update), before a fault at the update point. Every callback
+and decision is appended as a JSON line to `--out`, and the process exits with the decided
+code (0 after training finished).
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@ communication error is a consequence of the stop, not a fault of its own.
 
 Two raw connections play the ranks (real controller process, real protocol frames), so the
 order of the messages is exact: rank 0 reports an error, the controller holds both (they
-answer where they are) and sends them the stop, and rank 1 reports "Connection closed by peer" after its stop was sent but before it
-answered it. The decision names rank 0 only; rank 1's report is withdrawn.
+answer where they are) and sends them the stop, and rank 1 reports "Connection closed by
+peer" after its stop was sent but before it answered it. The decision names rank 0 only;
+rank 1's report is withdrawn.
 """
 
 from __future__ import annotations
