@@ -72,7 +72,8 @@ PROGRAM = textwrap.dedent("""
     assert all(layer.weight.grad is None for layer in layers[:3])
     assert model.embed.weight.grad is None
 
-    # a big layer: its big children (attention, MLP) get stop points too, small ones not
+    # big modules get stop points too, small ones not: in a layer (attention, MLP) and
+    # outside the layers (the output layer, whose backward a backward pass begins with)
     collectives.reset()
     width = 1448  # 1448 * 1448 + 1448 params: just over SUBLAYER_STOP_POINT_PARAMS
     assert width * width + width >= collectives.SUBLAYER_STOP_POINT_PARAMS
@@ -91,14 +92,16 @@ PROGRAM = textwrap.dedent("""
         def __init__(self):
             super().__init__()
             self.layers = torch.nn.ModuleList(Block() for _ in range(2))
+            self.head = torch.nn.Linear(width, width)
 
         def forward(self, x):
             for layer in self.layers:
                 x = layer(x)
-            return x
+            return self.head(x)
 
     big = Big()
-    assert collectives.install_stop_points([big]) == 2 * 3     # each layer, attention, mlp
+    # each layer, its attention and mlp; the head; the model itself (not its module list)
+    assert collectives.install_stop_points([big]) == 2 * 3 + 2
     assert collectives.install_stop_points([big]) == 0
     first = big.layers[0]
     ran.clear()
@@ -122,12 +125,20 @@ PROGRAM = textwrap.dedent("""
     loss = big(x).sum()
     stopped(loss.backward, "backward")
     assert first.attention.weight.grad is None
+
+    # stopped with the head's weight gradient: no layer's backward runs
+    collectives.reset()
+    big.zero_grad(set_to_none=True)
+    big.head.weight.register_hook(stop_now)
+    loss = big(x).sum()
+    stopped(loss.backward, "backward")
+    assert all(layer.mlp.weight.grad is None for layer in big.layers)
     print("ok", flush=True)
 """)
 
 
 def test_a_stopped_rank_leaves_forward_and_backward_at_the_next_layer(tmp_path):
-    """And, in a big layer, at the next big sub-module (attention, MLP)."""
+    """And, where modules are big, at the next big module (attention, MLP, output layer)."""
     result = subprocess.run([sys.executable, "-c", PROGRAM], cwd=REPO, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr

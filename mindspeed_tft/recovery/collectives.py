@@ -319,8 +319,20 @@ def _layers(module: Any) -> Iterable[Any]:
             yield from _layers(child)
 
 
-#: a direct child of a layer with at least this many params gets a stop point of its own
+#: a module with at least this many params gets a stop point of its own (besides the layers)
 SUBLAYER_STOP_POINT_PARAMS = 1 << 21
+
+
+def _big_modules(chunk: Any) -> Iterable[Any]:
+    """The modules under `chunk` (itself included) with at least `SUBLAYER_STOP_POINT_PARAMS`
+    params, module containers (which are never called) left out."""
+    import torch
+
+    for module in chunk.modules():
+        if isinstance(module, torch.nn.ModuleList | torch.nn.ModuleDict):
+            continue
+        if sum(p.numel() for p in module.parameters()) >= SUBLAYER_STOP_POINT_PARAMS:
+            yield module
 
 
 def install_stop_points(model: Iterable[Any]) -> int:
@@ -333,22 +345,23 @@ def install_stop_points(model: Iterable[Any]) -> int:
     is one flag check each way and one hook registration: finer points (every module with
     params and every param) cost 3 ms of a 140 ms step at the tiny preset.
 
-    Where a layer is big, so is the work between two layer boundaries (up to ~0.5 s of
-    backward per layer at 60 M parameters on the 2-core test machine): a direct child of a
-    layer with at least `SUBLAYER_STOP_POINT_PARAMS` params (megatron-core's attention and
-    MLP from hidden size ~700 up; not at the tiny preset or at 17 M) gets the same stop
-    point. Idempotent (a module is hooked once); returns the number of modules hooked."""
+    Where modules are big, so is the work between two layer boundaries (up to ~0.5 s of
+    backward per layer at 60 M parameters on the 2-core test machine): every module with at
+    least `SUBLAYER_STOP_POINT_PARAMS` params, inside a layer or not, gets the same stop
+    point. With the Llama shapes of `configs/models` (FFN 2.75 x hidden) that is the MLP from
+    hidden size ~500 up, the attention and FC1 from ~720, QKV and FC2 from ~870, and, with
+    a vocabulary of 4096, the output layer from 512: its backward is the first thing a
+    backward pass does. The tiny preset has none (its whole model is smaller). Each costs
+    one flag check and one hook registration per call, next to millions of params' work.
+    Idempotent (a module is hooked once); returns the number of modules hooked."""
     added = 0
     for chunk in model:
-        for layer in _layers(chunk):
-            big = [child for child in layer.children()
-                   if sum(p.numel() for p in child.parameters()) >= SUBLAYER_STOP_POINT_PARAMS]
-            for module in (layer, *big):
-                if getattr(module, "_tft_stop_point", False):
-                    continue
-                module.register_forward_pre_hook(_stop_point_pre_hook, with_kwargs=True)
-                module._tft_stop_point = True
-                added += 1
+        for module in (*_layers(chunk), *_big_modules(chunk)):
+            if getattr(module, "_tft_stop_point", False):
+                continue
+            module.register_forward_pre_hook(_stop_point_pre_hook, with_kwargs=True)
+            module._tft_stop_point = True
+            added += 1
     return added
 
 
