@@ -33,6 +33,7 @@ CASES = [
      "keys: anyone who reaches it could end the job. Set TTP_CURVE_SERVER_KEY and "
      "TTP_CURVE_AUTHORIZED_KEYS (python -m mindspeed_tft.control.keys DIR), or "
      "TTP_ALLOW_INSECURE=1 to run an unauthenticated control plane anyway"),
+    ({"TFT_CONTROL_NICE": "5"}, "TFT_CONTROL_NICE='5' is not an integer in [-20, 0] (unset: -10)"),
 ]
 
 

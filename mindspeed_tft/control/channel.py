@@ -31,6 +31,7 @@ import zmq
 from .classify import FaultKind
 from .config import ControlConfig, parse_hostport
 from .orders import Order, Orders
+from .priority import raise_priority
 from .protocol import CONTROLLER, DropCounter, MsgType, ProtocolError, decode, encode
 from .transport import CurveKeys, connect_dealer, new_routing_id
 
@@ -155,6 +156,7 @@ class Channel:
 
     # -- I/O thread -----------------------------------------------------------------------
     def _io_main(self) -> None:
+        raise_priority(self.config.thread_nice)  # before the ZeroMQ context: its threads inherit
         ctx = zmq.Context(io_threads=1)
         try:
             self._io_loop(ctx, self._connect(ctx))

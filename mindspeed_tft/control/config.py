@@ -29,6 +29,7 @@ files and logging. `ControlConfig.from_env()` builds it from the environment:
 | `TTP_ALLOW_INSECURE` | 1: let a controller bind a non-loopback address without CURVE, and the metrics endpoint a non-loopback `TFT_METRICS_ADDR` (warned on every start) | 0 | error |
 | `TFT_METRICS_PORT` | port of the active controller's metrics endpoint (OpenMetrics / Prometheus text, `control/metrics.py`; needs `pip install mindspeed-tft[metrics]`); `--tft-metrics-port` sets it; 0 or unset: off, 1..65535 | off | error |
 | `TFT_METRICS_ADDR` | address the metrics endpoint binds (IPv4 or IPv6 literal); a non-loopback one only with `TTP_ALLOW_INSECURE=1` | 127.0.0.1 | error |
+| `TFT_CONTROL_NICE` | nice value the control plane's threads ask for (controller loop, processor I/O, their ZeroMQ I/O threads; `control/priority.py`), -20..0; 0: leave them at the process's priority; below it needs CAP_SYS_NICE or RLIMIT_NICE, and where refused the log says so once | -10 | error |
 | `TTP_LOG_PATH` | log folder (file `ttp_log.log`) | logs | - |
 | `TTP_LOG_LEVEL` | DEBUG, INFO, WARNING, ERROR | INFO | error |
 | `TTP_LOG_MODE` | ONLY_ONE (one file) or PER_PROC (one file per process) | ONLY_ONE | error |
@@ -57,6 +58,8 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+from .priority import NICE_RANGE
 
 log = logging.getLogger("mindspeed_tft.control")
 
@@ -252,6 +255,8 @@ class ControlConfig:
     #: the active controller's metrics endpoint (control/metrics.py): port (0: off), address
     metrics_port: int = 0
     metrics_addr: str = DEFAULT_ADDR
+    #: nice value of the control plane's threads (`control/priority.py`; 0: unchanged)
+    thread_nice: int = -10
     #: what setup_logging warns about on every start (e.g. a switched-off safety)
     warnings: list[str] = field(default_factory=list, repr=False, compare=False)
 
@@ -267,6 +272,10 @@ class ControlConfig:
         self.port = parse_port(self.port, "port", allow_any=True)  # 0: a controller binds any port
         self.metrics_port = parse_port(self.metrics_port, "metrics_port", allow_any=True)  # 0: off
         self.metrics_addr = parse_ip(self.metrics_addr, "metrics_addr")
+        if not NICE_RANGE[0] <= self.thread_nice <= NICE_RANGE[1]:
+            raise ControlConfigError(
+                f"thread_nice={self.thread_nice} is out of range (allowed: {NICE_RANGE[0]}.."
+                f"{NICE_RANGE[1]})")
 
     @property
     def lost_after(self) -> float:
@@ -330,6 +339,7 @@ class ControlConfig:
             "log_stdout": _choice(env, "TTP_LOG_STDOUT", "0", ("0", "1")) == "1",
             "metrics_port": _metrics_port(env),
             "metrics_addr": parse_ip(env.get(METRICS_ADDR_ENV) or DEFAULT_ADDR, METRICS_ADDR_ENV),
+            "thread_nice": int(_number(env, "TFT_CONTROL_NICE", -10, *NICE_RANGE, integer=True)),
         }
         if (env.get("TFT_REPLACEMENT_WAIT") or "").strip():
             values["replacement_wait"] = _number(env, "TFT_REPLACEMENT_WAIT",

@@ -45,6 +45,7 @@ from .classify import FaultKind
 from .config import ControlConfig, ControlConfigError, setup_logging
 from .elasticity import Elasticity
 from .incident import Incident, IncidentFlow, IncidentStats
+from .priority import raise_priority
 from .protocol import (
     CONTROLLER,
     TO_CONTROLLER,
@@ -276,6 +277,7 @@ class Controller:
 
     def _main(self) -> None:
         self._loop_ident = threading.get_ident()
+        raise_priority(self.config.thread_nice)  # before the ZeroMQ context: its threads inherit
         try:
             self._setup()
         except BaseException as e:

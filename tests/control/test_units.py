@@ -157,6 +157,8 @@ BAD_ENV_VALUES = [  # every value the environment may give that cannot be used: 
     ("TTP_LOG_LEVEL", "LOUD", "is not one of DEBUG, INFO, WARNING, ERROR (unset: INFO)"),
     ("TTP_LOG_MODE", "MANY", "is not one of ONLY_ONE, PER_PROC (unset: ONLY_ONE)"),
     ("TTP_LOG_STDOUT", "yes", "is not one of 0, 1 (unset: 0)"),
+    ("TFT_CONTROL_NICE", "5", "is not an integer in [-20, 0] (unset: -10)"),
+    ("TFT_CONTROL_NICE", "-2.5", "is not an integer in [-20, 0] (unset: -10)"),
 ]
 
 
@@ -175,6 +177,10 @@ def test_config_values_in_range() -> None:
     c = ControlConfig.from_env({"TTP_PARK_TIMEOUT": "2.5", "TTP_EXIT_GRACE": "1",
                                 "TTP_HEARTBEAT_MISSES": " 4 "})
     assert (c.park_timeout, c.exit_grace, c.heartbeat_misses) == (2.5, 1.0, 4)
+    assert (ControlConfig.from_env({}).thread_nice,
+            ControlConfig.from_env({"TFT_CONTROL_NICE": "0"}).thread_nice) == (-10, 0)
+    with pytest.raises(ControlConfigError, match=r"thread_nice=1 is out of range"):
+        ControlConfig(thread_nice=1)
     # code (tests) may ask for limits the environment may not
     assert ControlConfig(action_time_limit=1.5).action_time_limit == 1.5
     with pytest.raises(ControlConfigError):
