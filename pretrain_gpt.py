@@ -12,9 +12,13 @@ from __future__ import annotations
 
 from functools import partial
 
-import torch
+from mindspeed_tft.startup import defer_gc
 
-from mindspeed_tft.platform import import_megatron_core
+defer_gc()  # until pretrain() begins: see mindspeed_tft.startup
+
+import torch  # noqa: E402
+
+from mindspeed_tft.platform import import_megatron_core  # noqa: E402
 
 import_megatron_core()  # first: on CPU, megatron-core's fused helpers stay eager
 

@@ -7,6 +7,10 @@ named moment at which the Megatron-LM host adaptor is installed (`mindspeed_tft.
 it is, with `mindspeed_tft.torchrun_adaptor`, the only module whose import changes anything.
 """
 
-from mindspeed_tft.megatron import install
+from mindspeed_tft.startup import defer_gc
+
+defer_gc()  # until Megatron-LM's pretrain() begins: see mindspeed_tft.startup
+
+from mindspeed_tft.megatron import install  # noqa: E402
 
 install()

@@ -65,6 +65,8 @@ def megatron_reference(
     cache: dict[tuple, JobResult] = {}
 
     def get(layout: str, **config) -> JobResult:
+        # no extra arguments is one configuration, however it is spelled (None, [])
+        config = {k: v for k, v in config.items() if not (k == "extra_args" and not v)}
         key = (layout, repr(sorted(config.items())))
         if key not in cache:
             run_dir = tmp_path_factory.mktemp(f"megatron-reference-{layout}")

@@ -22,6 +22,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2)
     sys.argv = [script, *argv[1:]]
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` would
+    from mindspeed_tft.startup import defer_gc
+
+    defer_gc()  # until Megatron-LM's pretrain() begins: see mindspeed_tft.startup
     from mindspeed_tft.megatron import install
 
     install()

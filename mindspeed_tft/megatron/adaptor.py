@@ -591,10 +591,12 @@ def wrap_compile_helpers(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def wrap_pretrain(original: Callable[..., Any]) -> Callable[..., Any]:
     def pretrain(*args: Any, **kwargs: Any) -> Any:
-        from mindspeed_tft.launcher.spare import wait_for_assignment
+        from mindspeed_tft import startup
+        from mindspeed_tft.launcher.spare import LAZY_TORCH_IMPORTS, wait_for_assignment
 
         # a warm spare of tft-run: imports done, waits for its rank
         wait_for_assignment(warm_imports=SETUP_IMPORTS)
+        startup.imports_done(also=LAZY_TORCH_IMPORTS)
         result = original(*args, **kwargs)
         plugin = _host.plugin
         if plugin is not None:
