@@ -1,19 +1,14 @@
 """A worker's start-up without the cyclic garbage collector's passes over the import-time heap.
 
-Importing torch and megatron-core builds ~600 k Python objects. While they are being built,
-CPython's cyclic collector runs its full collection again and again (each one walks every
-object built so far), about 1 s of a worker's ~5 s of imports on this project's CPU machine
-(`python -c "import megatron.core.models.gpt"`: 4.8-5.3 s CPU with the collector, 3.8-4.3
-s without it). Worse, the first full collection after the imports walks them all once more
-at some moment of training (~0.3 s).
-
-So a worker's entry point calls `defer_gc` before its first import of torch, and its
-host's `pretrain()` calls `imports_done` once the imports are done (after a warm spare's
-wait, before anything is built): it freezes what exists (`gc.freeze`: later collections
-never walk it; the few thousand cyclic leftovers of the imports stay, a few MB) and switches
-the collector back on. Model, optimizer and data are built with the collector on, so no
-tensor of theirs can be kept alive by the freeze. A process whose collector was already off
-(the user's choice) is left as it is.
+Importing torch and megatron-core builds ~600 k Python objects, and CPython's collector walks
+all of them again at each full collection while they are being built (figures: docs/design.md,
+section 9, "Imports without the cyclic garbage collector"). So a worker's entry point calls
+`defer_gc` before its first import of torch, and its host's `pretrain()` calls `imports_done`
+once the imports are done (after a warm spare's wait, before anything is built): it freezes
+what exists (`gc.freeze`: later collections never walk it; the few thousand cyclic leftovers
+of the imports stay) and switches the collector back on. Model, optimizer and data are built
+with the collector on, so no tensor of theirs can be kept alive by the freeze. A process
+whose collector was already off (the user's choice) is left as it is.
 """
 
 from __future__ import annotations
