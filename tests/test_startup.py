@@ -88,7 +88,8 @@ def test_the_reference_trainers_pretrain_switches_it_back_on(tmp_path):
 def test_megatron_lm_routes(megatron_lm, tmp_path):
     """The one-line import leaves the collector off for the script's own imports; with
     `python -m mindspeed_tft.megatron`, Megatron-LM's `pretrain()` switches it back on (a
-    flag the plugin refuses inside it ends the run there)."""
+    flag the plugin refuses inside it ends the run there); a loop of its own, when it
+    parses Megatron-LM's arguments."""
     imported = _python("import mindspeed_tft.megatron_adaptor", probe_dir=tmp_path,
                        megatron_lm=megatron_lm)
     assert imported.returncode == 0, imported.stderr[-2000:]
@@ -99,3 +100,10 @@ def test_megatron_lm_routes(megatron_lm, tmp_path):
     assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
     assert "--exit-signal-handler cannot be combined" in refused.stderr
     assert _probe(refused) == (True, True, True, True)
+    # a loop of its own (MindSpeed-LLM's) that parses Megatron-LM's arguments itself
+    parsed = _python("import mindspeed_tft.megatron_adaptor\n"
+                     "from megatron.training.arguments import parse_args\n"
+                     "parse_args()", "--num-layers", "2", probe_dir=tmp_path,
+                     megatron_lm=megatron_lm)
+    assert parsed.returncode == 0, parsed.stderr[-2000:]
+    assert _probe(parsed) == (True, True, True, True)

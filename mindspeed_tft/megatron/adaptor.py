@@ -4,8 +4,9 @@ Nothing of Megatron-LM is copied or edited; the functions below wrap Megatron-LM
 (core_v0.12.1) where its `pretrain()` calls them, and are installed together as the
 ``megatron-lm`` moment of `mindspeed_tft.patches`:
 
-- `parse_args` / `validate_args`: the mindspeed-tft flags join Megatron-LM's parser (unless
-  a framework built on it, MindSpeed-LLM, already has them); after Megatron-LM's own
+- `parse_args` / `validate_args`: the end of the start-up imports (`mindspeed_tft.startup`,
+  for a loop that does not enter `pretrain()`); the mindspeed-tft flags join Megatron-LM's
+  parser (unless a framework built on it, MindSpeed-LLM, already has them); after its own
   validation, `validate_tft_args` and the combinations this host cannot serve
   (`HOST_REFUSALS`: each refused with the flag and the fix). With high availability the
   checkpoint format is Megatron-LM's ``torch`` (the dump is written in it), chosen for the
@@ -247,6 +248,12 @@ def _with_tft_args(extra_args_provider: Any) -> Callable[[argparse.ArgumentParse
 
 def wrap_parse_args(original: Callable[..., Any]) -> Callable[..., Any]:
     def parse_args(extra_args_provider: Any = None, ignore_unknown_args: bool = False) -> Any:
+        from mindspeed_tft import startup
+        from mindspeed_tft.launcher.spare import LAZY_TORCH_IMPORTS
+
+        # a loop that does not enter Megatron-LM's pretrain() (see wrap_pretrain) still
+        # parses its arguments before it builds anything
+        startup.imports_done(also=LAZY_TORCH_IMPORTS)
         return original(_with_tft_args(extra_args_provider), ignore_unknown_args)
 
     return parse_args
