@@ -26,41 +26,56 @@ LAYOUTS = {
 COPIED = {"optimizer", "param"}  # the other targets hold nothing to copy back
 
 
-FAULTS = ["uce:param", "uce:grad", "uce:activation", "comm"]
-# optimizer state in bf16 and every other target in fp32 (4x faster here) on dp4; optimizer
-# state and a comm error on tp2dp2 (the suite's time budget)
-CASES = [("dp4-bf16", "uce:optimizer"), *(("dp4", fault) for fault in FAULTS),
-         ("tp2dp2", "uce:optimizer"), ("tp2dp2", "comm")]
+# optimizer state in bf16 and every other target in fp32 (4x faster here) on dp4, two
+# faults per job (steps 4 and 10: the second repair starts from a job repaired once);
+# optimizer state and a comm error on tp2dp2 (the suite's time budget)
+CASES = [("dp4-bf16", ("uce:optimizer",)), ("dp4", ("uce:param", "uce:grad")),
+         ("dp4", ("uce:activation", "comm")), ("tp2dp2", ("uce:optimizer",)),
+         ("tp2dp2", ("comm",))]
+#: the steps of a job's two faults on dp4 (the other layouts: one, at LAYOUTS' step)
+DP4_STEPS = (4, 10)
 
 
-@pytest.mark.parametrize(("layout", "fault"), CASES)
-def test_repaired_in_place_and_bit_exact(layout, fault, reference_job, tmp_path):
+@pytest.mark.parametrize(("layout", "faults"), CASES,
+                         ids=[f"{layout}-{'+'.join(faults)}" for layout, faults in CASES])
+def test_repaired_in_place_and_bit_exact(layout, faults, reference_job, tmp_path):
     config, step = LAYOUTS[layout]
+    steps = DP4_STEPS[:len(faults)] if layout == "dp4" else (step,)
     reference = reference_job(ha_args=HA_ARGS, **config)
-    kind, _, target = fault.partition(":")
-    spec = f"{kind}:rank=2,step={step},phase=backward" + (f",target={target}" if target else "")
-    job = run_tiny_job(tmp_path, inject=spec, ha_args=RETRY_ARGS, **config)
+    specs = []
+    for fault, at in zip(faults, steps, strict=True):
+        kind, _, target = fault.partition(":")
+        specs.append(f"{kind}:rank=2,step={at},phase=backward"
+                     + (f",target={target}" if target else ""))
+    job = run_tiny_job(tmp_path, inject=";".join(specs), ha_args=RETRY_ARGS, **config)
     assert job.returncode == 0, job.describe()
 
-    assert [e["strategy"] for e in job.named("strategy")] == ["retry"]
+    assert [e["strategy"] for e in job.named("strategy")] == ["retry"] * len(faults)
     assert [e["state"] for e in job.named("state")] == [
-        "INIT", "NORMAL", "ABNORMAL", "ENV_CLEAR", "REPAIR", "NORMAL", "EXIT", "FINAL"]
-    detected = [e for e in job.named("fault_detected") if e["ranks"] == [2]]
-    assert detected[0]["kind"] == ("uce" if kind == "uce" else "comm")
+        "INIT", "NORMAL", *["ABNORMAL", "ENV_CLEAR", "REPAIR", "NORMAL"] * len(faults),
+        "EXIT", "FINAL"]
+    incidents = sorted({e["incident"] for e in job.named("strategy")})
+    copied = [(2, at) for fault, at in zip(faults, steps, strict=True)
+              if fault.partition(":")[2] in COPIED]
     received = job.named("shard_received")
-    if target in COPIED:
-        assert [(e["rank"], e["iteration"]) for e in received] == [(2, step)]
-        assert received[0]["source"] == 0  # rank 2's replica peer in both layouts
-    else:
-        assert received == []
-    assert sorted(e["rank"] for e in job.named("rolled_back")) == [0, 1, 2, 3]
-    # A fault before the update leaves every rank's params those of the lock step: the
-    # rollback all-gathers them only where a UCE hit them (the distributed optimizer; without
-    # it every rank derives all its params from its own main params)
-    gathered = target == "param" and config.get("dist_opt", True)
-    assert {e["params_gathered"] for e in job.named("rolled_back")} == {gathered}
+    assert [(e["rank"], e["iteration"]) for e in received] == copied
+    # rank 2's replica peer in both layouts
+    assert all(e["source"] == 0 for e in received)
+    for fault, at, incident in zip(faults, steps, incidents, strict=True):
+        kind, _, target = fault.partition(":")
+        detected = [e for e in job.named("fault_detected")
+                    if e["ranks"] == [2] and e.get("incident") == incident]
+        assert detected[0]["kind"] == ("uce" if kind == "uce" else "comm")
+        rolled = [e for e in job.named("rolled_back") if e["iteration"] == at]
+        assert sorted(e["rank"] for e in rolled) == [0, 1, 2, 3]
+        # A fault before the update leaves every rank's params those of the lock step: the
+        # rollback all-gathers them only where a UCE hit them (the distributed optimizer;
+        # without it every rank derives all its params from its own main params)
+        gathered = target == "param" and config.get("dist_opt", True)
+        assert {e["params_gathered"] for e in rolled} == {gathered}
+    assert len(job.named("rolled_back")) == 4 * len(faults)
 
-    # Same processes before and after the repair: one pid per rank.
+    # Same processes before and after the repairs: one pid per rank.
     pids = job.pids()
     assert sorted(pids) == [0, 1, 2, 3] and all(len(p) == 1 for p in pids.values())
     # Every iteration logged once with the fault-free run's loss; the replicas agree after

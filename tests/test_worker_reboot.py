@@ -42,10 +42,6 @@ LAYOUTS = {
     # d = 2: the bf16 optimizer is its own replica (N = d)
     "tp2dp2": {"layout": "tp2dp2", "dist_opt": False, "train_iters": 10, "save_interval": 5},
 }
-# (phase, the iteration the job rolls back to, the rank killed): a kill inside the update of
-# step s leaves the survivors' update done, so the lock step is s + 1; there the killed rank
-# is the logging rank (the last), which never logs iteration s + 1: its replacement does
-PHASES = [("forward", 0, 1), ("backward", 0, 1), ("optimizer", 1, 3)]
 
 
 def _assert_repaired(job, reference, restarted: dict[int, int]) -> None:
@@ -63,9 +59,15 @@ def _assert_repaired(job, reference, restarted: dict[int, int]) -> None:
         r for r, n in restarted.items() for _ in range(n))
 
 
-# every phase on dp4, a backward-pass kill on tp2dp2 (Megatron-LM's loop repeats DP4 and the
-# pipeline layout PP2xDP2 under tft-run: tests/test_megatron_lm.py), within CI's time budget
-CASES = [("dp4", *phase) for phase in PHASES] + [("tp2dp2", *PHASES[1])]
+# a kill inside the update on dp4 and a backward-pass kill on tp2dp2; on dp4 the kills in
+# the forward and the backward pass are the two faults of `test_two_faults_...` below
+# (Megatron-LM's loop repeats DP4 and the pipeline layout PP2xDP2 under tft-run:
+# tests/test_megatron_lm.py), within CI's time budget
+# (layout, phase, the lock step minus the killed step, the rank killed): a kill inside the
+# update of step s leaves the survivors' update done, so the lock step is s + 1; there the
+# killed rank is the logging rank (the last), which never logs iteration s + 1: its
+# replacement does
+CASES = [("dp4", "optimizer", 1, 3), ("tp2dp2", "backward", 0, 1)]
 
 
 @pytest.mark.parametrize(("layout", "phase", "behind", "rank"), CASES)
@@ -79,24 +81,33 @@ def test_killed_worker_is_replaced_and_training_is_bit_exact(
                        ha_args=ARF_ARGS, launcher="tft-run", **config)
     _assert_repaired(job, reference, {rank: 1})
     assert [e["strategy"] for e in job.named("strategy")] == ["recover"]
-    (received,) = job.named("shard_received")
-    assert received["rank"] == rank and received["iteration"] == step + behind
-    assert {e["iteration"] for e in job.named("rolled_back")} == {step + behind}
-    # The new process has no params. With the distributed optimizer its replica peer sends
-    # its complete params with the shard, and nothing is all-gathered; unless the kill came
-    # inside the update: then rank 2's param all-gather with the killed rank 3 was cut off,
-    # and every rank all-gathers in the rollback. Without it, every rank derives its params
-    # locally.
-    gathered = {e["params_gathered"] for e in job.named("rolled_back")}
-    if not config.get("dist_opt", True):
-        assert received["param_bytes"] == 0 and gathered == {False}
-    elif phase != "optimizer":
-        assert received["param_bytes"] > 0 and gathered == {False}
-    else:
-        assert gathered == {True}
+    _assert_shard_and_params(job, config, [(rank, step + behind, phase)])
+
+
+def _assert_shard_and_params(job, config: dict, kills: list[tuple[int, int, str]]) -> None:
+    """Per kill (rank, lock step, phase), in order: the killed rank received its shard of
+    the lock step, every rank rolled back to it, the params came as below, and the launcher
+    reported the rank lost."""
+    received = job.named("shard_received")
+    assert [(e["rank"], e["iteration"]) for e in received] == [(r, s) for r, s, _ in kills]
+    rolled = job.named("rolled_back")
+    assert sorted({e["iteration"] for e in rolled}) == sorted(s for _, s, _ in kills)
     lost = [e for e in job.named("fault_detected") if e["kind"] == "lost"]
-    assert [e["ranks"] for e in lost] == [[rank]]
-    assert "reported by its launcher" in lost[0]["message"]
+    assert [e["ranks"] for e in lost] == [[r] for r, _, _ in kills]
+    for got, (_rank, step, phase), detected in zip(received, kills, lost, strict=True):
+        # The new process has no params. With the distributed optimizer its replica peer
+        # sends its complete params with the shard, and nothing is all-gathered; unless the
+        # kill came inside the update: then rank 2's param all-gather with the killed rank 3
+        # was cut off, and every rank all-gathers in the rollback. Without it, every rank
+        # derives its params locally.
+        gathered = {e["params_gathered"] for e in rolled if e["iteration"] == step}
+        if not config.get("dist_opt", True):
+            assert got["param_bytes"] == 0 and gathered == {False}
+        elif phase != "optimizer":
+            assert got["param_bytes"] > 0 and gathered == {False}
+        else:
+            assert gathered == {True}
+        assert "reported by its launcher" in detected["message"]
 
 
 def test_hung_worker_is_detected_killed_and_replaced(reference_job, tmp_path):
@@ -133,8 +144,9 @@ def test_hung_worker_is_detected_killed_and_replaced(reference_job, tmp_path):
 
 
 def test_two_faults_at_different_steps_are_both_repaired(reference_job, tmp_path):
-    """With a warm spare (`--tft-spares-per-node 1`): the first killed rank is taken over by
-    the spare, which imported everything its set-up needs before it was ready; the second
+    """A kill in the backward pass, then one in the forward pass (the dp4 cases of the test
+    above). With a warm spare (`--tft-spares-per-node 1`): the first killed rank is taken
+    over by the spare, which imported everything its set-up needs before it was ready; the second
     kill comes before the next spare is ready (it starts with the first takeover and needs
     seconds of imports): a cold restart. Both repairs are bit-exact."""
     config = LAYOUTS["dp4"]
@@ -146,6 +158,7 @@ def test_two_faults_at_different_steps_are_both_repaired(reference_job, tmp_path
     _assert_repaired(job, reference, {1: 1, 2: 1})
     assert [e["strategy"] for e in job.named("strategy")] == ["recover", "recover"]
     assert [e["lock_step"] for e in job.named("repaired")] == [5, 13]
+    _assert_shard_and_params(job, config, [(1, 5, "backward"), (2, 13, "forward")])
     spare, late = job.spare_handover(1)
     ready = re.search(rf"warm spare pid {spare} is ready", job.output)
     first_iteration = re.search(r" iteration +1/", job.output)
