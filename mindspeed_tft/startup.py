@@ -17,6 +17,12 @@ import gc
 from collections.abc import Iterable
 from importlib import import_module
 
+#: modules a worker's set-up imports on first use, which `imports_done` (and a warm spare,
+#: before it is ready) imports ahead: torch imports `torch._dynamo` on the first
+#: construction of a `torch.optim.Optimizer` (its `_disable_dynamo` wrapper), 0.8 s of a
+#: repair with a spare on this project's CPU machine
+LAZY_TORCH_IMPORTS = ("torch._dynamo",)
+
 _deferred = False
 
 
@@ -29,7 +35,7 @@ def defer_gc() -> None:
         _deferred = True
 
 
-def imports_done(also: Iterable[str] = ()) -> None:
+def imports_done(also: Iterable[str] = LAZY_TORCH_IMPORTS) -> None:
     """Import the modules `also` (what the set-up would import on first use anyway), freeze
     every object there is and switch the collector back on (if `defer_gc` switched it off)."""
     global _deferred

@@ -34,6 +34,8 @@ from collections.abc import Iterable
 from importlib import import_module
 from typing import Any, NoReturn
 
+from mindspeed_tft.startup import LAZY_TORCH_IMPORTS
+
 from .procfs import has_ended
 
 #: "1" in a spare's environment
@@ -51,10 +53,6 @@ PREDECESSOR_PID_ENV = "TFT_PREDECESSOR_PID"
 PREDECESSOR_WAIT_SECONDS = 60.0
 #: longest message accepted on the channel
 MAX_MESSAGE_BYTES = 1 << 20
-#: modules a worker's setup imports on first use, which a spare imports before it is ready:
-#: torch imports `torch._dynamo` on the first construction of a `torch.optim.Optimizer` (its
-#: `_disable_dynamo` wrapper), 0.8 s of a repair on this project's CPU machine
-LAZY_TORCH_IMPORTS = ("torch._dynamo",)
 
 #: (monotonic time, modules loaded) when this spare took its rank; None before, or in a worker
 _assignment: tuple[float, frozenset[str]] | None = None

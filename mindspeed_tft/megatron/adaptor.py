@@ -249,11 +249,10 @@ def _with_tft_args(extra_args_provider: Any) -> Callable[[argparse.ArgumentParse
 def wrap_parse_args(original: Callable[..., Any]) -> Callable[..., Any]:
     def parse_args(extra_args_provider: Any = None, ignore_unknown_args: bool = False) -> Any:
         from mindspeed_tft import startup
-        from mindspeed_tft.launcher.spare import LAZY_TORCH_IMPORTS
 
         # a loop that does not enter Megatron-LM's pretrain() (see wrap_pretrain) still
         # parses its arguments before it builds anything
-        startup.imports_done(also=LAZY_TORCH_IMPORTS)
+        startup.imports_done()
         return original(_with_tft_args(extra_args_provider), ignore_unknown_args)
 
     return parse_args
@@ -599,11 +598,11 @@ def wrap_compile_helpers(original: Callable[..., Any]) -> Callable[..., Any]:
 def wrap_pretrain(original: Callable[..., Any]) -> Callable[..., Any]:
     def pretrain(*args: Any, **kwargs: Any) -> Any:
         from mindspeed_tft import startup
-        from mindspeed_tft.launcher.spare import LAZY_TORCH_IMPORTS, wait_for_assignment
+        from mindspeed_tft.launcher.spare import wait_for_assignment
 
         # a warm spare of tft-run: imports done, waits for its rank
         wait_for_assignment(warm_imports=SETUP_IMPORTS)
-        startup.imports_done(also=LAZY_TORCH_IMPORTS)
+        startup.imports_done()
         result = original(*args, **kwargs)
         plugin = _host.plugin
         if plugin is not None:

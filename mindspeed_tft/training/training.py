@@ -384,12 +384,12 @@ def pretrain(
 ) -> int:
     """Initialize, set up, train, save; returns the final iteration (Megatron-LM's shape)."""
     from mindspeed_tft import patches, startup
-    from mindspeed_tft.launcher.spare import LAZY_TORCH_IMPORTS, wait_for_assignment
+    from mindspeed_tft.launcher.spare import wait_for_assignment
     from mindspeed_tft.plugin import SETUP_IMPORTS, TFTPlugin
 
     # A warm spare of `tft-run` (imports done) waits here until it takes over a failed rank.
     wait_for_assignment(warm_imports=(*SETUP_IMPORTS, *SETUP_MODULES))
-    startup.imports_done(also=LAZY_TORCH_IMPORTS)
+    startup.imports_done()
     from mindspeed_tft.training.data import build_data_iterator, get_train_valid_test_num_samples
 
     args = initialize_megatron(extra_args_provider, extra_args_validator, argv,
