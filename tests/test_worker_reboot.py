@@ -59,14 +59,12 @@ def _assert_repaired(job, reference, restarted: dict[int, int]) -> None:
         r for r, n in restarted.items() for _ in range(n))
 
 
-# a kill inside the update on dp4 and a backward-pass kill on tp2dp2; on dp4 the kills in
-# the forward and the backward pass are the two faults of `test_two_faults_...` below
-# (Megatron-LM's loop repeats DP4 and the pipeline layout PP2xDP2 under tft-run:
-# tests/test_megatron_lm.py), within CI's time budget
 # (layout, phase, the lock step minus the killed step, the rank killed): a kill inside the
 # update of step s leaves the survivors' update done, so the lock step is s + 1; there the
 # killed rank is the logging rank (the last), which never logs iteration s + 1: its
-# replacement does
+# replacement does. On dp4 the kills in the forward and the backward pass are the two
+# faults of `test_two_faults_...` below; Megatron-LM's loop repeats DP4 and PP2xDP2 under
+# tft-run (tests/test_megatron_lm.py); all within CI's time budget.
 CASES = [("dp4", "optimizer", 1, 3), ("tp2dp2", "backward", 0, 1)]
 
 
@@ -146,9 +144,9 @@ def test_hung_worker_is_detected_killed_and_replaced(reference_job, tmp_path):
 def test_two_faults_at_different_steps_are_both_repaired(reference_job, tmp_path):
     """A kill in the backward pass, then one in the forward pass (the dp4 cases of the test
     above). With a warm spare (`--tft-spares-per-node 1`): the first killed rank is taken
-    over by the spare, which imported everything its set-up needs before it was ready; the second
-    kill comes before the next spare is ready (it starts with the first takeover and needs
-    seconds of imports): a cold restart. Both repairs are bit-exact."""
+    over by the spare, which imported everything its set-up needs before it was ready; the
+    second kill comes before the next spare is ready (it starts with the first takeover and
+    needs seconds of imports): a cold restart. Both repairs are bit-exact."""
     config = LAYOUTS["dp4"]
     reference = reference_job(ha_args=HA_ARGS, **config)
     job = run_tiny_job(
