@@ -111,7 +111,8 @@ def attack(port: int, seconds: float, sent: dict[str, float], rate: float = 4e6,
     rng = random.Random(5)
     start = time.monotonic()
     next_cut = start
-    i = 0
+    i = nbig = 0  # the 1 MB frames go in order (the bare one, then the processor's types
+    # first), so the first seconds of the flood hold every kind whatever its length
     while (now := time.monotonic()) - start < seconds:
         if sent["frames"] > small_rate * (now - start):
             time.sleep(0.001)
@@ -119,7 +120,7 @@ def attack(port: int, seconds: float, sent: dict[str, float], rate: float = 4e6,
         i += 1
         sock = socks[i % sockets]
         if sent["bytes"] < rate * (now - start):  # the 1 MB frames make up the byte rate
-            frame: bytes | list[bytes] = big[i % len(big)]
+            frame: bytes | list[bytes] = big[nbig % len(big)]
         else:
             frame = small[rng.randrange(len(small))]
         try:
@@ -132,6 +133,7 @@ def attack(port: int, seconds: float, sent: dict[str, float], rate: float = 4e6,
             time.sleep(0.001)
             continue
         sent["frames"] += 1
+        nbig += frame is big[nbig % len(big)]
         sent["bytes"] += sum(map(len, frame)) if isinstance(frame, list) else len(frame)
         sent["seconds"] = now - start
         if now >= next_cut:
@@ -233,8 +235,8 @@ def test_flood_of_hostile_frames_changes_nothing(reference_job, tmp_path):
     losses = {e["iteration"]: e["loss"] for e in all_events if e["event"] == "iteration"}
     assert losses == reference.losses() and len(losses) == BF16["train_iters"]
     # the flood was real and reached the controller: several MB/s, every kind refused
-    # repeatedly (on a quiet machine the job ends about 4 s into the flood: a few of the
-    # 1 MB typed frames, the `oversized` ones, by then)
+    # repeatedly (on a quiet machine the job ends 3-4 s into the flood: about ten of the
+    # 1 MB frames by then; the first four hold three `oversized` ones)
     assert sent["bytes"] / sent["seconds"] > 2e6, sent
     for reason in ("malformed", "oversized", "unexpected_type", "unregistered", "schema"):
         assert drops.get(reason, 0) >= 3, (reason, drops)
