@@ -47,18 +47,33 @@ def _child(kind: str, argv: list[str], env: dict[str, str], cwd: str, log: str) 
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    if kind == "controller":
-        from mindspeed_tft.control.controller import main as controller_main
-        sys.exit(controller_main(argv))
-    from tests.control.ctl_worker import main as worker_main
-    worker_main(argv)
+    code: object = 1
+    try:
+        if kind == "controller":
+            from mindspeed_tft.control.controller import main as controller_main
+            code = controller_main(argv)
+        else:
+            from tests.control.ctl_worker import main as worker_main
+            code = worker_main(argv)
+    except SystemExit as e:
+        code = e.code
+    finally:  # the status a signal-free exit has (multiprocessing's rule), where Proc reads it
+        status = 0 if code is None else code if isinstance(code, int) else 1
+        Path(log + ".rc").write_text(str(status))
+    sys.exit(status)
 
 
 class Proc:
-    """A forked process with the part of `subprocess.Popen` the tests use."""
+    """A forked process with the part of `subprocess.Popen` the tests use.
+
+    Its exit status comes from the forkserver through a pipe; where that read fails
+    (multiprocessing answers 255 then: once in a few hundred suites a controller that
+    exited 75 read as 255 here) the status the child wrote to `<log>.rc` stands in."""
 
     def __init__(self, kind: str, argv: list[str], env: dict[str, str], cwd: Path,
                  log: Path) -> None:
+        self._rc_file = Path(str(log) + ".rc")
+        self._rc_file.unlink(missing_ok=True)
         self._p = _mp().Process(target=_child, args=(kind, argv, env, str(cwd), str(log)),
                                 daemon=True)
         self._p.start()
@@ -66,16 +81,20 @@ class Proc:
 
     @property
     def returncode(self) -> int | None:
-        return self._p.exitcode
+        code = self._p.exitcode
+        if code == 255 and self._rc_file.exists():
+            return int(self._rc_file.read_text())
+        return code
 
     def poll(self) -> int | None:
-        return self._p.exitcode
+        return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         self._p.join(timeout)
-        if self._p.exitcode is None:
+        code = self.returncode
+        if code is None:
             raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0)
-        return self._p.exitcode
+        return code
 
     def send_signal(self, sig: int) -> None:
         if self._p.exitcode is None:
