@@ -67,8 +67,8 @@ class Proc:
     """A forked process with the part of `subprocess.Popen` the tests use.
 
     Its exit status comes from the forkserver through a pipe; where that read fails
-    (multiprocessing answers 255 then: once in a few hundred suites a controller that
-    exited 75 read as 255 here) the status the child wrote to `<log>.rc` stands in."""
+    (multiprocessing answers 255 then; seen once: a controller whose events said exit 75
+    read as 255) the status the child wrote to `<log>.rc` stands in."""
 
     def __init__(self, kind: str, argv: list[str], env: dict[str, str], cwd: Path,
                  log: Path) -> None:
