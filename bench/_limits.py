@@ -9,10 +9,13 @@ median of R runs after one warm-up run, into buffers that already exist (touched
 - `p2p_s`: `dist.send` of one contiguous B-byte tensor from rank s to rank d (what the
   shard copy has to move at least);
 - `copy_s`: `Tensor.copy_` of C bytes into an existing tensor on one rank (memory bandwidth);
-- `gather_s`: `dist.all_gather_into_tensor` of a G-byte buffer (each rank gives G / k) in
-  each group of `gather_groups` at once, as the rollback's param all-gather does.
+- `all_gather_s`: `dist.all_gather_into_tensor` of a G-byte buffer (each rank gives G / k)
+  in each group of `gather_groups` at once; `exchange_s`: the same result from
+  point-to-point sends (each rank sends its part to every other rank of its group and
+  receives theirs); `gather_s`: the faster of the two, the limit of the rollback's param
+  gather (on gloo the exchange: `recovery.rollback.gather_chunk_params`).
 
-Rank 0 prints one JSON line {"p2p_s", "copy_s", "gather_s"}.
+Rank 0 prints one JSON line {"p2p_s", "copy_s", "all_gather_s", "exchange_s", "gather_s"}.
 """
 
 from __future__ import annotations
@@ -69,8 +72,22 @@ def main() -> None:
     def gather() -> None:
         dist.all_gather_into_tensor(gathered, part, group=groups[mine])
 
+    ranks = spec["gather_groups"][mine]
+    parts = gathered.chunk(size)
+
+    def exchange() -> None:
+        index = ranks.index(me)
+        works = []
+        for other, peer in enumerate(ranks):
+            if other != index:
+                works.append(dist.isend(parts[index], dst=peer, group=groups[mine]))
+                works.append(dist.irecv(parts[other], src=peer, group=groups[mine]))
+        for work in works:
+            work.wait()
+
     result = {"p2p_s": _timed(send, repeats), "copy_s": _timed(copy, repeats),
-              "gather_s": _timed(gather, repeats)}
+              "all_gather_s": _timed(gather, repeats), "exchange_s": _timed(exchange, repeats)}
+    result["gather_s"] = min(result["all_gather_s"], result["exchange_s"])
     if me == 0:
         print(json.dumps({k: round(v, 5) for k, v in result.items()}), flush=True)
     dist.barrier()

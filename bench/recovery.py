@@ -42,7 +42,8 @@ log lines (both stamped with the same clock):
 Repair cost against the machine's limits: after each size's jobs, `bench/_limits.py` measures
 on the same 4 ranks and backend the time of one torch.distributed send of the shard's bytes
 (ARF's sender and receiver), of a plain tensor copy of them, and of the rollback's param
-all-gather; the shard copy (`shard_received`) and the rollback (`rolled_back`) are reported
+gather (all-gather, and point-to-point exchanges of the same shards: the faster is the
+limit); the shard copy (`shard_received`) and the rollback (`rolled_back`) are reported
 beside them with efficiency = limit / measured (the rollback's: its `params` part, which
 moves the state; its other parts, scheduler, RNG and data iterator, are a fixed fraction of
 a millisecond at every size and are printed beside it).
@@ -681,8 +682,8 @@ def _repair_cost(moved: dict[str, dict[str, Any]],
     model params where they travelled with it to a new process; measured for the ARF case's
     bytes and scaled linearly to the other case's). Rollback's: a plain
     copy of the main params' bytes (a third of the shard: main param, exp_avg, exp_avg_sq)
-    into the model params plus their all-gather in each chunk, where the rollback moved the
-    params. After a fault that left every rank's params those of the lock step it moves
+    into the model params plus their gather in each chunk (the faster of an all-gather and
+    point-to-point exchanges of the same shards), where the rollback moved the params. After a fault that left every rank's params those of the lock step it moves
     nothing (no copy, no all-gather: `params_gathered` false) and has no efficiency."""
     cost: dict[str, Any] = {}
     if limits is not None:
@@ -719,8 +720,10 @@ def print_cost(cost: dict[str, Any]) -> None:
     if limits is not None:
         print(f"limits on this machine (bench/_limits.py, same ranks and backend): send of "
               f"{limits['bytes'] / 2**20:.1f} MiB {limits['p2p_s']:.4f} s, plain copy "
-              f"{limits['copy_s']:.4f} s, param all-gather of {limits['param_bytes'] / 2**20:.1f}"
-              f" MiB in each chunk {limits['gather_s']:.4f} s")
+              f"{limits['copy_s']:.4f} s, param gather of {limits['param_bytes'] / 2**20:.1f}"
+              f" MiB in each chunk {limits['gather_s']:.4f} s (all-gather "
+              f"{limits.get('all_gather_s', float('nan')):.4f} s, point-to-point exchange "
+              f"{limits.get('exchange_s', float('nan')):.4f} s)")
     for case in ("arf", "uce"):
         c = cost.get(case)
         if c is None:
@@ -731,7 +734,7 @@ def print_cost(cost: dict[str, Any]) -> None:
         print(f"{case.upper()}: shard copy {c['state_bytes'] / 2**20:.1f} MiB{with_params} in "
               f"{c['copy_s']:.4f} s (limit {_fmt(c['copy_limit_s'])}, efficiency "
               f"{_fmt(cost[f'{case}_copy_efficiency'])}); rollback {c['rollback_s']:.4f} s "
-              f"({parts}; " + (f"params all-gathered; limit {_fmt(c['rollback_limit_s'])}, "
+              f"({parts}; " + (f"params gathered; limit {_fmt(c['rollback_limit_s'])}, "
                                f"efficiency {_fmt(cost[f'{case}_rollback_efficiency'])}"
                                if c["params_gathered"] else "no params moved: no rank needed "
                                "them") + f"); first step after it {_fmt(c['first_step_s'])} s")

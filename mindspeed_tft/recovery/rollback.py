@@ -5,7 +5,8 @@ model params) from healthy holders to the ranks the controller named (restarted 
 ranks whose memory a fault damaged, ranks behind the lock step); each sender also sends its
 step snapshot (scheduler, consumed samples, RNG), which a restarted worker has none of.
 `rollback` then puts every rank at the lock step: model params from the fp32 main params
-(and, with the distributed optimizer, all-gathered in each replica chunk), LR scheduler,
+(and, with the distributed optimizer, gathered in each replica chunk: `gather_chunk_params`),
+LR scheduler,
 consumed samples and a data iterator rebuilt at that position, every RNG. Grads are left
 to the next step, whose first act (megatron-core's `zero_grad_buffer` and the optimizer's
 `zero_grad`, in Megatron-LM's `train_step` and the reference trainer's alike) clears them:
@@ -122,7 +123,46 @@ def sync_model_params_from_main(state: RecoverableState, gather: bool = True,
             opt._copy_main_params_to_model_params()
     if gather and _distributed(state):
         for chunk in state.model:
-            chunk.start_param_sync(force_sync=True)
+            gather_chunk_params(chunk)
+
+
+def gather_chunk_params(chunk: Any) -> None:
+    """Every param of a megatron-core DDP chunk from the shards its bucket groups' ranks
+    hold (collective in each group). On gloo as point-to-point exchanges: gloo's all-gather
+    moves the same bytes 4-5x slower than its sends here (0.51 s against 0.11-0.15 s for
+    114 MiB between the two ranks of each of two groups at once; bench/README.md, "The
+    rollback's param gather"). Elsewhere megatron-core's own all-gather."""
+    groups = [*chunk.bucket_groups, *getattr(chunk, "expert_parallel_bucket_groups", [])]
+    if not groups or dist.get_backend(groups[0].intra_distributed_optimizer_instance_group) \
+            != dist.Backend.GLOO:
+        chunk.start_param_sync(force_sync=True)
+        return
+    for bucket_group in groups:
+        if bucket_group.param_gather_handle is not None:  # as megatron-core's force_sync
+            bucket_group.param_gather_handle.wait()
+            bucket_group.param_gather_handle = None
+        _exchange_shards(bucket_group)
+        bucket_group.param_gather_dispatched = True
+
+
+def _exchange_shards(bucket_group: Any) -> None:
+    """Send this rank's shard of each bucket to every other rank of the group, receive
+    theirs into their place (the result of megatron-core's all-gather, byte for byte)."""
+    from megatron.core.distributed.param_and_grad_buffer import shard_buffer
+
+    group = bucket_group.intra_distributed_optimizer_instance_group
+    size = bucket_group.intra_distributed_optimizer_instance_size
+    me = bucket_group.intra_distributed_optimizer_instance_rank
+    ranks = dist.get_process_group_ranks(group)
+    works = []
+    for tag, bucket in enumerate(bucket_group.buckets):
+        shards = shard_buffer(bucket.param_data, size)
+        for index, peer in enumerate(ranks):
+            if index != me:
+                works.append(dist.isend(shards[me], dst=peer, group=group, tag=tag))
+                works.append(dist.irecv(shards[index], src=peer, group=group, tag=tag))
+    for work in works:
+        work.wait()
 
 
 def rollback(state: RecoverableState, snapshot: StepSnapshot,
