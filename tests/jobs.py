@@ -89,7 +89,7 @@ class JobResult:
         (pid,) = re.findall(rf"handing rank {rank} to warm spare pid (\d+)", self.output)
         logs = "".join(p.read_text() for p in (self.run_dir / "logs").glob("*.log"))
         (late,) = re.findall(rf"rank {rank}: warm spare pid {pid} set up [\d.]+ s after it "
-                             r"took its rank; modules imported since: (.*)", logs)
+                             r"took its rank; modules imported since: ([^;]*)", logs)
         return int(pid), late
 
     def exit_codes(self) -> dict[int, int]:

@@ -7,7 +7,8 @@ heavy imports (torch, megatron, the model code) are done ahead of time, and then
 launcher hands its rank to a parked spare: the spare takes over the dead worker's
 environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, TORCHELASTIC_*,
 TFT_WORKER_RESTART_COUNT, ...) and continues as that worker, seconds earlier than a cold
-restart would get there.
+restart would get there. On CPU a waiting spare also keeps as much host memory resident as
+a worker holds (`warm_memory`), so its set-up does not wait for page faults.
 
     from mindspeed_tft.launcher.spare import wait_for_assignment
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import socket
 import sys
 import time
@@ -37,6 +39,7 @@ from typing import Any, NoReturn
 from mindspeed_tft.startup import LAZY_TORCH_IMPORTS
 
 from .procfs import has_ended
+from .warm_memory import HeapReserve
 
 #: "1" in a spare's environment
 SPARE_ENV = "TFT_SPARE"
@@ -56,6 +59,8 @@ MAX_MESSAGE_BYTES = 1 << 20
 
 #: (monotonic time, modules loaded) when this spare took its rank; None before, or in a worker
 _assignment: tuple[float, frozenset[str]] | None = None
+#: the host memory this spare holds ready (`warm_memory`); None in a worker, or off CPU
+_reserve: HeapReserve | None = None
 
 
 class SpareError(RuntimeError):
@@ -93,6 +98,8 @@ def wait_for_assignment(*, warm_imports: Iterable[str] = (), connect_timeout: fl
     launcher_pid = _int_env(SPARE_LAUNCHER_PID_ENV)
     for name in (*LAZY_TORCH_IMPORTS, *warm_imports):
         import_module(name)
+    global _reserve
+    _reserve = _host_memory_reserve()
     sock = _connect(path, connect_timeout, launcher_pid)
     try:
         _send(sock, {"hello": os.environ.get(SPARE_ID_ENV, "?"), "pid": os.getpid()})
@@ -123,8 +130,9 @@ def setup_report() -> str | None:
     taken, before = _assignment
     late = sorted(name for name in list(sys.modules) if name not in before)
     shown = ", ".join(late[:12]) + (f" and {len(late) - 12} more" if len(late) > 12 else "")
+    held = "" if _reserve is None else f"; host memory held ready {_reserve.held >> 20} MiB"
     return (f"warm spare pid {os.getpid()} set up {time.monotonic() - taken:.3f} s after it "
-            f"took its rank; modules imported since: {shown or 'none'}")
+            f"took its rank; modules imported since: {shown or 'none'}{held}")
 
 
 # -- internals ---------------------------------------------------------------------------------
@@ -143,6 +151,21 @@ def _wait_for_predecessor(timeout: float = PREDECESSOR_WAIT_SECONDS) -> None:
                   f"is still exiting after {timeout:g}s; going on", file=sys.stderr, flush=True)
             return
         time.sleep(0.01)
+
+
+def _host_memory_reserve() -> HeapReserve | None:
+    """A reserve where training keeps its state in host memory (CPU), else None."""
+    from mindspeed_tft.platform import CPU, detect_platform
+
+    return HeapReserve() if detect_platform() == CPU else None
+
+
+def _grow_reserve(sock: socket.socket, launcher_pid: int | None) -> None:
+    """Grow the host memory reserve towards the workers' (stops when a message arrives)."""
+    if _reserve is None or launcher_pid is None or not _reserve.usable:
+        return
+    _reserve.grow_to(_reserve.target(launcher_pid),
+                     interrupted=lambda: bool(select.select([sock], [], [], 0)[0]))
 
 
 def _int_env(name: str) -> int | None:
@@ -197,6 +220,7 @@ def _receive(sock: socket.socket, check_interval: float,
         except TimeoutError:
             if _launcher_gone(launcher_pid):
                 _leave("the launcher is gone")
+            _grow_reserve(sock, launcher_pid)
             continue
         except OSError as e:
             _leave(f"the launcher's channel broke ({e})")
