@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pytest
 
+from mindspeed_tft.launcher import procfs
 from tests.jobs import BF16, HA_ARGS, REPO, read_events_if_any, start_tiny_job, tiny_job_env
 
 pytestmark = pytest.mark.multiproc
@@ -154,14 +155,8 @@ def attack(port: int, seconds: float, sent: dict[str, float], rate: float = 4e6,
 
 def rss_mib(pid: int) -> float | None:
     """VmRSS of `pid` in MiB (None once it is gone)."""
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
+    rss = procfs.kib(f"/proc/{pid}/status", "VmRSS")
+    return None if rss is None else rss / 1024
 
 
 def _drops(log: Path) -> dict[str, int]:

@@ -54,7 +54,7 @@ def test_size_follows_the_launchers_other_children() -> None:
     """A stand-in launcher with two children: one holding 320 MiB, one asking for its
     target: 320 MiB more than its own memory, within a few MiB."""
     code = f"""
-    import subprocess, sys, time
+    import subprocess, sys
     holder = subprocess.Popen([sys.executable, "-c",
         "import sys; b = bytearray({320 * MIB}); b[::4096] = b'x' * len(b[::4096]); "
         "print('ok', flush=True); sys.stdin.read()"], stdin=subprocess.PIPE,

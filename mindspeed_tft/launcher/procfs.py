@@ -13,10 +13,14 @@ earlier (`agent.TFTSubprocessContext._poll`).
 Without procfs (another OS) or without the right to read `exit_code`, every function here
 answers as for a process that is not exiting: the launcher then waits for the reap, as
 torch's agent does.
+
+It also reads what a warm spare sizes its memory reserve by (`warm_memory`): a field of
+`/proc/<pid>/status` or `/proc/meminfo` (`kib`), and a process' children (`children`).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 #: `PF_EXITING` of the kernel's task flags: set when the task starts to exit
@@ -75,3 +79,33 @@ def has_ended(pid: int) -> bool:
     """True once `pid` released its memory and files (a zombie, or no such process)."""
     stat = read_stat(pid)
     return stat is None or stat.ended
+
+
+def kib(path: str, field: str) -> int | None:
+    """A `kB` field of a procfs file such as `/proc/<pid>/status` or `/proc/meminfo`
+    (None without the file, the process or the field)."""
+    try:
+        with open(path, encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def children(pid: int) -> list[int]:
+    """The child processes of `pid`, from each of its threads' `children` file (empty
+    without procfs or without that file)."""
+    found: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", encoding="ascii") as f:
+                found.extend(int(p) for p in f.read().split())
+        except (OSError, ValueError):
+            continue
+    return found

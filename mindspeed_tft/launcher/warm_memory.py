@@ -30,6 +30,8 @@ import os
 import sys
 from collections.abc import Callable
 
+from .procfs import children, kib
+
 #: glibc's mallopt parameters (malloc.h)
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
 #: bytes touched between two checks of `interrupted` (a reserve never delays a handover
@@ -42,51 +44,14 @@ AVAILABLE_SHARE = 0.5
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-def _status_kib(pid: int | str, field: str) -> int | None:
-    """A `kB` field of /proc/<pid>/status (None without it, or without the process)."""
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def children(pid: int) -> list[int]:
-    """The child processes of `pid`, from each of its threads' `children` file (empty
-    without procfs or without that file)."""
-    found: list[int] = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return found
-    for tid in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children", encoding="ascii") as f:
-                found.extend(int(p) for p in f.read().split())
-        except (OSError, ValueError):
-            continue
-    return found
-
-
 def anon_bytes(pid: int | str = "self") -> int:
     """Anonymous resident memory of a process, in bytes (0 when unknown)."""
-    kib = _status_kib(pid, "RssAnon")
-    return 0 if kib is None else kib * 1024
+    return (kib(f"/proc/{pid}/status", "RssAnon") or 0) * 1024
 
 
 def available_bytes() -> int:
     """The host's available memory (`MemAvailable`), in bytes (0 when unknown)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return 0
-    return 0
+    return (kib("/proc/meminfo", "MemAvailable") or 0) * 1024
 
 
 class HeapReserve:
