@@ -29,6 +29,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from mindspeed_tft.recovery.rollback import post_exchange
+
 
 def _timed(fn: Callable[[], None], repeats: int) -> float:
     times = []
@@ -73,16 +75,10 @@ def main() -> None:
         dist.all_gather_into_tensor(gathered, part, group=groups[mine])
 
     ranks = spec["gather_groups"][mine]
-    parts = gathered.chunk(size)
+    parts = list(gathered.chunk(size))
 
     def exchange() -> None:
-        index = ranks.index(me)
-        works = []
-        for other, peer in enumerate(ranks):
-            if other != index:
-                works.append(dist.isend(parts[index], dst=peer, group=groups[mine]))
-                works.append(dist.irecv(parts[other], src=peer, group=groups[mine]))
-        for work in works:
+        for work in post_exchange(parts, ranks.index(me), ranks, groups[mine]):
             work.wait()
 
     result = {"p2p_s": _timed(send, repeats), "copy_s": _timed(copy, repeats),

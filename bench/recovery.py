@@ -683,8 +683,9 @@ def _repair_cost(moved: dict[str, dict[str, Any]],
     bytes and scaled linearly to the other case's). Rollback's: a plain
     copy of the main params' bytes (a third of the shard: main param, exp_avg, exp_avg_sq)
     into the model params plus their gather in each chunk (the faster of an all-gather and
-    point-to-point exchanges of the same shards), where the rollback moved the params. After a fault that left every rank's params those of the lock step it moves
-    nothing (no copy, no all-gather: `params_gathered` false) and has no efficiency."""
+    point-to-point exchanges of the same shards), where the rollback moved the params.
+    After a fault that left every rank's params those of the lock step it moves nothing
+    (no copy, no gather: `params_gathered` false) and has no efficiency."""
     cost: dict[str, Any] = {}
     if limits is not None:
         cost["limits"] = limits

@@ -6,8 +6,8 @@ ranks whose memory a fault damaged, ranks behind the lock step); each sender als
 step snapshot (scheduler, consumed samples, RNG), which a restarted worker has none of.
 `rollback` then puts every rank at the lock step: model params from the fp32 main params
 (and, with the distributed optimizer, gathered in each replica chunk: `gather_chunk_params`),
-LR scheduler,
-consumed samples and a data iterator rebuilt at that position, every RNG. Grads are left
+LR scheduler, consumed samples and a data iterator rebuilt at that position, every RNG.
+Grads are left
 to the next step, whose first act (megatron-core's `zero_grad_buffer` and the optimizer's
 `zero_grad`, in Megatron-LM's `train_step` and the reference trainer's alike) clears them:
 zeroing them here too cost a memset of the grad buffers (9 ms of a 17 M UCE repair).
@@ -131,7 +131,7 @@ def gather_chunk_params(chunk: Any) -> None:
     hold (collective in each group). On gloo as point-to-point exchanges: gloo's all-gather
     moves the same bytes 4-5x slower than its sends here (0.51 s against 0.11-0.15 s for
     114 MiB between the two ranks of each of two groups at once; bench/README.md, "The
-    rollback's param gather"). Elsewhere megatron-core's own all-gather."""
+    rollback's gather"). Elsewhere megatron-core's own all-gather."""
     groups = [*chunk.bucket_groups, *getattr(chunk, "expert_parallel_bucket_groups", [])]
     if not groups or dist.get_backend(groups[0].intra_distributed_optimizer_instance_group) \
             != dist.Backend.GLOO:
@@ -156,13 +156,21 @@ def _exchange_shards(bucket_group: Any) -> None:
     ranks = dist.get_process_group_ranks(group)
     works = []
     for tag, bucket in enumerate(bucket_group.buckets):
-        shards = shard_buffer(bucket.param_data, size)
-        for index, peer in enumerate(ranks):
-            if index != me:
-                works.append(dist.isend(shards[me], dst=peer, group=group, tag=tag))
-                works.append(dist.irecv(shards[index], src=peer, group=group, tag=tag))
+        works += post_exchange(shard_buffer(bucket.param_data, size), me, ranks, group, tag)
     for work in works:
         work.wait()
+
+
+def post_exchange(parts: list[torch.Tensor], index: int, ranks: list[int],
+                  group: dist.ProcessGroup, tag: int = 0) -> list[Any]:
+    """Start sending `parts[index]` (this rank's, `ranks[index]`) to every other rank of
+    `group` and receiving theirs into `parts`; returns the works to wait for."""
+    works = []
+    for other, peer in enumerate(ranks):
+        if other != index:
+            works.append(dist.isend(parts[index], dst=peer, group=group, tag=tag))
+            works.append(dist.irecv(parts[other], src=peer, group=group, tag=tag))
+    return works
 
 
 def rollback(state: RecoverableState, snapshot: StepSnapshot,
