@@ -156,7 +156,8 @@ class Channel:
 
     # -- I/O thread -----------------------------------------------------------------------
     def _io_main(self) -> None:
-        raise_priority(self.config.thread_nice)  # before the ZeroMQ context: its threads inherit
+        # before the ZeroMQ context: its threads inherit it
+        raise_priority(self.config.thread_nice, self.config.thread_rtprio)
         ctx = zmq.Context(io_threads=1)
         try:
             self._io_loop(ctx, self._connect(ctx))

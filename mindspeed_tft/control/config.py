@@ -30,6 +30,7 @@ files and logging. `ControlConfig.from_env()` builds it from the environment:
 | `TFT_METRICS_PORT` | port of the active controller's metrics endpoint (OpenMetrics / Prometheus text, `control/metrics.py`; needs `pip install mindspeed-tft[metrics]`); `--tft-metrics-port` sets it; 0 or unset: off, 1..65535 | off | error |
 | `TFT_METRICS_ADDR` | address the metrics endpoint binds (IPv4 or IPv6 literal); a non-loopback one only with `TTP_ALLOW_INSECURE=1` | 127.0.0.1 | error |
 | `TFT_CONTROL_NICE` | nice value the control plane's threads ask for (controller loop, processor I/O, their ZeroMQ I/O threads; `control/priority.py`), -20..0; 0: leave them at the process's priority; below it needs CAP_SYS_NICE or RLIMIT_NICE, and where refused the log says so once | -10 | error |
+| `TFT_CONTROL_RTPRIO` | real-time priority (`SCHED_RR`) the same threads ask for, 0..99; 0: the normal policy; needs CAP_SYS_NICE or RLIMIT_RTPRIO, and where refused the log says so once | 1 | error |
 | `TTP_LOG_PATH` | log folder (file `ttp_log.log`) | logs | - |
 | `TTP_LOG_LEVEL` | DEBUG, INFO, WARNING, ERROR | INFO | error |
 | `TTP_LOG_MODE` | ONLY_ONE (one file) or PER_PROC (one file per process) | ONLY_ONE | error |
@@ -59,7 +60,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .priority import NICE_RANGE
+from .priority import NICE_RANGE, RTPRIO_RANGE
 
 log = logging.getLogger("mindspeed_tft.control")
 
@@ -257,6 +258,8 @@ class ControlConfig:
     metrics_addr: str = DEFAULT_ADDR
     #: nice value of the control plane's threads (`control/priority.py`; 0: unchanged)
     thread_nice: int = -10
+    #: SCHED_RR priority of the same threads (`control/priority.py`; 0: normal policy)
+    thread_rtprio: int = 1
     #: what setup_logging warns about on every start (e.g. a switched-off safety)
     warnings: list[str] = field(default_factory=list, repr=False, compare=False)
 
@@ -276,6 +279,10 @@ class ControlConfig:
             raise ControlConfigError(
                 f"thread_nice={self.thread_nice} is out of range (allowed: {NICE_RANGE[0]}.."
                 f"{NICE_RANGE[1]})")
+        if not RTPRIO_RANGE[0] <= self.thread_rtprio <= RTPRIO_RANGE[1]:
+            raise ControlConfigError(
+                f"thread_rtprio={self.thread_rtprio} is out of range (allowed: "
+                f"{RTPRIO_RANGE[0]}..{RTPRIO_RANGE[1]})")
 
     @property
     def lost_after(self) -> float:
@@ -340,6 +347,8 @@ class ControlConfig:
             "metrics_port": _metrics_port(env),
             "metrics_addr": parse_ip(env.get(METRICS_ADDR_ENV) or DEFAULT_ADDR, METRICS_ADDR_ENV),
             "thread_nice": int(_number(env, "TFT_CONTROL_NICE", -10, *NICE_RANGE, integer=True)),
+            "thread_rtprio": int(_number(env, "TFT_CONTROL_RTPRIO", 1, *RTPRIO_RANGE,
+                                         integer=True)),
         }
         if (env.get("TFT_REPLACEMENT_WAIT") or "").strip():
             values["replacement_wait"] = _number(env, "TFT_REPLACEMENT_WAIT",

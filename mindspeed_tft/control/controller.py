@@ -277,7 +277,8 @@ class Controller:
 
     def _main(self) -> None:
         self._loop_ident = threading.get_ident()
-        raise_priority(self.config.thread_nice)  # before the ZeroMQ context: its threads inherit
+        # before the ZeroMQ context: its threads inherit it
+        raise_priority(self.config.thread_nice, self.config.thread_rtprio)
         try:
             self._setup()
         except BaseException as e:

@@ -59,6 +59,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from ..events import events_path
 from ..report import goodput
 from .config import METRICS_PORT_ENV, ControlConfig, ControlConfigError
+from .priority import leave_realtime
 from .ranktable import Health
 from .states import State
 from .transport import hostport
@@ -250,9 +251,12 @@ class MetricsServer:
                 f"{METRICS_PORT_ENV}={port}: the metrics endpoint cannot listen on "
                 f"{hostport(addr, port)} ({e.strerror or e}); allowed: a free port") from None
         self.addr, self.port = addr, int(self._httpd.server_address[1])
-        self._thread = threading.Thread(target=self._httpd.serve_forever,
-                                        name="tft-metrics", daemon=True)
+        self._thread = threading.Thread(target=self._serve, name="tft-metrics", daemon=True)
         self._thread.start()
+
+    def _serve(self) -> None:
+        leave_realtime()  # started from the controller's loop; its request threads inherit
+        self._httpd.serve_forever()
 
     @property
     def url(self) -> str:

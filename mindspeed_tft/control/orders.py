@@ -30,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .priority import leave_realtime
+
 log = logging.getLogger("mindspeed_tft.control.processor")
 
 #: orders that end a hold (see the module docstring)
@@ -103,6 +105,7 @@ class Lane:
         fresh.thread.start()
 
     def _serve(self, me: _Worker) -> None:
+        leave_realtime()  # a callback can run long: it must not hold a core ahead of training
         while True:
             with self._cond:
                 while not self._queue and self._worker is me and not self._closed:

@@ -159,6 +159,8 @@ BAD_ENV_VALUES = [  # every value the environment may give that cannot be used: 
     ("TTP_LOG_STDOUT", "yes", "is not one of 0, 1 (unset: 0)"),
     ("TFT_CONTROL_NICE", "5", "is not an integer in [-20, 0] (unset: -10)"),
     ("TFT_CONTROL_NICE", "-2.5", "is not an integer in [-20, 0] (unset: -10)"),
+    ("TFT_CONTROL_RTPRIO", "100", "is not an integer in [0, 99] (unset: 1)"),
+    ("TFT_CONTROL_RTPRIO", "rr", "is not an integer in [0, 99] (unset: 1)"),
 ]
 
 
@@ -181,6 +183,10 @@ def test_config_values_in_range() -> None:
             ControlConfig.from_env({"TFT_CONTROL_NICE": "0"}).thread_nice) == (-10, 0)
     with pytest.raises(ControlConfigError, match=r"thread_nice=1 is out of range"):
         ControlConfig(thread_nice=1)
+    assert (ControlConfig.from_env({}).thread_rtprio,
+            ControlConfig.from_env({"TFT_CONTROL_RTPRIO": "0"}).thread_rtprio) == (1, 0)
+    with pytest.raises(ControlConfigError, match=r"thread_rtprio=-1 is out of range"):
+        ControlConfig(thread_rtprio=-1)
     # code (tests) may ask for limits the environment may not
     assert ControlConfig(action_time_limit=1.5).action_time_limit == 1.5
     with pytest.raises(ControlConfigError):
