@@ -305,10 +305,13 @@ class Gate:
             return {**(callback() or {}), **held}
         return held
 
-    def resume(self, decision: Decision) -> None:
-        """Clear the stop or pause; a held training thread gets `decision`."""
+    def resume(self, decision: Decision, *, owed: bool = False) -> None:
+        """Clear the stop or pause; a held training thread gets `decision`. `owed`: the
+        training thread gets it even if it does not wait yet (a restarted process joining a
+        recovery: its first resume is for it)."""
         with self._cond:
-            was_held = self._stopped or self._in_handler or self._last_report is not None
+            was_held = (owed or self._stopped or self._in_handler
+                        or self._last_report is not None)
             self._stopped = False
             self._paused = False
             if was_held:

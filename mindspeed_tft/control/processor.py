@@ -104,6 +104,8 @@ class Processor:
         self._exit_timer: threading.Timer | None = None
         #: the code of the exit ordered (None: none yet)
         self._exit_ordered: int | None = None
+        #: a restarted process joining a recovery: whether the resume that ends it came yet
+        self._join_resumed = False
 
     # -- lifecycle --------------------------------------------------------------------
     def register_callback(self, action: str, fn: ActionCallback) -> None:
@@ -312,9 +314,13 @@ class Processor:
         callback = self._callback("resume", payload)
         result = callback() if callback is not None else {}
         step = payload.get("step")
+        # the first resume after joining a recovery is the one the training thread waits
+        # for, even if it comes before that thread asked (the repair needed nothing of it)
+        owed = self.rejoining and not self._join_resumed
+        self._join_resumed = self._join_resumed or owed
         self._gate.resume(Decision(
             "resume", step=step if isinstance(step, int) and step >= 0 else None,
-            strategy=str(payload.get("strategy", "")), payload=payload))
+            strategy=str(payload.get("strategy", "")), payload=payload), owed=owed)
         return result or {}
 
     def _controller_lost(self, silent: float) -> None:

@@ -146,3 +146,17 @@ def test_the_hold_answers_at_once_and_holds_the_next_update() -> None:
     gate.decide(Decision("exit", 1))
     thread.join(5)
     assert [outcomes.get_nowait() for _ in range(3)] == ["update 6", "stopped before 7", "exit"]
+
+
+def test_a_resume_owed_to_a_joining_process_waits_for_its_training_thread() -> None:
+    """A restarted process joins a recovery whose repair needs nothing of its training thread:
+    the resume can come before that thread waits for it. Owed, it is kept for the thread;
+    a resume that nothing held is not (the thread would otherwise take a stale one later)."""
+    cfg = ControlConfig(port=0, park_timeout=5, action_time_limit=30)
+    gate = Gate(0, cfg)
+    gate.resume(Decision("resume", step=4, strategy="recover"), owed=True)
+    decision = gate.wait_decision(timeout=0.5)
+    assert (decision.action, decision.step, decision.strategy) == ("resume", 4, "recover")
+    gate = Gate(0, cfg)
+    gate.resume(Decision("resume", step=4, strategy="recover"))
+    assert gate.wait_decision(timeout=0.3).action == "exit"  # nothing was held: not kept
