@@ -78,12 +78,13 @@ def run_with_fault_tolerance(train_fn: Callable[[], T], processor: Processor, *,
                 log.info("rank %d: %s after the controller's stop: reported as normal",
                          processor.rank, type(e).__name__)
                 kind = FaultKind.NORMAL
+            detail = getattr(e, "tft_detail", None)
+            # the report first: formatting and writing a traceback takes milliseconds
+            processor.report_error(kind, f"{type(e).__name__}: {e}",
+                                   detail if isinstance(detail, dict) else None)
             level = logging.INFO if kind is FaultKind.NORMAL else logging.ERROR
             log.log(level, "rank %d: training raised %s (%s): %s", processor.rank,
                     type(e).__name__, kind, e, exc_info=kind is not FaultKind.NORMAL)
-            detail = getattr(e, "tft_detail", None)
-            processor.report_error(kind, f"{type(e).__name__}: {e}",
-                                   detail if isinstance(detail, dict) else None)
             del e
         finally:
             processor.mark_training(False)
