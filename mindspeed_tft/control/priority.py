@@ -13,7 +13,7 @@ point, ahead of every normal thread, whatever their number. A nice value only we
 thread's share against the others: on the 2-core test machine, where each rank also runs a
 gloo I/O thread per process group that wakes every 10 ms (about 60 runnable threads at a
 time), a probe thread at nice -10 inside a rank waited up to 0.8 s for a CPU, as often as
-one at nice 0; at `SCHED_RR` 1 it never waited for one (figures: docs/design.md, section 9).
+one at nice 0; at `SCHED_RR` 1 it waited at most 75 ms (figures: docs/design.md, section 9).
 The controller's loop and the processors' I/O threads call it first thing, so the ZeroMQ
 threads they start afterwards (ZeroMQ starts its I/O thread with a context's first socket)
 inherit it. These threads sleep nearly all the time and their work per message is small,
