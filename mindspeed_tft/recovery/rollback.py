@@ -7,10 +7,10 @@ step snapshot (scheduler, consumed samples, RNG), which a restarted worker has n
 `rollback` then puts every rank at the lock step: model params from the fp32 main params
 (and, with the distributed optimizer, gathered in each replica chunk: `gather_chunk_params`),
 LR scheduler, consumed samples and a data iterator rebuilt at that position, every RNG.
-Grads are left
-to the next step, whose first act (megatron-core's `zero_grad_buffer` and the optimizer's
-`zero_grad`, in Megatron-LM's `train_step` and the reference trainer's alike) clears them:
-zeroing them here too cost a memset of the grad buffers (9 ms of a 17 M UCE repair).
+Grads are left to the next step, whose first act (megatron-core's `zero_grad_buffer` and
+the optimizer's `zero_grad`, in Megatron-LM's `train_step` and the reference trainer's
+alike) clears them: zeroing them here too cost a memset of the grad buffers (9 ms of a 17 M
+UCE repair).
 
 The all-gather is skipped when no rank needs it (`gather_needed`): a fault before any rank
 started the next update (forward, backward, a UCE in optimizer state, grads or activations)
