@@ -2,8 +2,9 @@
 
 An order (`action` message) runs a callback that may take long or never return: a stop
 waits for the training thread to park, a repair waits for the training thread to run its
-work, a framework callback can hang. Orders therefore never run on the I/O thread. Each
-runs on one of two lanes, a FIFO served by one long-lived worker thread:
+work, a framework callback can hang. Orders therefore do not run on the I/O thread (one
+exception below). Each runs on one of two lanes, a FIFO served by one long-lived worker
+thread:
 
 - `work`: pause, stop, clean, repair, rollback, dump, rename, in the order they arrive (the
   controller sends one phase after the other, so they hardly ever overlap);
@@ -11,6 +12,14 @@ runs on one of two lanes, a FIFO served by one long-lived worker thread:
   they end: an exit or resume that arrives while a stop still waits for the training
   thread to park, or while a callback is stuck, is handled at once. That is why a single
   worker is not enough, and why the second lane is only for these two.
+
+One order runs on no lane: `hold`, the first round of a stop, runs at once in the thread
+that received it (the I/O thread). It sets a flag under the gate's lock (which the I/O
+thread takes for every heartbeat anyway) and returns where the rank is; it never waits.
+Handing it to a lane worker cost that worker's wake-up: a worker runs in the normal
+scheduling class (below), and on a loaded 2-core machine the hold round took 0.13-0.61 s
+instead of 0.01-0.04 s in 3 of 12 60 M UCE jobs. Answering it at once also means a hold is
+never queued behind a stuck order.
 
 An order that overran its time limit (the `timeout` the controller sent with it) no longer
 holds up its lane: the controller gave up on it and moved on, so as soon as another order
@@ -36,6 +45,8 @@ log = logging.getLogger("mindspeed_tft.control.processor")
 
 #: orders that end a hold (see the module docstring)
 RELEASE_ORDERS = frozenset({"exit", "resume"})
+#: orders run at once by the thread that submits them (see the module docstring)
+INLINE_ORDERS = frozenset({"hold"})
 
 
 @dataclass(frozen=True)
@@ -126,10 +137,14 @@ class Orders:
     """The two lanes of one processor (see the module docstring)."""
 
     def __init__(self, rank: int, run: Callable[[Order], None]) -> None:
+        self._run = run
         self.work = Lane(f"tft-orders-{rank}", run)
         self.release = Lane(f"tft-release-{rank}", run)
 
     def submit(self, order: Order, now: float | None = None) -> None:
+        if order.name in INLINE_ORDERS:
+            self._run(order)
+            return
         lane = self.release if order.name in RELEASE_ORDERS else self.work
         lane.submit(order, time.monotonic() if now is None else now)
 

@@ -1,5 +1,6 @@
 """How a processor runs the controller's orders (`control.orders`): one long-lived worker per
-lane, exit and resume never behind a blocked order, a stuck order left behind once overdue."""
+lane, exit and resume never behind a blocked order, a hold at once where it arrives, a stuck
+order left behind once overdue."""
 
 from __future__ import annotations
 
@@ -50,6 +51,30 @@ def test_exit_and_resume_do_not_queue_behind_a_blocked_order() -> None:
         assert [ran.get(timeout=2), ran.get(timeout=2)] == ["resume", "exit"]
         unblock.set()
         assert ran.get(timeout=2) == "stop"
+    finally:
+        unblock.set()
+        orders.close()
+
+
+def test_a_hold_is_answered_at_once_in_the_receiving_thread() -> None:
+    # the hold (the first round of a stop) never waits, so it runs where it arrives: no
+    # worker's wake-up, and never behind a stuck order of the work lane
+    unblock = threading.Event()
+    ran: queue.Queue[tuple[str, int]] = queue.Queue()
+
+    def run(order: Order) -> None:
+        if order.name == "repair":
+            unblock.wait(10)
+        ran.put((order.name, threading.get_ident()))
+
+    orders = Orders(0, run)
+    try:
+        orders.submit(_order(1, "repair"))
+        orders.submit(_order(2, "hold"))
+        assert ran.get_nowait() == ("hold", threading.get_ident())
+        unblock.set()
+        name, worker = ran.get(timeout=2)
+        assert name == "repair" and worker != threading.get_ident()
     finally:
         unblock.set()
         orders.close()
