@@ -7,6 +7,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from mindspeed_tft.control import ControlConfig, Processor
@@ -17,6 +18,17 @@ from tests.jobs import wait_for
 def _order(oid: int, name: str, limit: float = 30.0,
            payload: dict[str, Any] | None = None) -> Order:
     return Order(oid, name, payload or {}, time.monotonic() + limit)
+
+
+def _blocking_repairs(unblock: threading.Event,
+                      ran: queue.Queue[tuple[str, int]]) -> Callable[[Order], None]:
+    """An order runner whose repairs block until `unblock`; it records (name, thread)."""
+    def run(order: Order) -> None:
+        if order.name == "repair":
+            unblock.wait(10)
+        ran.put((order.name, threading.get_ident()))
+
+    return run
 
 
 def test_work_orders_run_in_arrival_order_on_one_thread() -> None:
@@ -61,13 +73,7 @@ def test_a_hold_is_answered_at_once_in_the_receiving_thread() -> None:
     # worker's wake-up, and never behind a stuck order of the work lane
     unblock = threading.Event()
     ran: queue.Queue[tuple[str, int]] = queue.Queue()
-
-    def run(order: Order) -> None:
-        if order.name == "repair":
-            unblock.wait(10)
-        ran.put((order.name, threading.get_ident()))
-
-    orders = Orders(0, run)
+    orders = Orders(0, _blocking_repairs(unblock, ran))
     try:
         orders.submit(_order(1, "repair"))
         orders.submit(_order(2, "hold"))
@@ -83,13 +89,7 @@ def test_a_hold_is_answered_at_once_in_the_receiving_thread() -> None:
 def test_an_order_past_its_time_limit_no_longer_holds_up_its_lane() -> None:
     unblock = threading.Event()
     ran: queue.Queue[tuple[str, int]] = queue.Queue()
-
-    def run(order: Order) -> None:
-        if order.name == "repair":
-            unblock.wait(10)
-        ran.put((order.name, threading.get_ident()))
-
-    orders = Orders(0, run)
+    orders = Orders(0, _blocking_repairs(unblock, ran))
     try:
         orders.submit(_order(1, "repair", limit=0.3))
         orders.submit(_order(2, "dump"))
