@@ -112,16 +112,16 @@ def test_a_fault_inside_the_update_rolls_back_with_the_params_all_gathered(
 
 
 def test_pipeline_uce_logs_every_iteration_once(reference_job, tmp_path):
-    """TP1 PP2 DP4 (8 ranks): a param UCE on rank 2 (first stage) in step 6; the stop may
-    reach the last stage, which logs, between its update of iteration 6 and its log line:
-    every iteration is still logged exactly once, with the fault-free run's loss."""
-    config = {"layout": "pp2dp4", "train_iters": 9, "save_interval": 100, "precision": "fp32"}
+    """TP1 PP2 DP2: a param UCE on rank 1 (first stage) in step 6; the stop may reach the
+    last stage (ranks 2 and 3), which logs, between its update of iteration 6 and its log
+    line: every iteration is still logged exactly once, with the fault-free run's loss."""
+    config = {"layout": "pp2dp2", "train_iters": 9, "save_interval": 100, "precision": "fp32"}
     reference = reference_job(ha_args=HA_ARGS, **config)
-    job = run_tiny_job(tmp_path, inject="uce:rank=2,step=6,phase=backward,target=param",
+    job = run_tiny_job(tmp_path, inject="uce:rank=1,step=6,phase=backward,target=param",
                        ha_args=RETRY_ARGS, **config)
     assert job.returncode == 0, job.describe()
     assert [e["strategy"] for e in job.named("strategy")] == ["retry"]
-    assert [(e["rank"], e["iteration"]) for e in job.named("shard_received")] == [(2, 6)]
+    assert [(e["rank"], e["iteration"]) for e in job.named("shard_received")] == [(1, 6)]
     job.assert_logged_once(reference, config["train_iters"])
     assert all(e["match"] for e in job.named("replica_check"))
 
