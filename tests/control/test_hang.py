@@ -27,8 +27,11 @@ def test_hung_training_thread_is_reported(tmp_path: Path, features: str) -> None
                                         None), 5)
         # the limit the rank applied: the floor, or 5x its slowest recent step where a loaded
         # machine stretched one step past 0.1 s (derivation: test_units.py)
-        limit = float(re.search(r"\(timeout ([0-9.]+)s\)", hang["message"]).group(1))
+        idle, limit = (float(v) for v in re.search(
+            r"no training progress for ([0-9.]+)s \(timeout ([0-9.]+)s\)", hang["message"]).groups())
         assert limit >= FLOOR, hang
+        # the rank's own check fired once past the limit, not before, and promptly
+        assert limit <= idle <= limit + 3 * INTERVAL, hang
         # within that limit, plus one watchdog check and delivery (three intervals)
         assert hang["time"] - started["t"] <= limit + 3 * INTERVAL, (hang, started)
         assert not [e for e in job.events() if e["event"] == "fault_detected"
