@@ -68,6 +68,14 @@ def test_repaired_in_place_and_bit_exact(layout, faults, reference_job, tmp_path
         assert detected[0]["kind"] == ("uce" if kind == "uce" else "comm")
         rolled = [e for e in job.named("rolled_back") if e["iteration"] == at]
         assert sorted(e["rank"] for e in rolled) == [0, 1, 2, 3]
+        # every rank lets its old process groups go after its rollback, so after every
+        # shard copy of the repair (the rollback starts once every rank's repair is done)
+        released = {e["rank"]: e for e in job.named("groups_released")
+                    if e["incident"] == incident}
+        assert sorted(released) == [0, 1, 2, 3]
+        assert all(released[e["rank"]]["time"] >= e["time"] for e in rolled)
+        assert min(e["time"] for e in released.values()) >= max(
+            (e["time"] for e in received if e["iteration"] == at), default=0.0)
         # A fault before the update leaves every rank's params those of the lock step: the
         # rollback all-gathers them only where a UCE hit them (the distributed optimizer;
         # without it every rank derives all its params from its own main params)

@@ -106,6 +106,12 @@ def _assert_shard_and_params(job, config: dict, kills: list[tuple[int, int, str]
         else:
             assert gathered == {True}
         assert "reported by its launcher" in detected["message"]
+        # every survivor lets its old process groups go once the repair's transfers are done
+        survivors = sorted({e["rank"] for e in rolled if e["iteration"] == step} - {_rank})
+        released = [e for e in job.named("groups_released")
+                    if e["incident"] == detected["incident"]]
+        assert sorted(e["rank"] for e in released) == survivors
+        assert len({e["groups"] for e in released}) == 1
 
 
 def test_hung_worker_is_detected_killed_and_replaced(reference_job, tmp_path):

@@ -318,7 +318,6 @@ class TFTPlugin:
         from mindspeed_tft.recovery.rebuild import (
             join_generation,
             leave_generation,
-            release_retired_groups,
             repoint_process_groups,
         )
 
@@ -332,8 +331,7 @@ class TFTPlugin:
             state = self.state
             roots = [*state.model, state.optimizer] if state is not None else []
             replaced = repoint_process_groups(roots, old)
-            del old, roots
-            release_retired_groups()
+            del old, roots  # the old groups are let go after the repair's transfers
             log.info("rank %d: %d process-group references re-pointed", self.args.rank,
                      replaced)
 

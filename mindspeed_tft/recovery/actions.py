@@ -16,7 +16,8 @@ an action:
   workers (`rebuild.py`), re-point the model and optimizer at the new groups, then copy
   shards from replica holders (`rollback.transfer_shards`) or, without replicas, reload the
   last periodic checkpoint in place;
-- `rollback`: in the training thread, every rank back to the lock step (`rollback.py`).
+- `rollback`: in the training thread, every rank back to the lock step (`rollback.py`);
+  then let the old process groups go (`groups_released`).
 - `scale_in` (elastic training, after a dump): in the training thread, continue in a
   smaller world from the dump (the plugin's `scale_in`). Afterwards this rank's global rank
   in the process groups may differ from its control-plane rank (`members` maps them).
@@ -60,6 +61,7 @@ from mindspeed_tft.recovery.layout import (
     model_parallel_dir_name,
     this_rank_dir_name,
 )
+from mindspeed_tft.recovery.rebuild import release_retired_groups
 from mindspeed_tft.recovery.rollback import gather_needed, rollback, transfer_shards
 from mindspeed_tft.recovery.snapshot import SnapshotUnavailableError, StepSnapshot, StepSnapshots
 from mindspeed_tft.replica.replica_map import ReplicaMap
@@ -148,7 +150,22 @@ class RecoveryActions:
         run(lambda: self.rebuild_process_groups(generation, not rejoining))
         if rejoining:
             self._wait_attached()
-        return run(lambda: self._restore(payload))
+        try:
+            return run(lambda: self._restore(payload))
+        except BaseException:
+            self._release_old_groups(generation)
+            raise
+
+    def _release_old_groups(self, incident: int) -> None:
+        """Let the past generation's process groups go (`release_retired_groups`; training
+        thread), once the repair has moved its bytes: at the end of the rollback, or at once
+        when the restore failed (the training thread is idle then). Not right after the rebuild: that teardown (every rank
+        closes the connections of its ~24 old gloo groups and joins their threads, at once)
+        ran beside the shard copy and slowed it (docs/design.md, "The old groups go after
+        the transfers")."""
+        released = release_retired_groups()
+        if released:
+            emit("groups_released", self.rank, groups=released, incident=incident)
 
     def _restore(self, payload: dict[str, Any]) -> dict[str, Any]:
         state = self._training_state()
@@ -179,9 +196,10 @@ class RecoveryActions:
     def rollback(self, payload: dict[str, Any]) -> dict[str, Any]:
         damaged = self.rank in payload.get("params_damaged", [])
         return self.processor.run_in_training_thread(
-            lambda: self._rollback(int(payload["step"]), damaged))
+            lambda: self._rollback(int(payload["step"]), damaged, int(payload.get("incident", 0))))
 
-    def _rollback(self, step: int, params_damaged: bool = True) -> dict[str, Any]:
+    def _rollback(self, step: int, params_damaged: bool = True,
+                  incident: int = 0) -> dict[str, Any]:
         state = self._training_state()
         if self.loaded_step is not None:
             # the checkpoint load restored scheduler, samples and RNG of that iteration
@@ -207,6 +225,7 @@ class RecoveryActions:
                              for chunk in state.model for p in chunk.parameters()),
              lr=state.optimizer.param_groups[0]["lr"],
              consumed_samples=state.args.consumed_train_samples)
+        self._release_old_groups(incident)
         # parked now: a record the stop result missed (the update ran on after it) is final
         return {"step": step, "iterations": iteration_log.records()}
 

@@ -82,14 +82,15 @@ def leave_generation() -> dict[dist.ProcessGroup, GroupKey]:
     return old
 
 
-def release_retired_groups() -> None:
+def release_retired_groups() -> int:
     """Drop the groups of past generations from a daemon thread (call once nothing else
     refers to them: after `repoint_process_groups`, with the caller's own mapping deleted),
-    so a destructor that waits for stuck work blocks only that thread."""
+    so a destructor that waits for stuck work blocks only that thread. Returns how many."""
     groups = list(_retired)
     _retired.clear()
-    if not groups:
-        return
+    count = len(groups)
+    if not count:
+        return 0
 
     def release() -> None:
         groups.clear()
@@ -99,6 +100,7 @@ def release_retired_groups() -> None:
     thread = threading.Thread(target=release, name="tft-release-groups", daemon=True)
     _release_threads.append(thread)
     thread.start()
+    return count
 
 
 def _leave_while_releasing() -> None:
