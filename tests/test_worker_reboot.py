@@ -92,7 +92,7 @@ def _assert_shard_and_params(job, config: dict, kills: list[tuple[int, int, str]
     assert sorted({e["iteration"] for e in rolled}) == sorted(s for _, s, _ in kills)
     lost = [e for e in job.named("fault_detected") if e["kind"] == "lost"]
     assert [e["ranks"] for e in lost] == [[r] for r, _, _ in kills]
-    for got, (_rank, step, phase), detected in zip(received, kills, lost, strict=True):
+    for got, (killed, step, phase), detected in zip(received, kills, lost, strict=True):
         # The new process has no params. With the distributed optimizer its replica peer
         # sends its complete params with the shard, and nothing is all-gathered; unless the
         # kill came inside the update: then rank 2's param all-gather with the killed rank 3
@@ -106,12 +106,14 @@ def _assert_shard_and_params(job, config: dict, kills: list[tuple[int, int, str]
         else:
             assert gathered == {True}
         assert "reported by its launcher" in detected["message"]
-        # every survivor lets its old process groups go once the repair's transfers are done
-        survivors = sorted({e["rank"] for e in rolled if e["iteration"] == step} - {_rank})
+        # every survivor lets its old process groups go at the end of its rollback, after
+        # the shard copy (the rollback starts once every rank's repair is done)
+        rolled_at = {e["rank"]: e["time"] for e in rolled if e["iteration"] == step}
         released = [e for e in job.named("groups_released")
                     if e["incident"] == detected["incident"]]
-        assert sorted(e["rank"] for e in released) == survivors
+        assert sorted(e["rank"] for e in released) == sorted(set(rolled_at) - {killed})
         assert len({e["groups"] for e in released}) == 1
+        assert all(e["time"] >= rolled_at[e["rank"]] >= got["time"] for e in released)
 
 
 def test_hung_worker_is_detected_killed_and_replaced(reference_job, tmp_path):

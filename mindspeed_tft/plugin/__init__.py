@@ -331,7 +331,7 @@ class TFTPlugin:
             state = self.state
             roots = [*state.model, state.optimizer] if state is not None else []
             replaced = repoint_process_groups(roots, old)
-            del old, roots  # the old groups are let go after the repair's transfers
+            del old, roots  # let go at the end of the rollback (RecoveryActions)
             log.info("rank %d: %d process-group references re-pointed", self.args.rank,
                      replaced)
 

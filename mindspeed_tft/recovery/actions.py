@@ -157,12 +157,12 @@ class RecoveryActions:
             raise
 
     def _release_old_groups(self, incident: int) -> None:
-        """Let the past generation's process groups go (`release_retired_groups`; training
-        thread), once the repair has moved its bytes: at the end of the rollback, or at once
-        when the restore failed (the training thread is idle then). Not right after the rebuild: that teardown (every rank
-        closes the connections of its ~24 old gloo groups and joins their threads, at once)
-        ran beside the shard copy and slowed it (docs/design.md, "The old groups go after
-        the transfers")."""
+        """Let the past generation's process groups go (`release_retired_groups`) once the
+        repair has moved its bytes: at the end of the rollback, or at once when the restore
+        failed. Not right after the rebuild: that teardown (every rank closes the
+        connections of its ~24 old gloo groups and joins their threads, at once) ran beside
+        the shard copy and slowed it (docs/design.md, "The old groups go after the
+        transfers")."""
         released = release_retired_groups()
         if released:
             emit("groups_released", self.rank, groups=released, incident=incident)
@@ -196,7 +196,8 @@ class RecoveryActions:
     def rollback(self, payload: dict[str, Any]) -> dict[str, Any]:
         damaged = self.rank in payload.get("params_damaged", [])
         return self.processor.run_in_training_thread(
-            lambda: self._rollback(int(payload["step"]), damaged, int(payload.get("incident", 0))))
+            lambda: self._rollback(int(payload["step"]), damaged,
+                                   int(payload.get("incident", 0))))
 
     def _rollback(self, step: int, params_damaged: bool = True,
                   incident: int = 0) -> dict[str, Any]:
