@@ -19,6 +19,13 @@ every call (wall and process CPU time, ms), summed per training iteration:
   into model params) with adam inside it, and param_gather (`start_param_sync`:
   all-gather of the updated params inside the chunk).
 
+It also reads the CPU time of each of the rank's threads (Linux: /proc, in ns) at every
+step boundary and charges it per iteration to four groups, [cpu ms, cpu ms] like the rest:
+threads_main (the main thread: the trainer, compute included), threads_control (the
+plugin's control plane: its Python threads, named `tft-*`, and the ZeroMQ I/O threads),
+threads_gloo (gloo's transport loop and work threads, one set per process group) and
+threads_other. Unlike process CPU time, this says which threads used it.
+
 Nested calls of the same category are counted once; hooks that run outside `train_step`
 (after the step) are charged to the step before them. At exit each rank writes
 `$BENCH_PROFILE_OUT/rank<R>.json`: a list of per-iteration {category: [wall_ms, cpu_ms]}
@@ -42,6 +49,10 @@ _records: list[dict[str, list[float]]] = []
 _current: dict[str, list[float]] | None = None
 _active: set[str] = set()
 _iteration_start: tuple[float, float] | None = None
+_thread_cpu: dict[int, float] = {}  # native thread id -> CPU ms at the last step boundary
+_thread_comm: dict[int, str] = {}  # native thread id -> its kernel name
+THREAD_GROUPS = ("threads_main", "threads_control", "threads_gloo", "threads_other")
+_GLOO_THREADS = ("gloo_tcp_loop", "pt_gloo_runloop")
 
 
 def _timed(category: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -60,6 +71,39 @@ def _timed(category: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             _active.discard(category)
 
     return wrapper
+
+
+def _thread_group(tid: int, comm: str, names: dict[int, str]) -> str:
+    if tid == os.getpid():
+        return "threads_main"
+    if names.get(tid, "").startswith("tft-") or comm.startswith("ZMQbg"):
+        return "threads_control"
+    return "threads_gloo" if comm in _GLOO_THREADS else "threads_other"
+
+
+def _charge_threads(record: dict[str, list[float]]) -> None:
+    """Add to `record` the CPU ms each thread group used since the last call (Linux: the
+    kernel's per-thread run time in ns, /proc/self/task/<tid>/schedstat; a thread seen for
+    the first time is charged all its CPU time so far)."""
+    import threading
+
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():
+        return
+    names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    for task in tasks.iterdir():
+        tid = int(task.name)
+        try:
+            cpu = int((task / "schedstat").read_text().split()[0]) / 1e6
+            if tid not in _thread_comm:
+                _thread_comm[tid] = (task / "comm").read_text().strip()
+        except (OSError, IndexError, ValueError):  # ended meanwhile, or no schedstat
+            continue
+        slot = record.setdefault(_thread_group(tid, _thread_comm[tid], names), [0.0, 0.0])
+        used = cpu - _thread_cpu.get(tid, 0.0)
+        slot[0] += used
+        slot[1] += used
+        _thread_cpu[tid] = cpu
 
 
 def _patch_method(cls: type, name: str, category: str) -> None:
@@ -116,7 +160,10 @@ def install() -> None:
             _current["iteration"] = [
                 (wall - _iteration_start[0]) * 1000.0, (cpu - _iteration_start[1]) * 1000.0,
             ]
+            _charge_threads(_current)
             _records.append(_current)
+        else:
+            _charge_threads({})  # start the count here: the set-up before is not a step
         _current = {}
         _iteration_start = (wall, cpu)
         try:

@@ -72,6 +72,9 @@ COMPONENTS = (
     "iteration", "train_step", "plugin_hooks", "forward_backward", "grad_sync", "optimizer_step", "prepare_grads",
     "grad_norm", "clip", "count_zeros", "local_update", "adam", "param_gather",
 )
+#: CPU time of the rank's threads by group (bench/_profile_worker.py), summed over a group's
+#: threads: the main thread (the trainer), the control plane, gloo, the rest.
+THREAD_GROUPS = ("threads_main", "threads_control", "threads_gloo", "threads_other")
 ITER_LINE = re.compile(
     r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)"
 )
@@ -154,28 +157,31 @@ def run_one(mode: str, rnd: int, opts: argparse.Namespace, work: Path, host: Hos
 
 
 def profile_table(jobs: list[JobTimes], opts: argparse.Namespace) -> dict[str, Any]:
-    """Median per-iteration ms of each component and mode, averaged over ranks first."""
+    """Per-iteration ms of each component and mode, averaged over ranks first: the median
+    over kept iterations for COMPONENTS, the mean for THREAD_GROUPS (CPU time that comes in
+    bursts, such as the control plane's heartbeats, costs its mean, which a median hides)."""
     table: dict[str, Any] = {}
     for mode in MODES:
-        per_component: dict[str, list[tuple[float, float]]] = {c: [] for c in COMPONENTS}
+        per_component: dict[str, list[tuple[float, float]]] = {
+            c: [] for c in (*COMPONENTS, *THREAD_GROUPS)}
         for job in (j for j in jobs if j.mode == mode):
             if not job.profile:
                 continue
             iterations = min(len(r) for r in job.profile)
             for it in range(opts.warmup, iterations):
-                for comp in COMPONENTS:
+                for comp in per_component:
                     walls = [r[it].get(comp, [0.0, 0.0])[0] for r in job.profile]
                     cpus = [r[it].get(comp, [0.0, 0.0])[1] for r in job.profile]
                     per_component[comp].append(
                         (statistics.fmean(walls), statistics.fmean(cpus))
                     )
-        table[mode] = {
-            comp: (
-                statistics.median(w for w, _ in vals) if vals else float("nan"),
-                statistics.median(c for _, c in vals) if vals else float("nan"),
+        table[mode] = {}
+        for comp, vals in per_component.items():
+            average = statistics.fmean if comp in THREAD_GROUPS else statistics.median
+            table[mode][comp] = (
+                average(w for w, _ in vals) if vals else float("nan"),
+                average(c for _, c in vals) if vals else float("nan"),
             )
-            for comp, vals in per_component.items()
-        }
     return table
 
 
@@ -190,6 +196,12 @@ def print_profile(table: dict[str, Any]) -> None:
         (ow, oc), (nw, nc) = table["off"][comp], table["on"][comp]
         print(f"{comp:>16} | {ow:8.2f} {nw:8.2f} {nw - ow:+7.2f} | "
               f"{oc:8.2f} {nc:8.2f} {nc - oc:+7.2f}")
+    print("CPU time by thread, ms per iteration (mean over kept iterations of the mean over "
+          "ranks)")
+    print(f"{'threads':>16} | {'off':>8} {'on':>8} {'delta':>7}")
+    for group in THREAD_GROUPS:
+        off, on = table["off"][group][1], table["on"][group][1]
+        print(f"{group[len('threads_'):]:>16} | {off:8.2f} {on:8.2f} {on - off:+7.2f}")
 
 
 #: HA's extra step time, by cause (on - off wall time of the components, ms per step):
@@ -384,6 +396,9 @@ def main(argv: list[str] | None = None) -> int:
         print_attribution(rows)
         rest = sum(r["fraction"] for r in rows if not r["inherent"])
         result["attribution"] = rows
+        result["thread_cpu_ms"] = {
+            mode: {g[len("threads_"):]: round(table[mode][g][1], 3) for g in THREAD_GROUPS}
+            for mode in MODES}
         goals["rest"] = rest <= GOAL_REST_FRACTION
     result["goals_met"] = goals
     print(json.dumps(result))
