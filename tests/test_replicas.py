@@ -49,6 +49,8 @@ def expected_layout(layout: str, n: int) -> dict[int, dict]:
             "grad_stats_group": sorted(
                 r for r in range(world) if ((r // tp) // chunk) == (i // chunk)
             ),
+            # one DP group: its chunk is the replica instance, megatron-core's group is reused
+            "own_groups": 0 if tp == 1 else n,
         }
     return expected
 
@@ -67,6 +69,7 @@ def test_replicas_are_identical_after_every_step(layout, n, reference_job):
         assert got["holders"] == want["holders"]
         assert sorted(got["replica_group"]) == want["holders"]
         assert got["grad_stats_group"] == want["grad_stats_group"]
+        assert got["own_groups"] == want["own_groups"]
         assert got["replica_num"] == n
 
     checks = defaultdict(dict)

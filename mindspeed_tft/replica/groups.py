@@ -9,7 +9,8 @@ group (gradients are all-reduced across it). `ReplicaGroups` adds what megatron-
 - the replica maps (`ReplicaMap`) of the whole job, dense and expert, computed with
   megatron-core's own `RankGenerator` and checked against the groups it actually built;
 - the grad-statistics group of each replica instance (every model-parallel rank of one
-  chunk index): grad norm and zero counts must sum each shard once, not N times;
+  chunk index): grad norm and zero counts must sum each shard once, not N times (with a
+  single DP group that is megatron-core's own optimizer chunk group, reused);
 - `destroy()` / `build()`, so worker reboot can rebuild the groups with the same ranks.
 """
 
@@ -122,13 +123,24 @@ class ReplicaGroups:
 
     def build(self) -> None:
         """Create the grad-statistics group of every replica instance (collective, all ranks)
-        and check megatron-core's DP and partial-DP groups against the map."""
+        and check megatron-core's DP and partial-DP groups against the map.
+
+        With a single DP group (TP = PP = CP = 1) a replica instance is exactly one
+        optimizer chunk, so megatron-core's intra-partial DP group already has its ranks and
+        is used instead of a new group: every gloo group keeps a transport thread that wakes
+        every 10 ms, about 1 ms of CPU per second per group and rank (bench/README)."""
         self.verify_megatron_groups()
         self.grad_stats_group = None
         self._instance_groups = []
         if not self.sharded:
             return
         dense = self.dense
+        if len(dense.dp_groups) == 1:  # the same on every rank: all skip new_group alike
+            from megatron.core import parallel_state as ps
+
+            self.grad_stats_group = ps.get_data_parallel_group(
+                with_context_parallel=True, partial_data_parallel=True)
+            return
         me = dist.get_rank()
         for chunk in range(dense.replica_num):
             ranks = sorted(
@@ -161,6 +173,7 @@ class ReplicaGroups:
                 ps.get_inter_partial_data_parallel_group()
             )
             record["grad_stats_group"] = dist.get_process_group_ranks(self.grad_stats_group)
+            record["own_groups"] = len(self._instance_groups)  # 0: megatron-core's reused
         return record
 
     def destroy(self) -> None:
