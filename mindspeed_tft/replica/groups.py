@@ -11,7 +11,7 @@ group (gradients are all-reduced across it). `ReplicaGroups` adds what megatron-
 - the grad-statistics group of each replica instance (every model-parallel rank of one
   chunk index): grad norm and zero counts must sum each shard once, not N times (with a
   single DP group that is megatron-core's own optimizer chunk group, reused);
-- `destroy()` / `build()`, so worker reboot can rebuild the groups with the same ranks.
+- `build()`, called again after a rebuild (worker reboot, UCE repair, a scale change).
 """
 
 from __future__ import annotations
@@ -175,13 +175,6 @@ class ReplicaGroups:
             record["grad_stats_group"] = dist.get_process_group_ranks(self.grad_stats_group)
             record["own_groups"] = len(self._instance_groups)  # 0: megatron-core's reused
         return record
-
-    def destroy(self) -> None:
-        """Destroy the groups this object created (collective where the backend needs it)."""
-        for group in self._instance_groups:
-            dist.destroy_process_group(group)
-        self._instance_groups = []
-        self.grad_stats_group = None
 
     def verify_megatron_groups(self) -> None:
         """Raise if megatron-core's groups of this rank disagree with the replica map."""
