@@ -3,8 +3,9 @@ torchrun (or `tft-run`), gloo on CPU, and read back what they did.
 
 `run_tiny_job` runs one job in its own directory and returns a `JobResult`: exit code,
 combined output, and the events file (SPEC 11) parsed. Layouts name the parallelism:
-`dp4` (4 ranks, DP=4), `tp2dp2`, `pp2dp2`, `tp2dp4` and `pp2dp4` (8 ranks). Every job has a timeout; on
-timeout the whole process group is killed and the test fails with the output so far.
+`dp2` (2 ranks: for jobs that only have to fail in a given way, half the start-up of 4),
+`dp4` (4 ranks, DP=4), `tp2dp2`, `pp2dp2`, `tp2dp4` and `pp2dp4` (8 ranks). Every job has a
+timeout; on timeout the whole process group is killed and the test fails with the output so far.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ TINY_SCRIPT = REPO / "scripts" / "pretrain_tiny_cpu.sh"
 MEGATRON_LM_SCRIPT = REPO / "scripts" / "pretrain_megatron_lm_cpu.sh"
 
 LAYOUTS: dict[str, dict[str, int]] = {
+    "dp2": {"NPROC": 2, "TP": 1, "PP": 1},
     "dp4": {"NPROC": 4, "TP": 1, "PP": 1},
     "tp2dp2": {"NPROC": 4, "TP": 2, "PP": 1},
     "pp2dp2": {"NPROC": 4, "TP": 1, "PP": 2},

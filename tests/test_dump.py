@@ -129,8 +129,9 @@ def test_both_holders_of_a_shard_lost_fails_clearly_and_publishes_nothing(tmp_pa
 
 
 def test_fault_before_the_first_update_exits_with_a_clear_message(tmp_path):
+    # two ranks (d = N = 2): the job only has to stop, and start-up is most of its time
     faulty = run_tiny_job(tmp_path, inject="raise:rank=1,step=0,phase=backward",
-                          **LAYOUTS["dp4"])
+                          **{**LAYOUTS["dp4"], "layout": "dp2"})
     assert faulty.returncode != 0
     (exit_event,) = faulty.named("exit")
     assert exit_event["code"] == 1

@@ -1,5 +1,7 @@
-"""Each TFT_INJECT kind fires in a real 4-rank job at the named rank, step and phase.
+"""Each TFT_INJECT kind fires in a real 2-rank job at the named rank, step and phase.
 
+(Two ranks: a job here only has to fail in the named way, and each rank's start-up, its
+imports of torch and megatron-core, is most of such a job's time on CI's 2 cores.)
 High availability is off here, so the job fails the way a Megatron job fails today: the
 injected rank dies (kill: SIGKILL) or raises, the other ranks lose their peers, torchrun
 tears the job down. What the tests check is that the fault happened exactly where asked.
@@ -12,6 +14,8 @@ import re
 import pytest
 
 from tests.jobs import run_tiny_job
+
+TWO_RANKS = {"layout": "dp2"}
 
 pytestmark = pytest.mark.multiproc
 
@@ -36,7 +40,8 @@ def _rank_exitcode(output: str, rank: int) -> int:
 
 
 def test_kill_at_backward(tmp_path):
-    result = run_tiny_job(tmp_path, inject="kill:rank=1,step=2,phase=backward", train_iters=5)
+    result = run_tiny_job(tmp_path, inject="kill:rank=1,step=2,phase=backward", train_iters=5,
+                          **TWO_RANKS)
     assert result.returncode != 0
     _injected(result, rank=1, kind="kill", step=2, phase="backward")
     assert _rank_exitcode(result.output, 1) == -9
@@ -44,18 +49,20 @@ def test_kill_at_backward(tmp_path):
 
 
 def test_raise_at_optimizer(tmp_path):
-    result = run_tiny_job(tmp_path, inject="raise:rank=2,step=1,phase=optimizer", train_iters=4)
+    result = run_tiny_job(tmp_path, inject="raise:rank=1,step=1,phase=optimizer", train_iters=4,
+                          **TWO_RANKS)
     assert result.returncode != 0
-    _injected(result, rank=2, kind="raise", step=1, phase="optimizer")
-    assert "RuntimeError: TFT_INJECT raise: injected error at rank 2 step 1 phase optimizer" in (
+    _injected(result, rank=1, kind="raise", step=1, phase="optimizer")
+    assert "RuntimeError: TFT_INJECT raise: injected error at rank 1 step 1 phase optimizer" in (
         result.output
     )
-    assert _rank_exitcode(result.output, 2) == 1
+    assert _rank_exitcode(result.output, 1) == 1
     assert _last_iteration(result) == 1
 
 
 def test_comm_at_forward(tmp_path):
-    result = run_tiny_job(tmp_path, inject="comm:rank=0,step=3,phase=forward", train_iters=5)
+    result = run_tiny_job(tmp_path, inject="comm:rank=0,step=3,phase=forward", train_iters=5,
+                          **TWO_RANKS)
     assert result.returncode != 0
     _injected(result, rank=0, kind="comm", step=3, phase="forward")
     assert "HCCL OP RETRY FAILED: TFT_INJECT comm: injected communication error at rank 0 " \
@@ -66,22 +73,23 @@ def test_comm_at_forward(tmp_path):
 def test_hang_after_step_blocks_the_rank(tmp_path):
     result = run_tiny_job(
         tmp_path,
-        inject="hang:rank=3,step=1,phase=after",
+        inject="hang:rank=1,step=1,phase=after",
         train_iters=4,
+        **TWO_RANKS,
         env={"TFT_INJECT_HANG_SECONDS": "3"},
     )
     assert result.returncode != 0
-    event = _injected(result, rank=3, kind="hang", step=1, phase="after")
-    assert "TFT_INJECT hang: rank 3 step 1 phase after was not stopped within 3" in result.output
-    # Rank 3 logs the loss: it finished step 1 (iteration 2) and then stopped making progress.
+    event = _injected(result, rank=1, kind="hang", step=1, phase="after")
+    assert "TFT_INJECT hang: rank 1 step 1 phase after was not stopped within 3" in result.output
+    # Rank 1 logs the loss: it finished step 1 (iteration 2) and then stopped making progress.
     assert _last_iteration(result) == 2
     assert max(e["time"] for e in result.events) >= event["time"]
 
 
 def test_kill_during_periodic_save_leaves_no_published_checkpoint(tmp_path):
     result = run_tiny_job(
-        tmp_path, inject="kill:rank=0,step=3,phase=save", train_iters=6, save_interval=2
-    )
+        tmp_path, inject="kill:rank=0,step=3,phase=save", train_iters=6, save_interval=2,
+        **TWO_RANKS)
     assert result.returncode != 0
     _injected(result, rank=0, kind="kill", step=3, phase="save")
     ckpt = result.checkpoint_dir

@@ -17,30 +17,29 @@ from tests.jobs import BF16, HA_ARGS, STANDARD, run_tiny_job
 pytestmark = pytest.mark.multiproc
 
 RETRY_ARGS = f"{HA_ARGS} --enable-hbmfault-repair"
+#: layout -> (job configuration, the steps of its faults: a job's second fault is repaired in a
+#: job repaired once)
 LAYOUTS = {
-    "dp4-bf16": ({"layout": "dp4", **BF16}, 7),  # the bf16 flagship
-    "dp4": ({"layout": "dp4", **STANDARD}, 7),
+    "dp4-bf16": ({"layout": "dp4", **BF16}, (7,)),  # the bf16 flagship
+    "dp4": ({"layout": "dp4", **STANDARD}, (4, 10)),
     "tp2dp2": ({"layout": "tp2dp2", "dist_opt": False, "train_iters": 10,
-                "save_interval": 5}, 3),
+                "save_interval": 5}, (3, 7)),
 }
 COPIED = {"optimizer", "param"}  # the other targets hold nothing to copy back
 
 
-# optimizer state in bf16 and every other target in fp32 (4x faster here) on dp4, two
-# faults per job (steps 4 and 10: the second repair starts from a job repaired once);
-# optimizer state and a comm error on tp2dp2 (the suite's time budget)
+# optimizer state in bf16 and every other target in fp32 (4x faster here) on dp4; two
+# faults per job on dp4 and tp2dp2 (optimizer state, then a comm error: one tp2dp2 job, whose
+# steps cost 3x dp4's here, for both)
 CASES = [("dp4-bf16", ("uce:optimizer",)), ("dp4", ("uce:param", "uce:grad")),
-         ("dp4", ("uce:activation", "comm")), ("tp2dp2", ("uce:optimizer",)),
-         ("tp2dp2", ("comm",))]
-#: the steps of a job's two faults on dp4 (the other layouts: one, at LAYOUTS' step)
-DP4_STEPS = (4, 10)
+         ("dp4", ("uce:activation", "comm")), ("tp2dp2", ("uce:optimizer", "comm"))]
 
 
 @pytest.mark.parametrize(("layout", "faults"), CASES,
                          ids=[f"{layout}-{'+'.join(faults)}" for layout, faults in CASES])
 def test_repaired_in_place_and_bit_exact(layout, faults, reference_job, tmp_path):
-    config, step = LAYOUTS[layout]
-    steps = DP4_STEPS[:len(faults)] if layout == "dp4" else (step,)
+    config, steps = LAYOUTS[layout]
+    steps = steps[:len(faults)]
     reference = reference_job(ha_args=HA_ARGS, **config)
     specs = []
     for fault, at in zip(faults, steps, strict=True):
@@ -101,7 +100,8 @@ def test_a_fault_inside_the_update_rolls_back_with_the_params_all_gathered(
     some rank's params are not those of the lock step (rank 2's own update started), so every
     rank all-gathers in the rollback; the losses are exact. (With the stop's lock step at 7,
     rank 0 could be held at 7 while rank 1 finished 8: shard 0 had no holder at 8.)"""
-    config, step = LAYOUTS["dp4"]
+    config, _ = LAYOUTS["dp4"]
+    step = 7
     reference = reference_job(ha_args=HA_ARGS, **config)
     job = run_tiny_job(tmp_path, inject=f"comm:rank=2,step={step},phase=optimizer",
                        ha_args=RETRY_ARGS, **config)
@@ -168,8 +168,9 @@ def test_uce_with_no_replica_reloads_the_checkpoint_and_continues(reference_job,
 
 
 def test_uce_before_the_first_update_exits_with_a_clear_message(tmp_path):
+    # two ranks (d = N = 2): the job only has to stop, and start-up is most of its time
     job = run_tiny_job(tmp_path, inject="uce:rank=0,step=0,phase=forward,target=param",
-                       ha_args=RETRY_ARGS, **STANDARD)
+                       ha_args=RETRY_ARGS, layout="dp2", **STANDARD)
     assert job.returncode != 0
     (exit_event,) = job.named("exit")
     assert exit_event["code"] == 1
