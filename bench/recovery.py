@@ -53,9 +53,12 @@ Output: per size a table, the breakdowns, the repair cost and the goals; with se
 `{"sizes": [per size: "arf_s", "arf_cold_s", "baseline_s", "ratio" (arf_s / baseline_s),
 "arf_lost_iterations", "uce_s" (worst target), "step_s", "arf"/"uce" (bytes, copy,
 rollback, limits, first step), efficiencies, "goals_met", ...], "goals_met" (all sizes), ...}`.
-Goals at every size: ratio <= 0.25, arf_lost_iterations == 0, arf_s <= arf_step_s + 1
-(the ARF jobs' own median step: step times differ by 10-25 % from job to job on a shared
-machine), uce_s <= step_s + 0.5, bit-exact, shard copy and rollback efficiency >= 0.5.
+Goals at every size: ratio <= 0.25, arf_lost_iterations == 0, ARF <= step + 1 and
+UCE <= step + 0.5, bit-exact, shard copy and rollback efficiency >= 0.5. The two margins
+are held per job, paired: `arf_excess_s` / `uce_excess_s` (slowest target) are the median
+over jobs of each job's recovery minus that job's own median step, since step times differ
+by 10-25 % from job to job on a shared machine (the pooled figures, `arf_s` against
+`arf_step_s` and `uce_s` against `step_s`, are printed beside them).
 
 `--host megatron-lm DIR` runs every job in Megatron-LM's own training loop instead: the
 unchanged `pretrain_gpt.py` of the clone DIR (core_v0.12.1; copied once into the work dir)
@@ -320,6 +323,13 @@ def _median_row(rows: list[Row]) -> Row | None:
     return done[(len(done) - 1) // 2] if done else None
 
 
+def _excess(rows: list[Row]) -> float | None:
+    """The median over jobs of each job's recovery minus its own median step (the
+    goals' margin: each repair beside the step of the job it happened in)."""
+    return _median([r.recovered_s - r.step_s for r in rows
+                    if r.recovered_s is not None and r.step_s == r.step_s])
+
+
 def _median(values: list[float | None]) -> float | None:
     kept = [v for v in values if v is not None]
     return statistics.median(kept) if kept else None
@@ -556,6 +566,11 @@ def measure_size(opts: argparse.Namespace, host: Any, size: Size, work: Path,
     # ARF is held to its own jobs' step: steps differ by 10-25 % from job to job here
     arf_step_times = [s for r in spare_rows for s in r.job.step_times_s()]
     arf_step_s = statistics.median(arf_step_times) if arf_step_times else step_s
+    # the goals compare each job's recovery with its own step, paired (job medians spread
+    # by 10-25 % here: a fast job's steps against a slow job's recovery says nothing)
+    arf_excess_s = _excess(spare_rows)
+    uce_excess = {t: _excess(runs) for t, runs in uce_runs.items()}
+    uce_excess_s = max((v for v in uce_excess.values() if v is not None), default=None)
     bit_exact = all(r.bit_exact for r in [*spare_rows, *cold_rows, *uce_rows])
     cost = _repair_cost(moved, limits)
     print(f"bit-exact: {'yes' if bit_exact else 'no'} (losses of every ARF and UCE job vs the "
@@ -564,18 +579,20 @@ def measure_size(opts: argparse.Namespace, host: Any, size: Size, work: Path,
     goals = {
         "ratio": ratio is not None and ratio <= GOAL_RATIO,
         "arf_lost_iterations": arf_lost == 0,
-        "arf_s": arf_s is not None and arf_s <= arf_step_s + GOAL_ARF_MARGIN_S,
-        "uce_s": uce_s is not None and uce_s <= step_s + GOAL_UCE_MARGIN_S,
+        "arf_s": arf_excess_s is not None and arf_excess_s <= GOAL_ARF_MARGIN_S,
+        "uce_s": uce_excess_s is not None and uce_excess_s <= GOAL_UCE_MARGIN_S,
         "bit_exact": bit_exact,
         "efficiency": all(v is not None and v >= GOAL_EFFICIENCY
                           for k, v in cost.items() if k.endswith("_efficiency")),
     }
     print(f"goal ratio <= {GOAL_RATIO}: {_fmt(ratio)} {_met(goals['ratio'])}; "
           f"goal arf_lost_iterations == 0: {arf_lost} {_met(goals['arf_lost_iterations'])}; "
-          f"goal arf_s <= arf_step_s + {GOAL_ARF_MARGIN_S:g}: {_fmt(arf_s)} <= "
-          f"{arf_step_s + GOAL_ARF_MARGIN_S:.3f} {_met(goals['arf_s'])}; "
-          f"goal uce_s <= step_s + {GOAL_UCE_MARGIN_S:g}: {_fmt(uce_s)} <= "
-          f"{step_s + GOAL_UCE_MARGIN_S:.3f} {_met(goals['uce_s'])}; "
+          f"goal ARF <= its job's step + {GOAL_ARF_MARGIN_S:g}: median excess "
+          f"{_fmt(arf_excess_s)} {_met(goals['arf_s'])} (pooled: arf_s {_fmt(arf_s)}, "
+          f"arf_step_s + {GOAL_ARF_MARGIN_S:g} {arf_step_s + GOAL_ARF_MARGIN_S:.3f}); "
+          f"goal UCE <= its job's step + {GOAL_UCE_MARGIN_S:g}: median excess "
+          f"{_fmt(uce_excess_s)} {_met(goals['uce_s'])} (pooled: uce_s {_fmt(uce_s)}, "
+          f"step_s + {GOAL_UCE_MARGIN_S:g} {step_s + GOAL_UCE_MARGIN_S:.3f}); "
           f"goal efficiency >= {GOAL_EFFICIENCY:g} {_met(goals['efficiency'])}")
     for r in rows:
         if r.error:
@@ -594,6 +611,8 @@ def measure_size(opts: argparse.Namespace, host: Any, size: Size, work: Path,
         "uce_s": _round(uce_s),
         "step_s": _round(step_s),
         "arf_step_s": _round(arf_step_s),
+        "arf_excess_s": _round(arf_excess_s),
+        "uce_excess_s": _round(uce_excess_s),
         "arf_cold_lost_iterations": max(len(r.recomputed) for r in cold_rows),
         "arf_cold_detect_s": _round(_median([r.detect_s for r in cold_rows])),
         "baseline_detect_s": _round(_median([r.detect_s for r in base_rows])),
@@ -745,8 +764,10 @@ def print_scaling(results: list[dict[str, Any]]) -> None:
     """One row per size: what grows with the state and what the machine allows for it."""
     head = (f"{'size':>10} {'params M':>8} {'step s':>7} {'MiB':>7} {'copy s':>7} "
             f"{'limit':>7} {'eff':>5} {'rollbk s':>8} {'limit':>7} {'eff':>5} "
-            f"{'1st step':>8} {'ARF s':>6} {'goal':>6} {'UCE s':>6} {'goal':>6} {'ratio':>6}")
-    print("scaling (ARF with a warm spare; copy and rollback of the ARF repair; UCE optimizer)")
+            f"{'1st step':>8} {'ARF s':>6} {'+step':>6} {'UCE s':>6} {'+step':>6} {'ratio':>6}")
+    print("scaling (ARF with a warm spare; copy and rollback of the ARF repair; UCE optimizer; "
+          f"+step: recovery minus its job's step, goals {GOAL_ARF_MARGIN_S:g} and "
+          f"{GOAL_UCE_MARGIN_S:g})")
     print(head)
     print("-" * len(head))
     for r in results:
@@ -756,8 +777,8 @@ def print_scaling(results: list[dict[str, Any]]) -> None:
               f"{_fmt(a.get('copy_limit_s')):>7} {_fmt(r.get('arf_copy_efficiency')):>5} "
               f"{_fmt(a.get('rollback_s')):>8} {_fmt(a.get('rollback_limit_s')):>7} "
               f"{_fmt(r.get('arf_rollback_efficiency')):>5} {_fmt(a.get('first_step_s')):>8} "
-              f"{_fmt(r['arf_s']):>6} {r.get('arf_step_s', r['step_s']) + GOAL_ARF_MARGIN_S:6.3f} "
-              f"{_fmt(r['uce_s']):>6} {r['step_s'] + GOAL_UCE_MARGIN_S:6.3f} "
+              f"{_fmt(r['arf_s']):>6} {_fmt(r.get('arf_excess_s')):>6} "
+              f"{_fmt(r['uce_s']):>6} {_fmt(r.get('uce_excess_s')):>6} "
               f"{_fmt(r['ratio']):>6}")
     print()
 
