@@ -100,6 +100,16 @@ def test_fault_produces_a_dump_that_resumes_bit_exact(
     if kind == "kill":
         assert codes[rank] == -9
         _assert_story_in_order(faulty, dump_iteration)
+        # under plain torchrun no launcher reports the death: the controller, in rank 0's
+        # process on the same host, sees it in /proc (the signal, or the process already
+        # reaped by torchrun: 0.2 s later), long before the 5 s of silence that would give
+        # the rank away (TTP_HEARTBEAT_INTERVAL 0.5 x TTP_HEARTBEAT_MISSES 10)
+        (injected,) = faulty.named("fault_injected")
+        (lost,) = [e for e in faulty.named("fault_detected") if e["kind"] == "lost"]
+        assert lost["ranks"] == [rank] and lost["message"] in (
+            "process killed by signal 9 (seen by the controller in /proc)",
+            "process ended (seen by the controller in /proc)"), lost
+        assert lost["time"] - injected["time"] < 2.0, (lost, injected)
     # every iteration up to the dump's logged once (SPEC 11): one the logging rank's death
     # cut off (killed in its update) by a survivor at the exit
     once = list(range(1, dump_iteration + 1))

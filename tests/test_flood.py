@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from mindspeed_tft.launcher import procfs
+from mindspeed_tft import procfs
 from tests.jobs import BF16, HA_ARGS, REPO, read_events_if_any, start_tiny_job, tiny_job_env
 
 pytestmark = pytest.mark.multiproc

@@ -386,7 +386,8 @@ def test_patch_torchrun_script(job: Job, tmp_path: Path) -> None:
 
 # -- a worker killed by a signal is dead before it is reaped ----------------------------------
 def test_procfs_sees_a_killed_process_before_its_reap(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mindspeed_tft.launcher import procfs, spare
+    from mindspeed_tft import procfs
+    from mindspeed_tft.launcher import spare
 
     def child(code: str) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-c", code])
@@ -402,8 +403,14 @@ def test_procfs_sees_a_killed_process_before_its_reap(monkeypatch: pytest.Monkey
         assert stat is not None and not stat.exiting and not stat.ended
         assert procfs.killed_returncode(running.pid) is None
         assert not procfs.has_ended(running.pid)
+        # what the controller watches (plain torchrun): the process of that start time
+        start = stat.start
+        assert procfs.process_state(running.pid, start) == (True, None)
+        assert procfs.process_state(running.pid, start + 1) == (False, None)  # another one
         zombie(exited)  # an exit code is no signal: the launcher waits for the reap
         assert procfs.killed_returncode(exited.pid) is None and procfs.has_ended(exited.pid)
+        exited_start = procfs.read_stat(exited.pid).start
+        assert procfs.process_state(exited.pid, exited_start) == (False, None)
 
         # the replacement of a dead worker waits for it only on an accelerator
         monkeypatch.setenv(spare.PREDECESSOR_PID_ENV, str(running.pid))
@@ -412,6 +419,7 @@ def test_procfs_sees_a_killed_process_before_its_reap(monkeypatch: pytest.Monkey
         os.kill(running.pid, signal.SIGKILL)
         zombie(running)
         assert procfs.killed_returncode(running.pid) == -signal.SIGKILL
+        assert procfs.process_state(running.pid, start) == (False, -signal.SIGKILL)
         assert running.returncode is None  # what the launcher saw before Popen could
     finally:
         for proc in (running, exited):
@@ -419,6 +427,23 @@ def test_procfs_sees_a_killed_process_before_its_reap(monkeypatch: pytest.Monkey
             proc.wait(10)
     assert running.returncode == -signal.SIGKILL and exited.returncode == 3
     assert procfs.killed_returncode(running.pid) is None and procfs.has_ended(running.pid)
+    assert procfs.process_state(running.pid, start) == (False, None)  # reaped: gone
+
+
+def test_a_registration_says_where_its_process_runs() -> None:
+    """`procfs.identity()` (a REGISTER's `proc`) lets a controller in the same pid namespace
+    watch that pid; any other namespace, pid or a malformed value is not watched."""
+    from mindspeed_tft import procfs
+
+    here, me = procfs.namespace(), os.getpid()
+    proc = procfs.identity()
+    assert here is not None and proc == f"{here}:{me}:{procfs.read_stat(me).start}"
+    assert procfs.local_start(proc, me, here) == procfs.read_stat(me).start
+    assert procfs.local_start(proc, me + 1, here) is None  # a claim for another pid
+    assert procfs.local_start(proc, me, here + "0") is None  # another namespace
+    assert procfs.local_start(proc, me, None) is None  # a controller that does not watch
+    for bad in (None, "", "x", f"{here}:{me}:", f"{here}:{me}:12a", f"{here}:{me}"):
+        assert procfs.local_start(bad, me, here) is None, bad
 
 
 # -- warm spares --------------------------------------------------------------------------------

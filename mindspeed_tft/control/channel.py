@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 import zmq
 
+from .. import procfs
 from .classify import FaultKind
 from .config import ControlConfig, parse_hostport
 from .orders import Order, Orders
@@ -296,6 +297,9 @@ class Channel:
                    "step": step, "status": status}
         if self.config.job_token is not None:  # the job's secret (over CURVE: encrypted)
             payload["token"] = self.config.job_token
+        proc = procfs.identity()  # a controller in the same pid namespace watches /proc
+        if proc is not None:
+            payload["proc"] = proc
         return payload
 
     # -- incoming -------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from typing import Any
 
 import zmq
 
+from .. import procfs
 from ..events import CONTROLLER_RANK, configure_events, emit
 from ..features import Features
 from . import local
@@ -81,6 +82,10 @@ from .transport import (
 log = logging.getLogger("mindspeed_tft.control.controller")
 
 _DRAIN_BATCH = 4096
+#: how `_watch_local_processes` names its source in a `lost` fault's message
+_SEEN_IN_PROC = "seen by the controller in /proc"
+#: seconds a rank's process may be gone without a signal before it is lost (its bye first)
+_GONE_GRACE = 0.2
 _BATCH_WAIT = 0.01  # seconds; heartbeats wait at most this long to be read (not during incidents)
 #: seconds the loop reads input before it supervises again, however much is queued
 _DRAIN_SLICE = 0.05
@@ -97,12 +102,15 @@ class Controller:
     `ControlConfig.from_env()`). features/planner: strategy choice and action payloads.
     role: "active" or "backup"; a backup binds `bind_addr:port` and syncs from the active
     controller at `config.processor_addr:config.port`. port 0 binds any free port.
+    watch_processes: a rank whose process runs in this process' pid namespace is lost as
+    soon as a signal ends it (seen in /proc); False where a launcher reports its workers'
+    deaths (`report_process_exit`: `tft-run`).
     """
 
     def __init__(self, world_size: int, config: ControlConfig | None = None, *,
                  features: Features | None = None, planner: StrategyPlanner | None = None,
                  role: str = "active", backup_index: int = 0, bind_addr: str | None = None,
-                 port: int | None = None) -> None:
+                 port: int | None = None, watch_processes: bool = True) -> None:
         if world_size < 1:
             raise ValueError(f"world_size={world_size} must be >= 1")
         if role not in ("active", "backup"):
@@ -117,6 +125,9 @@ class Controller:
         self._port_wanted = self.config.port if port is None else port
         self.port: int | None = None
         self.table = RankTable(world_size)
+        #: this process' pid namespace: ranks registered from it are watched in /proc
+        #: (`_watch_local_processes`); None: nobody is (a launcher reports its workers)
+        self._pid_namespace = procfs.namespace() if watch_processes else None
         self.sm = StateMachine(State.INIT, emit_events=False)  # INIT is announced on start
         self.sm.listeners.append(self._on_transition)
         self.drops = DropCounter(log)
@@ -616,6 +627,7 @@ class Controller:
                                    p.get("step", 0), p.get("status", "updated"))
         info.last_seq = msg.seq
         info.fresh = fresh
+        info.start = procfs.local_start(p.get("proc"), p["pid"], self._pid_namespace)
         self.elasticity.note_registration(rank, p.get("replica"))
         if key is not None:
             self._rank_keys.setdefault(rank, key)
@@ -792,6 +804,7 @@ class Controller:
         self.sm.to(State.FINAL, reason)
 
     def _supervise(self, now: float) -> None:
+        self._watch_local_processes(now)
         overdue = self.table.overdue(now, self.config.lost_after)
         if overdue and self._router is not None:
             # their heartbeats may be queued behind other input: read it first (bounded)
@@ -811,20 +824,45 @@ class Controller:
             return
         self.fault(row.rank, FaultKind.LOST, message)
 
-    def _on_process_exit(self, rank: int, returncode: int) -> None:
+    def _watch_local_processes(self, now: float) -> None:
+        """Ranks in this pid namespace (`RankInfo.start`; under plain torchrun no launcher
+        reports deaths): one whose process a signal is ending is lost now, as a launcher
+        would report it; one whose process ended otherwise or is already gone (reaped) is
+        lost `_GONE_GRACE` later if it is still connected then (a clean exit's bye, sent
+        before it ended, is read first)."""
+        for row in self.table.connected():
+            if row.start is None:
+                continue
+            running, code = procfs.process_state(row.pid, row.start)
+            if running:
+                continue
+            if code is not None:
+                self._on_process_exit(row.rank, code, _SEEN_IN_PROC)
+            elif row.gone_since is None:
+                row.gone_since = now
+            elif now - row.gone_since >= _GONE_GRACE:
+                self._process_gone(row.rank, "ended", _SEEN_IN_PROC)
+
+    def _on_process_exit(self, rank: int, returncode: int,
+                         source: str = "reported by its launcher") -> None:
         if self.role != "active" or returncode == 0:
             return
+        how = (f"killed by signal {-returncode}" if returncode < 0
+               else f"exited with code {returncode}")
+        self._process_gone(rank, how, source)
+
+    def _process_gone(self, rank: int, how: str, source: str) -> None:
+        """`rank`'s process `how` ("killed by signal 9", ...): lost, unless a bye or report
+        it sent before it ended says otherwise."""
         if self._router is not None:  # a bye or report it sent before it ended comes first
             self._drain(self._router, self._on_frames)
         row = self.table.get(rank)
         if row is None or not row.connected:
-            log.info("rank %d: process ended (code %d), not connected (%s): nothing to do",
-                     rank, returncode, "unregistered" if row is None else row.health)
+            log.info("rank %d: process %s, not connected (%s): nothing to do",
+                     rank, how, "unregistered" if row is None else row.health)
             return
-        how = (f"killed by signal {-returncode}" if returncode < 0
-               else f"exited with code {returncode}")
-        log.warning("rank %d: process %s (reported by its launcher)", rank, how)
-        self._declare_lost(row, f"process {how}", f"process {how} (reported by its launcher)")
+        log.warning("rank %d: process %s (%s)", rank, how, source)
+        self._declare_lost(row, f"process {how}", f"process {how} ({source})")
 
     # -- FlowHost ---------------------------------------------------------------------------
     def now(self) -> float:

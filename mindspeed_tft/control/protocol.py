@@ -193,6 +193,7 @@ SCHEMAS: dict[str, Schema] = {
         "world_size": (_int(1, MAX_RANK + 1), True),
         "pid": (_int(0, 1 << 31), True),
         "host": (_str(255), True),
+        "proc": (_str(160), False),  # procfs.identity(): where the process runs, its start
         "token": (_str(256), False),  # TTP_JOB_TOKEN, when the job has one
         "replica": (_nullable(_replica), False),
         "failover": (_bool, False),

@@ -64,10 +64,10 @@ from torch.distributed.elastic.multiprocessing.subprocess_handler import Subproc
 
 from mindspeed_tft import patches
 
+from ..procfs import killed_returncode
 from .lifetime import TiedSubprocessHandler
 from .options import MAX_WORKER_RESTARTS_ENV, LauncherError, LaunchOptions
 from .pool import SparePool
-from .procfs import killed_returncode
 from .spare import PREDECESSOR_PID_ENV
 from .store import bind_static_store
 
@@ -372,7 +372,8 @@ class TFTElasticAgent(LocalElasticAgent):
         config = self.control_config
         if not config.backups and worker_group.group_world_size > 1:
             config = config.replace(backups=self._published_backups(worker_group))
-        controller = Controller(world_size, config,
+        # this launcher reports its workers' deaths itself (`report_process_exit`)
+        controller = Controller(world_size, config, watch_processes=False,
                                 features=Features.from_args(self.options.tft_args))
         controller.sm.listeners.append(_say_transition)
         controller.start()
@@ -430,7 +431,8 @@ class TFTElasticAgent(LocalElasticAgent):
             setup_logging(config)
             controller = Controller(worker_group.workers[0].world_size, config,
                                     features=Features.from_args(self.options.tft_args),
-                                    role="backup", backup_index=index, bind_addr=addr, port=0)
+                                    watch_processes=False, role="backup", backup_index=index,
+                                    bind_addr=addr, port=0)
             controller.backups.absent_ranks_return = False
             controller.start()
             self.backup_controller = controller
@@ -456,8 +458,8 @@ class TFTElasticAgent(LocalElasticAgent):
             setup_logging(self.control_config)
             controller = Controller(worker_group.workers[0].world_size, self.control_config,
                                     features=Features.from_args(self.options.tft_args),
-                                    role="backup", backup_index=index, bind_addr=addr,
-                                    port=port)
+                                    watch_processes=False, role="backup", backup_index=index,
+                                    bind_addr=addr, port=port)
             try:
                 controller.start()
             except Exception as error:  # another launcher of this host serves it already

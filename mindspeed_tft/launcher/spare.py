@@ -38,7 +38,7 @@ from typing import Any, NoReturn
 
 from mindspeed_tft.startup import LAZY_TORCH_IMPORTS
 
-from .procfs import has_ended
+from ..procfs import has_ended
 from .warm_memory import HeapReserve
 
 #: "1" in a spare's environment

@@ -30,7 +30,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from .procfs import children, kib
+from ..procfs import children, kib
 
 #: glibc's mallopt parameters (malloc.h)
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4

@@ -8,7 +8,11 @@ idle machine and 0.7 s while three other processes compute (the ranks of a CPU j
 GPU worker also tears down its device context. From the moment the signal takes effect the
 process has `PF_EXITING` in its flags and its `exit_code` holds the signal, so the launcher
 sees the death at its next poll instead of at the reap, and the repair starts that much
-earlier (`agent.TFTSubprocessContext._poll`).
+earlier (`launcher.agent.TFTSubprocessContext._poll`). The controller reads the same fields
+of the ranks that run in its own pid namespace (`identity` / `namespace`: a registration
+says where its process runs), so under plain torchrun, where no launcher reports deaths, a
+killed rank is lost as soon as the signal lands instead of after interval x misses of
+silence (`control.controller`).
 
 Without procfs (another OS) or without the right to read `exit_code`, every function here
 answers as for a process that is not exiting: the launcher then waits for the reap, as
@@ -26,7 +30,7 @@ from dataclasses import dataclass
 #: `PF_EXITING` of the kernel's task flags: set when the task starts to exit
 PF_EXITING = 0x4
 #: fields of /proc/<pid>/stat after the command name (field 3, the state, is index 0)
-_FLAGS, _EXIT_CODE = 9 - 3, 52 - 3
+_FLAGS, _START, _EXIT_CODE = 9 - 3, 22 - 3, 52 - 3
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,7 @@ class ProcStat:
     state: str  # R, S, D, Z (zombie: ended, not reaped), X, ...
     flags: int
     exit_code: int  # waitpid's status once exiting: the signal in the low 7 bits
+    start: int = 0  # start time (clock ticks after boot): tells a reused pid from its process
 
     @property
     def exiting(self) -> bool:
@@ -59,7 +64,8 @@ def read_stat(pid: int) -> ProcStat | None:
     fields = text[text.rfind(")") + 2:].split()  # the name may hold spaces and parentheses
     try:
         exit_code = int(fields[_EXIT_CODE]) if len(fields) > _EXIT_CODE else 0
-        return ProcStat(state=fields[0], flags=int(fields[_FLAGS]), exit_code=exit_code)
+        return ProcStat(state=fields[0], flags=int(fields[_FLAGS]), exit_code=exit_code,
+                        start=int(fields[_START]))
     except (IndexError, ValueError):
         return None
 
@@ -79,6 +85,53 @@ def has_ended(pid: int) -> bool:
     """True once `pid` released its memory and files (a zombie, or no such process)."""
     stat = read_stat(pid)
     return stat is None or stat.ended
+
+
+def process_state(pid: int, start: int) -> tuple[bool, int | None]:
+    """(running, returncode) of the process `pid` that started at `start`: running while it
+    is neither exiting nor ended; once not, `-signal` when a signal ends it (seen as soon as
+    the signal takes effect), else None (an exit code, a process already reaped, or a pid
+    that now names a process of another start time)."""
+    stat = read_stat(pid)
+    if stat is None or stat.start != start:
+        return False, None
+    if not (stat.exiting or stat.ended):
+        return True, None
+    signal_number = stat.exit_code & 0x7F
+    return False, (-signal_number if signal_number else None)
+
+
+def namespace() -> str | None:
+    """The pid namespace this process runs in, unique across machines and boots: the boot's
+    id and the namespace's device and inode (None without procfs). Two processes that see
+    each other's pids have the same one (a container of its own has another)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            boot = f.read().strip()
+        ns = os.stat("/proc/self/ns/pid")
+    except OSError:
+        return None
+    return f"{boot}:{ns.st_dev}:{ns.st_ino}" if boot else None
+
+
+def identity() -> str | None:
+    """This process, unique on its machine even after its pid is reused: `namespace()`,
+    pid and start time, as "NAMESPACE:PID:START" (None without procfs)."""
+    where, stat = namespace(), read_stat(os.getpid())
+    return None if where is None or stat is None else f"{where}:{os.getpid()}:{stat.start}"
+
+
+def local_start(proc: str | None, pid: int, here: str | None) -> int | None:
+    """The start time in `proc` (another process' `identity()`) when that process is `pid`
+    in the namespace `here` (this process' `namespace()`), so this process can read its
+    stat; else None."""
+    if not proc or here is None:
+        return None
+    where, _, rest = proc.rpartition(":")
+    where, _, claimed = where.rpartition(":")
+    if where != here or claimed != str(pid) or not rest.isdigit():
+        return None
+    return int(rest)
 
 
 def kib(path: str, field: str) -> int | None:
