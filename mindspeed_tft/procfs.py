@@ -40,13 +40,19 @@ class ProcStat:
     state: str  # R, S, D, Z (zombie: ended, not reaped), X, ...
     flags: int
     exit_code: int  # waitpid's status once exiting: the signal in the low 7 bits
-    start: int = 0  # start time (clock ticks after boot): tells a reused pid from its process
+    start: int  # start time (clock ticks after boot): tells a reused pid from its process
 
     @property
     def exiting(self) -> bool:
         # the kernel shows exit_code only once exiting (it may read the flags a moment
         # before it sets PF_EXITING)
         return bool(self.flags & PF_EXITING) or self.exit_code != 0
+
+    @property
+    def killed_by(self) -> int | None:
+        """`-signal` (Popen's returncode) once exiting because of a signal; else None."""
+        signal_number = self.exit_code & 0x7F
+        return -signal_number if self.exiting and signal_number else None
 
     @property
     def ended(self) -> bool:
@@ -75,10 +81,7 @@ def killed_returncode(pid: int) -> int | None:
     signal takes effect; None for one still running, ending otherwise (an exit code: wait
     for the reap), or unknown."""
     stat = read_stat(pid)
-    if stat is None or not stat.exiting:
-        return None
-    signal_number = stat.exit_code & 0x7F
-    return -signal_number if signal_number else None
+    return None if stat is None else stat.killed_by
 
 
 def has_ended(pid: int) -> bool:
@@ -97,8 +100,7 @@ def process_state(pid: int, start: int) -> tuple[bool, int | None]:
         return False, None
     if not (stat.exiting or stat.ended):
         return True, None
-    signal_number = stat.exit_code & 0x7F
-    return False, (-signal_number if signal_number else None)
+    return False, stat.killed_by
 
 
 def namespace() -> str | None:
