@@ -8,8 +8,9 @@ when one rank fails before its all-reduce the others block in theirs; the stop c
 aborts the fake communicator and the blocked rank raises "NCCL communicator was aborted".
 
 `--fault KIND@STEP` fires once in this process at the start of iteration STEP:
-uce, comm, normal (a FORCE STOP), unknown, kill (SIGKILL itself), hang (the training thread
-blocks forever while heartbeats go on); `KIND@STEP:update` fires after iteration STEP's
+uce, comm, normal (a FORCE STOP), unknown, kill (SIGKILL itself), exit (the process ends
+with code 3 at once, without a bye), hang (the training thread blocks forever while
+heartbeats go on); `KIND@STEP:update` fires after iteration STEP's
 all-reduce, right before its update (every peer may finish that update meanwhile).
 `--lag STEP=SECONDS` sleeps that long after iteration STEP's all-reduce (a rank descheduled
 between its all-reduce and its update), before a fault at the update point. Every callback
@@ -146,6 +147,9 @@ def main(argv: list[str] | None = None) -> None:
         if fault_kind == "kill":
             out.flush()
             os.kill(os.getpid(), signal.SIGKILL)
+        if fault_kind == "exit":
+            out.flush()
+            os._exit(3)
         if fault_kind == "hang":
             hang_forever.wait()
 
