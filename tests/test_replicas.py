@@ -124,3 +124,26 @@ def test_zeros_are_counted_only_when_asked():
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result == {"unpatched": [3.0, 3.0], "patched": [0.0, 3.0]}
+
+
+def test_a_shard_of_many_small_tensors_travels_in_few_messages():
+    """The message plan of `copy_shard` (both sides derive it from their own tensors): big
+    tensors alone and in place, the small ones packed by dtype into as few messages as
+    PACK_BYTES allows, direct and packed alternating from a direct one; every tensor in
+    exactly one message. A gloo message costs ~60 us here: the tiny preset's shard (3
+    tensors of 1 MiB, 36 of at most 88 KiB) went in 9 messages, now in 4."""
+    import torch
+
+    from mindspeed_tft.replica import transfer
+
+    big = transfer.DIRECT_BYTES // 4
+    tensors = ([torch.zeros(big)] * 3 + [torch.zeros(22528)] * 36  # 3.1 MiB: one message
+               + [torch.zeros(8, dtype=torch.bfloat16), torch.zeros(2 * big, dtype=torch.bfloat16)]
+               + [torch.zeros(2, big).t()])  # not contiguous: packed
+    plan = transfer._plan(tensors)
+    assert [(m.direct, m.indices[0], len(m.indices)) for m in plan] == [
+        (True, 0, 1), (False, 3, 36), (True, 1, 1), (False, 39, 1), (True, 2, 1),
+        (False, 41, 1), (True, 40, 1)]
+    assert sorted(i for m in plan for i in m.indices) == list(range(len(tensors)))
+    assert all(m.nbytes == sum(tensors[i].numel() * tensors[i].element_size() for i in m.indices)
+               for m in plan)

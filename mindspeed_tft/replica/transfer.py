@@ -18,10 +18,15 @@ How the bytes move (`copy_shard`):
   refuses a shard whose layout is not its own (not a replica);
 - a tensor of at least `DIRECT_BYTES` travels as itself: the sender posts its bytes, the
   receiver receives into the destination tensor's bytes. No staging copy, no serialisation;
-- smaller tensors are packed into one message per `DIRECT_BYTES` (one copy each way);
-- every message is posted as soon as it is ready (`isend`/`irecv`, one tag each): the
-  sender packs message i + 1 while message i is on the wire, and the receiver unpacks
-  message i while message i + 1 is still on the wire.
+  a direct message goes first, so the wire is busy while the sender packs the next one;
+- the smaller tensors are packed, one dtype per message, into as few messages as
+  `PACK_BYTES` allows: a message costs about 60 us of fixed gloo overhead here, as much as
+  240 KiB of bytes, so a shard of many small tensors (norm weights, moments of the pieces of
+  params cut at shard boundaries) must not travel as many messages. Packing is one
+  `torch.cat` per message, unpacking one `torch.split` and a copy per tensor;
+- direct and packed messages alternate, and every message is posted as soon as it is ready
+  (`isend`/`irecv`, one tag each): the receiver unpacks a packed message while the next
+  direct one is on the wire.
 
 No checksum of the bytes on the way: the transports already check them (TCP and Ethernet
 frames under gloo, the link-level CRCs of NVLink, InfiniBand and RoCE under NCCL/HCCL), and a
@@ -35,6 +40,7 @@ end to end by `--tft-check-replicas-interval` (`replica.check`, `shard_digest` b
 
 from __future__ import annotations
 
+import itertools
 import time
 import zlib
 from collections.abc import Iterator
@@ -44,12 +50,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-#: tensors of at least this many bytes travel as themselves; smaller ones are packed into
-#: messages of about this size. 256 KiB: a shard of the tiny preset (4.2 MiB in 81 tensors,
-#: the largest 512 KiB) copied in 3 ms instead of 6 with 1 MiB, whose packing and unpacking
-#: of the 512 KiB tensors cost more than their own messages (one send of the same bytes:
-#: 1.5-2.6 ms here)
+#: tensors of at least this many bytes travel as themselves; the smaller ones are packed.
+#: A message's fixed cost (about 60 us with gloo here) is the time of ~240 KiB of bytes, and
+#: packing plus unpacking a tensor costs about as much as its bytes on the wire
 DIRECT_BYTES = 256 << 10
+#: packed messages hold at most about this many bytes (so the receiver unpacks one while the
+#: next is on the wire); the tiny preset's 36 small tensors (1.15 MiB) travel as one
+PACK_BYTES = 4 << 20
 _MAGIC = 0x54465453  # "TFTS"
 
 
@@ -155,33 +162,46 @@ class CopyResult:
 
 @dataclass
 class _Message:
-    """Consecutive tensors (by index) that travel as one message."""
+    """Tensors (by index) that travel as one message: one big tensor in place (`direct`), or
+    several small ones of one dtype packed."""
 
-    first: int
-    last: int  # exclusive
+    indices: list[int]
     nbytes: int
     direct: bool
 
 
 def _plan(tensors: list[torch.Tensor]) -> list[_Message]:
-    """Big contiguous CPU tensors alone (sent in place), the rest packed by DIRECT_BYTES."""
-    messages: list[_Message] = []
-    start, packed = 0, 0
+    """Big contiguous CPU tensors alone (sent in place), the rest packed by dtype into
+    messages of up to PACK_BYTES; the two kinds alternate (both sides derive the same plan)."""
+    direct: list[_Message] = []
+    packed: list[_Message] = []
+    run: list[int] = []
+    run_bytes = 0
     for i, tensor in enumerate(tensors):
         size = tensor.numel() * tensor.element_size()
         if size >= DIRECT_BYTES and tensor.device.type == "cpu" and tensor.is_contiguous():
-            if i > start:
-                messages.append(_Message(start, i, packed, False))
-            messages.append(_Message(i, i + 1, size, True))
-            start, packed = i + 1, 0
+            direct.append(_Message([i], size, True))
             continue
-        packed += size
-        if packed >= DIRECT_BYTES:
-            messages.append(_Message(start, i + 1, packed, False))
-            start, packed = i + 1, 0
-    if start < len(tensors):
-        messages.append(_Message(start, len(tensors), packed, False))
-    return messages
+        if run and (run_bytes >= PACK_BYTES or tensors[run[0]].dtype != tensor.dtype):
+            packed.append(_Message(run, run_bytes, False))
+            run, run_bytes = [], 0
+        run.append(i)
+        run_bytes += size
+    if run:
+        packed.append(_Message(run, run_bytes, False))
+    # alternate, a direct one first: the sender packs message i + 1 while the direct message
+    # i is on the wire, and the receiver unpacks it while the next direct one arrives
+    order: list[_Message] = []
+    for pair in itertools.zip_longest(direct, packed):
+        order += [m for m in pair if m is not None]
+    return order
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor as a flat CPU tensor of its dtype (a view when it is one already)."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        tensor = tensor.detach().to("cpu", memory_format=torch.contiguous_format)
+    return tensor.view(-1)
 
 
 def _header(shard: Shard, tensors: list[torch.Tensor], plan: list[_Message],
@@ -198,8 +218,8 @@ def _send(shard: Shard, params: list[torch.Tensor], dst: int,
     dist.send(_header(shard, tensors, plan, len(params)), dst=dst, group=group)
     buffers, works = [], []  # the buffers live until their sends completed
     for i, m in enumerate(plan):  # message i is on the wire while message i + 1 is packed
-        buffers.append(_bytes_of(tensors[m.first]) if m.direct
-                       else torch.cat([_bytes_of(t) for t in tensors[m.first:m.last]]))
+        buffers.append(_bytes_of(tensors[m.indices[0]]) if m.direct
+                       else torch.cat([_flat(tensors[j]) for j in m.indices]))
         works.append(dist.isend(buffers[-1], dst=dst, group=group, tag=i + 1))
     for work in works:
         work.wait()
@@ -227,25 +247,24 @@ def _receive(shard: Shard, params: list[torch.Tensor], src: int,
             f"and {len(plan)} messages: not a replica of this rank's shard"
         )
     buffers = [
-        _bytes_of(tensors[m.first]) if m.direct else torch.empty(m.nbytes, dtype=torch.uint8)
+        _bytes_of(tensors[m.indices[0]]) if m.direct
+        else torch.empty(m.nbytes // tensors[m.indices[0]].element_size(),
+                         dtype=tensors[m.indices[0]].dtype)
         for m in plan
     ]
     works = [dist.irecv(b, src=src, group=group, tag=i + 1) for i, b in enumerate(buffers)]
     for message, buffer, work in zip(plan, buffers, works, strict=True):
         work.wait()
         if not message.direct:  # while the next messages arrive
-            _unpack(buffer, tensors[message.first:message.last])
+            _unpack(buffer, [tensors[j] for j in message.indices])
     return step, time.perf_counter() - started, sent_params
 
 
 def _unpack(buffer: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-    offset = 0
+    pieces = torch.split(buffer, [t.numel() for t in tensors])
     with torch.no_grad():
-        for tensor in tensors:
-            size = tensor.numel() * tensor.element_size()
-            source = buffer[offset:offset + size].view(tensor.dtype).view(tensor.shape)
-            tensor.copy_(source)
-            offset += size
+        for tensor, piece in zip(tensors, pieces, strict=True):
+            tensor.copy_(piece.view(tensor.shape))
 
 
 def copy_shard(
