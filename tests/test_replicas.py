@@ -147,3 +147,7 @@ def test_a_shard_of_many_small_tensors_travels_in_few_messages():
     assert sorted(i for m in plan for i in m.indices) == list(range(len(tensors)))
     assert all(m.nbytes == sum(tensors[i].numel() * tensors[i].element_size() for i in m.indices)
                for m in plan)
+    # 40 tensors of 128 KiB (5 MiB): a packed message closes once it holds PACK_BYTES
+    small = [torch.zeros(big // 2)] * 40
+    assert [len(m.indices) for m in transfer._plan(small)] == [
+        transfer.PACK_BYTES // (big // 2 * 4), 40 - transfer.PACK_BYTES // (big // 2 * 4)]

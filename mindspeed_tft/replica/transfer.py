@@ -121,11 +121,17 @@ def local_shard(optimizer: Any, model: list[torch.nn.Module], *, create: bool = 
     return Shard(tensors, steps.pop() if steps else 0, states)
 
 
-def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's storage as a flat uint8 view (a copy on the CPU if it is not one)."""
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor as a flat CPU tensor of its dtype (a view when it is one already, a copy
+    on the CPU if it is not)."""
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
         tensor = tensor.detach().to("cpu", memory_format=torch.contiguous_format)
-    return tensor.reshape(-1).view(torch.uint8)
+    return tensor.view(-1)
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's storage as a flat uint8 view (of a CPU copy if it is not one)."""
+    return _flat(tensor).view(torch.uint8)
 
 
 def shard_digest(optimizer: Any, model: list[torch.nn.Module]) -> str:
@@ -195,13 +201,6 @@ def _plan(tensors: list[torch.Tensor]) -> list[_Message]:
     for pair in itertools.zip_longest(direct, packed):
         order += [m for m in pair if m is not None]
     return order
-
-
-def _flat(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor as a flat CPU tensor of its dtype (a view when it is one already)."""
-    if tensor.device.type != "cpu" or not tensor.is_contiguous():
-        tensor = tensor.detach().to("cpu", memory_format=torch.contiguous_format)
-    return tensor.view(-1)
 
 
 def _header(shard: Shard, tensors: list[torch.Tensor], plan: list[_Message],
