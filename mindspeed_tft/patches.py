@@ -91,6 +91,10 @@ TABLE: tuple[Moment, ...] = (
         _p("megatron.core.optimizer.optimizer:clip_grad_by_total_norm_fp32", _CPU_TYPE, MCORE),
         _p("megatron.core.optimizer.distrib_optimizer:quantize_param_shard",
            "raises without Transformer Engine even when there are no FP8 params", MCORE),
+        _p("torch.distributed.distributed_c10d:ProcessGroupGloo",
+           "each gloo group gets a transport device whose loop thread wakes every 10 ms "
+           "(~0.8 ms of CPU per second per group and rank, ~20 groups): one device per "
+           "process for all (`platform.gloo_device`)", TORCH),
     )),
     Moment("torch-adam", "megatron-core falls back to torch's Adam (no Apex, no TE)",
            "mindspeed_tft.platform.native_adam:apply", (

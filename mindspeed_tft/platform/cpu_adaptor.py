@@ -15,6 +15,8 @@ redirects them to an NPU:
   `'torch.cuda.FloatTensor'` and friends, CPU tensors report those names.
 - FP8: `quantize_param_shard` is skipped when there are no FP8 params (it raises without
   Transformer Engine even for empty lists).
+- gloo: every gloo process group is built on one transport device per process
+  (`gloo_device`), instead of a device, and a loop thread polling every 10 ms, per group.
 
 Nothing is changed when `torch.cuda.is_available()` is true.
 """
@@ -28,6 +30,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from mindspeed_tft.platform import gloo_device
 
 _APPLIED = False
 _CPU = torch.device("cpu")
@@ -187,4 +191,5 @@ def apply() -> None:
     torch.cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
     torch.cuda.manual_seed = torch.manual_seed
     _patch_megatron()
+    gloo_device.share()
     _APPLIED = True
