@@ -143,6 +143,26 @@ def free_port() -> int:
     raise RuntimeError("no free port in 20000..32000")
 
 
+def run_rank_programs(program: Path, *args: str, ranks: int = 2,
+                      env: dict[str, str] | None = None, timeout: float = 60) -> list[Any]:
+    """Run `program RANK PORT *args` once per rank (a free port for their rendezvous) and
+    return each rank's last stdout line parsed as JSON, in rank order; a rank that exits
+    non-zero fails the test with its stderr."""
+    import json
+
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, str(program), str(rank), port, *args],
+                              cwd=REPO, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+             for rank in range(ranks)]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=timeout)
+        assert proc.returncode == 0, err
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
 def tiny_job_env(
     run_dir: Path,
     *,

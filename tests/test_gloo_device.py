@@ -3,15 +3,12 @@ patch moment), in real 2-rank jobs against torch's own one device per group."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.jobs import free_port
+from tests.jobs import run_rank_programs
 
 REPO = Path(__file__).resolve().parent.parent
 PROGRAM = REPO / "tests" / "programs" / "gloo_shared_device.py"
@@ -21,17 +18,7 @@ def _run(mode: str, ifname: str | None = None) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
     if ifname is not None:
         env["GLOO_SOCKET_IFNAME"] = ifname
-    port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, str(PROGRAM), str(r), port, mode], cwd=REPO,
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True)
-             for r in (0, 1)]
-    results = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=60)
-        assert proc.returncode == 0, err
-        results.append(json.loads(out.strip().splitlines()[-1]))
-    return results
+    return run_rank_programs(PROGRAM, mode, env=env)
 
 
 EXACT = {"timeouts_s": [77.0, 55.0], "sums_exact": True, "isinstance": True}
