@@ -10,6 +10,7 @@ timeout; on timeout the whole process group is killed and the test fails with th
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -148,8 +149,6 @@ def run_rank_programs(program: Path, *args: str, ranks: int = 2,
     """Run `program RANK PORT *args` once per rank (a free port for their rendezvous) and
     return each rank's last stdout line parsed as JSON, in rank order; a rank that exits
     non-zero fails the test with its stderr."""
-    import json
-
     port = str(free_port())
     procs = [subprocess.Popen([sys.executable, str(program), str(rank), port, *args],
                               cwd=REPO, env=env, stdout=subprocess.PIPE,

@@ -49,7 +49,7 @@ world = backend(dist.group.WORLD)
 print(json.dumps({
     "threads_per_group": added / GROUPS,
     "devices": len(world.options._devices),
-    "shared": gloo_device.groups_share_a_device(),
+    "shared": c10d.ProcessGroupGloo is gloo_device.SharedDeviceGloo,
     "timeouts_s": [world.options._timeout.total_seconds(),
                    backend(groups[0]).options._timeout.total_seconds()],
     "sums_exact": all(sums),
