@@ -112,6 +112,15 @@ def test_shard_copied_to_another_holder_equals_the_original(tmp_path):
     assert reports[1]["copied"] == reports[3]["copied"] > 0  # bytes sent, bytes received
     assert reports[3]["after"] == reports[1]["after"] == reports[1]["before"]
     assert reports[0]["after"] == reports[0]["before"]
+    # params sent though not expected, expected though not sent: exact either way
+    assert reports[3]["params_copied"] == reports[1]["params_copied"]
+    assert reports[3]["params_kept"] == reports[3]["params_copied"]
+    assert reports[1]["params_copied"] == reports[1]["params_kept"]  # a sender keeps its own
+    # a shard of another layout: the receiver says why, the sender's wait ends
+    assert reports[3]["refused"].startswith("ShardTransferError: rank 1 offers a shard of ")
+    assert "not a replica of this rank's shard" in reports[3]["refused"]
+    assert "Timed out" in reports[1]["refused"], reports[1]["refused"]
+    assert reports[0]["refused"] is None and reports[2]["refused"] is None
 
 
 def test_zeros_are_counted_only_when_asked():

@@ -182,7 +182,8 @@ class RecoveryActions:
                 raise RuntimeError(f"no periodic checkpoint under {root} to repair from")
             return {"step": self.loaded_step}
         new_ranks = set(payload.get("new_ranks", []))
-        receive = [{**e, "from": self.global_rank_of(int(e["from"]))} for e in payload.get("receive", [])]
+        receive = [{**e, "from": self.global_rank_of(int(e["from"])), "params": self.rank in new_ranks}
+                   for e in payload.get("receive", [])]
         send = [{**e, "to": self.global_rank_of(int(e["to"])), "params": int(e["to"]) in new_ranks}
                 for e in payload.get("send", [])]
         self.received_snapshot, got_params = transfer_shards(state, self.snapshots, lock_step,

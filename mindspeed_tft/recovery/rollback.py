@@ -71,13 +71,15 @@ def transfer_shards(
 
     Point-to-point on the (rebuilt) world group, layout-checked by `copy_shard`. A send
     entry marked `params` (its receiver is a new process) carries this rank's param buffers
-    too when they are complete at the lock step (`StepSnapshots.params_iteration`)."""
+    too when they are complete at the lock step (`StepSnapshots.params_iteration`); a
+    receive entry marked `params` (this rank is the new process) expects them."""
     me = dist.get_rank()
     received: StepSnapshot | None = None
     got_params = False
     for entry in receive:
         src = int(entry["from"])
-        copied = copy_shard(state.optimizer, state.model, src=src, dst=me)
+        copied = copy_shard(state.optimizer, state.model, src=src, dst=me,
+                            expect_params=bool(entry.get("params")))
         received = decode_snapshot(_recv_bytes(src))
         got_params |= copied.param_bytes > 0
         emit("shard_received", me, source=src, optimizer=entry["optimizer"],

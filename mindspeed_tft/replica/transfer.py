@@ -14,19 +14,27 @@ all-gather that every rank of the chunk would otherwise run in the rollback (0.4
 228 MiB at 60 M parameters here, against 0.06 s for the send).
 
 How the bytes move (`copy_shard`):
-- a header first: the sender's byte, tensor and message counts and its step; the receiver
-  refuses a shard whose layout is not its own (not a replica);
+- a header first: the sender's byte, tensor and message counts, its step and the moment it
+  began; the receiver refuses a shard whose layout is not its own (not a replica). Neither
+  side waits for the other to prepare: the sender posts the header and packs while it
+  travels, the receiver posts its receive of the header first and lays out its buffers
+  while it comes;
+- then the receiver posts every receive and sends a one-word "go"; the sender posts every
+  message when it comes, and they leave back to back. Posted the other way round (the
+  sender's messages first), each of the receiver's receives would wait for the previous
+  message's last byte: gloo posts a receive under the connection's lock, which its loop
+  thread holds while a message comes in, so the sender would see one receive, hence one
+  message, per round trip (the tiny preset's 4 messages: 3 round trips of 0.1-0.5 ms on
+  this machine's loaded cores);
 - a tensor of at least `DIRECT_BYTES` travels as itself: the sender posts its bytes, the
   receiver receives into the destination tensor's bytes. No staging copy, no serialisation;
-  a direct message goes first, so the wire is busy while the sender packs the next one;
 - the smaller tensors are packed, one dtype per message, into as few messages as
   `PACK_BYTES` allows: a message costs about 60 us of fixed gloo overhead here, as much as
   240 KiB of bytes, so a shard of many small tensors (norm weights, moments of the pieces of
   params cut at shard boundaries) must not travel as many messages. Packing is one
   `torch.cat` per message, unpacking one `torch.split` and a copy per tensor;
-- direct and packed messages alternate, and every message is posted as soon as it is ready
-  (`isend`/`irecv`, one tag each): the receiver unpacks a packed message while the next
-  direct one is on the wire.
+- direct and packed messages alternate (`isend`/`irecv`, one tag each): the receiver
+  unpacks a packed message while the next direct one is on the wire.
 
 No checksum of the bytes on the way: the transports already check them (TCP and Ethernet
 frames under gloo, the link-level CRCs of NVLink, InfiniBand and RoCE under NCCL/HCCL), and a
@@ -58,6 +66,10 @@ DIRECT_BYTES = 256 << 10
 #: next is on the wire); the tiny preset's 36 small tensors (1.15 MiB) travel as one
 PACK_BYTES = 4 << 20
 _MAGIC = 0x54465453  # "TFTS"
+#: int64s of a header: magic, bytes, tensors, messages, step, param buffers, sent (ns)
+_HEADER_LEN = 7
+#: the tag of the receiver's "every receive is posted" message
+_GO_TAG = 1 << 20
 
 
 class ShardTransferError(RuntimeError):
@@ -158,8 +170,8 @@ def param_buffers(model: list[torch.nn.Module]) -> list[torch.Tensor]:
 @dataclass
 class CopyResult:
     """What `copy_shard` did: the bytes moved (shard and params), of them the model params'
-    (`param_bytes`, 0 when none travelled) and (on the receiver) the seconds from the
-    sender's first message to the last byte in place (0 on the sender)."""
+    (`param_bytes`, 0 when none travelled) and (on the receiver) the seconds from the moment
+    both holders were in `copy_shard` to the last byte in place (0 on the sender)."""
 
     nbytes: int
     seconds: float = 0.0
@@ -195,8 +207,8 @@ def _plan(tensors: list[torch.Tensor]) -> list[_Message]:
         run_bytes += size
     if run:
         packed.append(_Message(run, run_bytes, False))
-    # alternate, a direct one first: the sender packs message i + 1 while the direct message
-    # i is on the wire, and the receiver unpacks it while the next direct one arrives
+    # alternate, a direct one first: the receiver unpacks a packed message while the next
+    # direct one arrives
     order: list[_Message] = []
     for pair in itertools.zip_longest(direct, packed):
         order += [m for m in pair if m is not None]
@@ -204,59 +216,96 @@ def _plan(tensors: list[torch.Tensor]) -> list[_Message]:
 
 
 def _header(shard: Shard, tensors: list[torch.Tensor], plan: list[_Message],
-            params: int) -> torch.Tensor:
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    return torch.tensor([_MAGIC, nbytes, len(tensors), len(plan), shard.step, params],
-                        dtype=torch.int64)
+            params: int, entered_ns: int) -> torch.Tensor:
+    nbytes = sum(m.nbytes for m in plan)
+    return torch.tensor([_MAGIC, nbytes, len(tensors), len(plan), shard.step, params,
+                         entered_ns], dtype=torch.int64)
 
 
 def _send(shard: Shard, params: list[torch.Tensor], dst: int,
-          group: dist.ProcessGroup | None) -> None:
+          group: dist.ProcessGroup | None, entered_ns: int) -> None:
+    go = torch.empty(1, dtype=torch.int64)
+    ready = dist.irecv(go, src=dst, group=group, tag=_GO_TAG)
     tensors = shard.tensors + params
     plan = _plan(tensors)
-    dist.send(_header(shard, tensors, plan, len(params)), dst=dst, group=group)
-    buffers, works = [], []  # the buffers live until their sends completed
-    for i, m in enumerate(plan):  # message i is on the wire while message i + 1 is packed
-        buffers.append(_bytes_of(tensors[m.indices[0]]) if m.direct
-                       else torch.cat([_flat(tensors[j]) for j in m.indices]))
-        works.append(dist.isend(buffers[-1], dst=dst, group=group, tag=i + 1))
+    # the header does not wait for the receiver: the sender packs while it travels (every
+    # packed message: small tensors add up to little at any model size)
+    header = _header(shard, tensors, plan, len(params), entered_ns)
+    works = [dist.isend(header, dst=dst, group=group)]
+    buffers = [_bytes_of(tensors[m.indices[0]]) if m.direct
+               else torch.cat([_flat(tensors[j]) for j in m.indices]) for m in plan]
+    ready.wait()  # every receive is posted: the messages go out back to back
+    works += [dist.isend(b, dst=dst, group=group, tag=i + 1) for i, b in enumerate(buffers)]
     for work in works:
         work.wait()
 
 
-def _receive(shard: Shard, params: list[torch.Tensor], src: int,
-             group: dist.ProcessGroup | None) -> tuple[int, float, int]:
-    """Receive a shard, and the model params when the sender sends them; returns the step,
-    the seconds and the number of param buffers received."""
-    header = torch.empty(6, dtype=torch.int64)
-    dist.recv(header, src=src, group=group)
-    started = time.perf_counter()  # the sender is here: what follows is the transfer
-    magic, nbytes, count, messages, step, sent_params = (int(v) for v in header)
+@dataclass
+class _Layout:
+    """What a receiver posts: its tensors, their plan and a buffer per message (the
+    destination's bytes for a direct message, a new tensor for a packed one)."""
+
+    tensors: list[torch.Tensor]
+    plan: list[_Message]
+    buffers: list[torch.Tensor]
+
+    @classmethod
+    def of(cls, tensors: list[torch.Tensor]) -> _Layout:
+        plan = _plan(tensors)
+        return cls(tensors, plan, [
+            _bytes_of(tensors[m.indices[0]]) if m.direct
+            else torch.empty(m.nbytes // tensors[m.indices[0]].element_size(),
+                             dtype=tensors[m.indices[0]].dtype)
+            for m in plan])
+
+
+def _receive(shard: Shard, params: list[torch.Tensor], header: torch.Tensor, pending: Any,
+             src: int, group: dist.ProcessGroup | None, *, entered: float,
+             expect_params: bool) -> tuple[int, float, int]:
+    """Receive a shard, and the model params when the sender sends them, once the `header`
+    that `pending` receives has come; returns the step, the seconds since both holders
+    were in `copy_shard` and the number of param buffers received. The receiver lays out
+    its buffers before the header comes (for the params it expects; again after it, if the
+    sender decided otherwise), so that its receives are posted as soon as it is checked."""
+    layout = _Layout.of(shard.tensors + (params if expect_params else []))
+    pending.wait()
+    arrived, arrived_ns = time.perf_counter(), time.time_ns()
+    magic, nbytes, count, messages, step, sent_params, sent_ns = header.tolist()
     if sent_params not in (0, len(params)):
         raise ShardTransferError(
             f"rank {src} sends {sent_params} param buffers, this rank's model has "
             f"{len(params)}: not a replica of this rank's model")
-    tensors = shard.tensors + (params if sent_params else [])
-    plan = _plan(tensors)
-    mine = sum(t.numel() * t.element_size() for t in tensors)
+    if bool(sent_params) != (expect_params and bool(params)):
+        layout = _Layout.of(shard.tensors + (params if sent_params else []))
+    tensors, plan = layout.tensors, layout.plan
+    mine = sum(m.nbytes for m in plan)
     if [magic, nbytes, count, messages] != [_MAGIC, mine, len(tensors), len(plan)]:
         raise ShardTransferError(
             f"rank {src} offers a shard of {nbytes} bytes in {count} tensors and {messages} "
             f"messages, this rank holds {mine} bytes in {len(tensors)} tensors "
             f"and {len(plan)} messages: not a replica of this rank's shard"
         )
-    buffers = [
-        _bytes_of(tensors[m.indices[0]]) if m.direct
-        else torch.empty(m.nbytes // tensors[m.indices[0]].element_size(),
-                         dtype=tensors[m.indices[0]].dtype)
-        for m in plan
-    ]
-    works = [dist.irecv(b, src=src, group=group, tag=i + 1) for i, b in enumerate(buffers)]
-    for message, buffer, work in zip(plan, buffers, works, strict=True):
+    works = [dist.irecv(b, src=src, group=group, tag=i + 1) for i, b in enumerate(layout.buffers)]
+    # only now may the sender post its messages: a receive posted while a message arrives
+    # on the same connection waits for its last byte (the connection's lock), and the
+    # sender would see one receive at a time
+    go = dist.isend(torch.ones(1, dtype=torch.int64), dst=src, group=group, tag=_GO_TAG)
+    for message, buffer, work in zip(plan, layout.buffers, works, strict=True):
         work.wait()
         if not message.direct:  # while the next messages arrive
             _unpack(buffer, [tensors[j] for j in message.indices])
-    return step, time.perf_counter() - started, sent_params
+    go.wait()
+    return step, _since_both(entered, arrived, arrived_ns, sent_ns), sent_params
+
+
+def _since_both(entered: float, arrived: float, arrived_ns: int, sent_ns: int) -> float:
+    """Seconds from the moment both holders were in `copy_shard` (the later of the
+    receiver's `entered` and the sender's `sent_ns`, its wall clock then) to now,
+    on the receiver's monotonic clock. The sender's moment is read against the wall clock
+    at the header's arrival and bounded by the receiver's own: exact on one machine, within
+    the clocks' skew across machines."""
+    sender_ago = min(max(arrived_ns - sent_ns, 0) / 1e9, arrived - entered)
+    return time.perf_counter() - arrived + sender_ago
 
 
 def _unpack(buffer: torch.Tensor, tensors: list[torch.Tensor]) -> None:
@@ -274,6 +323,7 @@ def copy_shard(
     group: dist.ProcessGroup | None = None,
     *,
     with_params: bool = False,
+    expect_params: bool = False,
 ) -> CopyResult:
     """Copy the shard of global rank `src` into global rank `dst` (both must call it).
 
@@ -281,19 +331,25 @@ def copy_shard(
     shard has its own layout (bytes, tensors, messages) and takes the sender's step.
     `with_params` (the sender's choice; the header tells the receiver): the sender's complete
     model params travel too, into the receiver's param buffers (distributed optimizer only);
-    otherwise the receiver's model params are not touched (see the module docstring)."""
+    otherwise the receiver's model params are not touched (see the module docstring).
+    `expect_params` (the receiver's guess of that choice) only lets it lay out its buffers
+    before the header comes; a wrong guess costs that layout again, nothing else."""
+    entered, entered_ns = time.perf_counter(), time.time_ns()
     me = dist.get_rank()
     if me == src:
         shard = local_shard(optimizer, model)
         params = param_buffers(model) if with_params else []
-        _send(shard, params, dst, group)
+        _send(shard, params, dst, group, entered_ns)
         sent = sum(t.numel() * t.element_size() for t in params)
         return CopyResult(shard.nbytes + sent, param_bytes=sent)
     if me != dst:
         raise ValueError(f"rank {me} is neither the source {src} nor the destination {dst}")
+    header = torch.empty(_HEADER_LEN, dtype=torch.int64)
+    pending = dist.irecv(header, src=src, group=group)  # it travels while the shard is laid out
     shard = local_shard(optimizer, model, create=True)
     params = param_buffers(model)
-    step, seconds, received = _receive(shard, params, src, group)
+    step, seconds, received = _receive(shard, params, header, pending, src, group,
+                                       entered=entered, expect_params=expect_params)
     for state in shard.states:
         state["step"] = torch.tensor(float(step))
     got = sum(t.numel() * t.element_size() for t in params) if received else 0

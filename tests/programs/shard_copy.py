@@ -4,15 +4,22 @@ Trains 2 steps of the tiny model with 2 optimizer replicas (DP=4: ranks 1 and 3 
 same shard), then rank 3 wipes its shard and model params, receives rank 1's over
 torch.distributed (`copy_shard`), every rank rebuilds its model params from the
 main params (as the rollback does) and reports the CRC-32 of its shard and model params.
-One more step then runs with the replica check on. Prints one JSON line per rank:
-{"rank", "before", "wiped", "after", "copied", "replicas_agree_after_step"}.
+One more step then runs with the replica check on. Then rank 3 zeroes its model params and
+receives them with rank 1's shard (`with_params`), though it guessed they would not come,
+and receives a shard without them though it guessed they would (`params_copied`,
+`params_kept`). Last, rank 3 freezes a param (one tensor more in its shard) and must refuse
+rank 1's shard (`refused`: the error each side raised). Writes one JSON file per rank:
+{"rank", "before", "wiped", "after", "copied", "replicas_agree_after_step",
+"params_copied", "params_kept", "refused"}.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import zlib
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -31,7 +38,7 @@ from mindspeed_tft.plugin.hooks import HookList, set_update_listener  # noqa: E4
 from mindspeed_tft.plugin.state import TrainingState  # noqa: E402
 from mindspeed_tft.recovery.rollback import sync_model_params_from_main  # noqa: E402
 from mindspeed_tft.replica.check import ReplicaConsistencyCheck  # noqa: E402
-from mindspeed_tft.replica.transfer import copy_shard, shard_digest  # noqa: E402
+from mindspeed_tft.replica.transfer import copy_shard, param_buffers, shard_digest  # noqa: E402
 from mindspeed_tft.training.data import (  # noqa: E402
     build_data_iterator,
     get_train_valid_test_num_samples,
@@ -114,12 +121,41 @@ def main() -> None:
     train_step(pretrain_gpt.forward_step, state, hooks)
     state.iteration += 1
     check.after_step(state.iteration, optimizer, model)  # raises if the replicas disagree
+
+    # the receiver's guess of the sender's choice is only a guess, both ways
+    pair = dist.new_group([1, 3])  # every rank calls new_group
+    if me == 3:
+        with torch.no_grad():
+            for buffer in param_buffers(model):
+                buffer.zero_()
+    if me in (1, 3):
+        copy_shard(optimizer, model, src=1, dst=3, group=pair, with_params=True,
+                   expect_params=False)
+    params_copied = digest(optimizer, model)
+    if me in (1, 3):
+        copy_shard(optimizer, model, src=1, dst=3, group=pair, with_params=False,
+                   expect_params=True)
+    params_kept = digest(optimizer, model)
+
+    # a shard of another layout is refused by the receiver; the sender's wait is bounded
+    short = dist.new_group([1, 3], timeout=timedelta(seconds=3))
+    refused = None
+    if me in (1, 3):
+        frozen = next(model[0].parameters())
+        frozen.requires_grad_(me != 3)
+        try:
+            copy_shard(optimizer, model, src=1, dst=3, group=short)
+        except Exception as error:  # noqa: BLE001 - reported, the test reads it
+            refused = f"{type(error).__name__}: {error}"
+        frozen.requires_grad_(True)
     # one file per rank: lines printed by four processes to one pipe can interleave
     Path(f"shard_copy_rank{me}.json").write_text(json.dumps(
         {"rank": me, "before": before, "wiped": wiped, "after": after, "copied": copied,
-         "replicas_agree_after_step": True}))
+         "replicas_agree_after_step": True, "params_copied": params_copied,
+         "params_kept": params_kept, "refused": refused}))
     dist.barrier()
-    dist.destroy_process_group()
+    # not destroy_process_group: the timed-out group's teardown is not what is tested
+    os._exit(0)
 
 
 if __name__ == "__main__":
