@@ -2,20 +2,22 @@
 moves, measured with torch.distributed on the same backend and the same number of ranks as
 the jobs (run by torchrun right after them).
 
-Arguments (JSON, argv[1]): {"p2p_bytes": B, "src": s, "dst": d, "copy_bytes": C,
-"gather_bytes": G, "gather_groups": [[ranks], ...], "repeats": R}. It measures, each the
-median of R runs after one warm-up run, into buffers that already exist (touched):
+Arguments (JSON, argv[1]): {"sends": {case: {"bytes": B, "src": s, "dst": d}, ...},
+"copy_bytes": C, "copy_rank": c, "gather_bytes": G, "gather_groups": [[ranks], ...],
+"repeats": R}. It measures, each the median of R runs after one warm-up run, into buffers
+that already exist (touched):
 
-- `p2p_s`: `dist.send` of one contiguous B-byte tensor from rank s to rank d (what the
-  shard copy has to move at least);
-- `copy_s`: `Tensor.copy_` of C bytes into an existing tensor on one rank (memory bandwidth);
+- `p2p_s` (per case): `dist.send` of one contiguous B-byte tensor from rank s to rank d
+  (what that case's shard copy has to move at least, between the same two ranks);
+- `copy_s`: `Tensor.copy_` of C bytes into an existing tensor on rank c (memory bandwidth);
 - `all_gather_s`: `dist.all_gather_into_tensor` of a G-byte buffer (each rank gives G / k)
   in each group of `gather_groups` at once; `exchange_s`: the same result from
   point-to-point sends (each rank sends its part to every other rank of its group and
   receives theirs); `gather_s`: the faster of the two, the limit of the rollback's param
   gather (on gloo the exchange: `recovery.rollback.gather_chunk_params`).
 
-Rank 0 prints one JSON line {"p2p_s", "copy_s", "all_gather_s", "exchange_s", "gather_s"}.
+Rank 0 prints one JSON line {"p2p_s": {case: s}, "copy_s", "all_gather_s", "exchange_s",
+"gather_s"}.
 """
 
 from __future__ import annotations
@@ -49,20 +51,23 @@ def main() -> None:
     dist.init_process_group("gloo")
     me = dist.get_rank()
     repeats = int(spec.get("repeats", 3))
-    src, dst = int(spec["src"]), int(spec["dst"])
-    p2p = torch.ones(int(spec["p2p_bytes"]), dtype=torch.uint8)
 
-    def send() -> None:
-        if me == src:
-            dist.send(p2p, dst=dst)
-        elif me == dst:
-            dist.recv(p2p, src=src)
+    def sender(case: dict[str, int]) -> Callable[[], None]:
+        src, dst = int(case["src"]), int(case["dst"])
+        p2p = torch.ones(int(case["bytes"]), dtype=torch.uint8)
+
+        def send() -> None:
+            if me == src:
+                dist.send(p2p, dst=dst)
+            elif me == dst:
+                dist.recv(p2p, src=src)
+        return send
 
     source = torch.ones(int(spec["copy_bytes"]), dtype=torch.uint8)
     target = torch.zeros_like(source)
 
     def copy() -> None:
-        if me == dst:
+        if me == int(spec["copy_rank"]):
             target.copy_(source)
 
     groups = [dist.new_group(ranks) for ranks in spec["gather_groups"]]
@@ -81,11 +86,14 @@ def main() -> None:
         for work in post_exchange(parts, ranks.index(me), ranks, groups[mine]):
             work.wait()
 
-    result = {"p2p_s": _timed(send, repeats), "copy_s": _timed(copy, repeats),
+    result = {"copy_s": _timed(copy, repeats),
               "all_gather_s": _timed(gather, repeats), "exchange_s": _timed(exchange, repeats)}
     result["gather_s"] = min(result["all_gather_s"], result["exchange_s"])
+    sends = {name: round(_timed(sender(case), repeats), 5)
+             for name, case in spec["sends"].items()}
     if me == 0:
-        print(json.dumps({k: round(v, 5) for k, v in result.items()}), flush=True)
+        print(json.dumps({"p2p_s": sends, **{k: round(v, 5) for k, v in result.items()}}),
+              flush=True)
     dist.barrier()
     dist.destroy_process_group()
 

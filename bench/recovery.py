@@ -40,8 +40,9 @@ log lines (both stamped with the same clock):
   registration of the restarted rank, process-group rebuild, shard copy, rollback, first step).
 
 Repair cost against the machine's limits: after each size's jobs, `bench/_limits.py` measures
-on the same 4 ranks and backend the time of one torch.distributed send of the shard's bytes
-(ARF's sender and receiver), of a plain tensor copy of them, and of the rollback's param
+on the same 4 ranks and backend the time of one torch.distributed send of each case's
+shard bytes between that case's sender and receiver (ARF's, UCE's), of a plain tensor copy
+of ARF's bytes, and of the rollback's param
 gather (all-gather, and point-to-point exchanges of the same shards: the faster is the
 limit); the shard copy (`shard_received`) and the rollback (`rolled_back`) are reported
 beside them with efficiency = limit / measured (the rollback's: its `params` part, which
@@ -630,17 +631,21 @@ def measure_size(opts: argparse.Namespace, host: Any, size: Size, work: Path,
 
 
 LIMITS_WORKER = Path(__file__).resolve().parent / "_limits.py"
+#: runs of each limit after its warm-up (medians): one send of the tiny shard's 4.2 MiB took
+#: 1.1 to 2.9 ms here from one run of 3 to the next
+LIMIT_REPEATS = 9
 #: the jobs' layout (scripts/pretrain_tiny_cpu.sh): DP 4, 2 replicas, chunks of d / N ranks
 WORLD, REPLICAS = 4, 2
 
 
 def _state_moved(rows: list[Row]) -> dict[str, dict[str, Any]]:
-    """Per repair case (ARF, UCE): bytes the shard copy moved and its time on the receiver
-    (`shard_received`: from the sender's first message on), the rollback's time (`rolled_back`
-    seconds summed, on the rank that entered it last: the rollback is collective, so the
-    other ranks' extra time is waiting for that one to arrive, which the breakdown's marks
-    count), the bytes its param all-gather moves, and the first step's time after the
-    repair. With `--repeats`, the median job's copy and the median job's rollback."""
+    """Per repair case (ARF, UCE): bytes the shard copy moved, its two ranks and its time
+    on the receiver (`shard_received`: from the moment both holders were in the copy), the
+    rollback's time (`rolled_back` seconds summed, on the rank that entered it last: the
+    rollback is collective, so the other ranks' extra time is waiting for that one to
+    arrive, which the breakdown's marks count), the bytes its param all-gather moves, and
+    the first step's time after the repair. With `--repeats`, the median job's copy and
+    the median job's rollback."""
     cases: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
         if row.error or row.job.first("fault_injected") is None:
@@ -679,10 +684,12 @@ def measure_limits(moved: dict[str, dict[str, Any]], work: Path,
     (bench/_limits.py under torchrun)."""
     case = moved.get("arf") or next(iter(moved.values()))
     chunk = WORLD // REPLICAS
-    spec = {"p2p_bytes": case["bytes"], "src": case["src"], "dst": case["dst"],
-            "copy_bytes": case["bytes"], "gather_bytes": case["param_bytes"],
+    spec = {"sends": {name: {k: m[k] for k in ("bytes", "src", "dst")}
+                      for name, m in moved.items()},
+            "copy_bytes": case["bytes"], "copy_rank": case["dst"],
+            "gather_bytes": case["param_bytes"],
             "gather_groups": [list(range(i, i + chunk)) for i in range(0, WORLD, chunk)],
-            "repeats": 3}
+            "repeats": LIMIT_REPEATS}
     out = run_job(torchrun_cmd(WORLD, LIMITS_WORKER, [json.dumps(spec)]),
                   bench_env(work / "limits"), timeout, work / "limits" / "output.log")
     lines = [line for line in out.output.splitlines() if line.startswith("{")]
@@ -698,8 +705,8 @@ def _repair_cost(moved: dict[str, dict[str, Any]],
     """Shard copy and rollback of each case beside the limits: efficiency = limit / measured
     (for the rollback, measured = its `params` part: the part that moves the state).
     Shard copy's limit: one torch.distributed send of the same bytes (the shard, and the
-    model params where they travelled with it to a new process; measured for the ARF case's
-    bytes and scaled linearly to the other case's). Rollback's: a plain
+    model params where they travelled with it to a new process), between the same two ranks
+    as that case's copy (its median job's). Rollback's: a plain
     copy of the main params' bytes (a third of the shard: main param, exp_avg, exp_avg_sq)
     into the model params plus their gather in each chunk (the faster of an all-gather and
     point-to-point exchanges of the same shards), where the rollback moved the params.
@@ -709,7 +716,7 @@ def _repair_cost(moved: dict[str, dict[str, Any]],
     if limits is not None:
         cost["limits"] = limits
     for case, m in moved.items():
-        copy_limit = None if limits is None else limits["p2p_s"] * m["bytes"] / limits["bytes"]
+        copy_limit = None if limits is None else limits["p2p_s"][case]
         rollback_limit = None if limits is None or not m["params_gathered"] else (
             limits["copy_s"] * (m["shard_bytes"] / 3) / limits["bytes"] + limits["gather_s"])
         cost[case] = {
@@ -738,8 +745,10 @@ def _ratio(limit: float | None, measured: float | None) -> float | None:
 def print_cost(cost: dict[str, Any]) -> None:
     limits = cost.get("limits")
     if limits is not None:
-        print(f"limits on this machine (bench/_limits.py, same ranks and backend): send of "
-              f"{limits['bytes'] / 2**20:.1f} MiB {limits['p2p_s']:.4f} s, plain copy "
+        sends = ", ".join(f"{case.upper()} {cost[case]['state_bytes'] / 2**20:.1f} MiB {s:.4f} s"
+                          for case, s in limits["p2p_s"].items())
+        print(f"limits on this machine (bench/_limits.py, same ranks and backend): send "
+              f"({sends}), plain copy of {limits['bytes'] / 2**20:.1f} MiB "
               f"{limits['copy_s']:.4f} s, param gather of {limits['param_bytes'] / 2**20:.1f}"
               f" MiB in each chunk {limits['gather_s']:.4f} s (all-gather "
               f"{limits.get('all_gather_s', float('nan')):.4f} s, point-to-point exchange "
