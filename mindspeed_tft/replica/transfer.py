@@ -267,7 +267,8 @@ def _receive(shard: Shard, params: list[torch.Tensor], header: torch.Tensor, pen
     were in `copy_shard` and the number of param buffers received. The receiver lays out
     its buffers before the header comes (for the params it expects; again after it, if the
     sender decided otherwise), so that its receives are posted as soon as it is checked."""
-    layout = _Layout.of(shard.tensors + (params if expect_params else []))
+    expected = params if expect_params else []
+    layout = _Layout.of(shard.tensors + expected)
     pending.wait()
     arrived, arrived_ns = time.perf_counter(), time.time_ns()
     magic, nbytes, count, messages, step, sent_params, sent_ns = header.tolist()
@@ -275,7 +276,7 @@ def _receive(shard: Shard, params: list[torch.Tensor], header: torch.Tensor, pen
         raise ShardTransferError(
             f"rank {src} sends {sent_params} param buffers, this rank's model has "
             f"{len(params)}: not a replica of this rank's model")
-    if bool(sent_params) != (expect_params and bool(params)):
+    if sent_params != len(expected):  # the sender decided otherwise
         layout = _Layout.of(shard.tensors + (params if sent_params else []))
     tensors, plan = layout.tensors, layout.plan
     mine = sum(m.nbytes for m in plan)
