@@ -4,8 +4,9 @@ the jobs (run by torchrun right after them).
 
 Arguments (JSON, argv[1]): {"sends": {case: {"bytes": B, "src": s, "dst": d}, ...},
 "copy_bytes": C, "copy_rank": c, "gather_bytes": G, "gather_groups": [[ranks], ...],
-"repeats": R}. It measures, each the median of R runs after one warm-up run, into buffers
-that already exist (touched):
+"repeats": R}; without "copy_bytes" only the sends (the limit measured right after one
+job, paired with its shard copy). It measures, each the median of R runs after one warm-up
+run, into buffers that already exist (touched):
 
 - `p2p_s` (per case): `dist.send` of one contiguous B-byte tensor from rank s to rank d
   (what that case's shard copy has to move at least, between the same two ranks);
@@ -17,7 +18,7 @@ that already exist (touched):
   gather (on gloo the exchange: `recovery.rollback.gather_chunk_params`).
 
 Rank 0 prints one JSON line {"p2p_s": {case: s}, "copy_s", "all_gather_s", "exchange_s",
-"gather_s"}.
+"gather_s"} (only "p2p_s" without "copy_bytes").
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -63,6 +65,18 @@ def main() -> None:
                 dist.recv(p2p, src=src)
         return send
 
+    result = _copy_and_gather(spec, me, repeats) if "copy_bytes" in spec else {}
+    sends = {name: round(_timed(sender(case), repeats), 5)
+             for name, case in spec["sends"].items()}
+    if me == 0:
+        print(json.dumps({"p2p_s": sends, **{k: round(v, 5) for k, v in result.items()}}),
+              flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _copy_and_gather(spec: dict[str, Any], me: int, repeats: int) -> dict[str, float]:
+    """The plain copy's and the param gather's limits (see the module docstring)."""
     source = torch.ones(int(spec["copy_bytes"]), dtype=torch.uint8)
     target = torch.zeros_like(source)
 
@@ -89,13 +103,7 @@ def main() -> None:
     result = {"copy_s": _timed(copy, repeats),
               "all_gather_s": _timed(gather, repeats), "exchange_s": _timed(exchange, repeats)}
     result["gather_s"] = min(result["all_gather_s"], result["exchange_s"])
-    sends = {name: round(_timed(sender(case), repeats), 5)
-             for name, case in spec["sends"].items()}
-    if me == 0:
-        print(json.dumps({"p2p_s": sends, **{k: round(v, 5) for k, v in result.items()}}),
-              flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    return result
 
 
 if __name__ == "__main__":

@@ -39,10 +39,12 @@ log lines (both stamped with the same clock):
 - where the time went: the marks of each recovery (detection, launcher report, restart,
   registration of the restarted rank, process-group rebuild, shard copy, rollback, first step).
 
-Repair cost against the machine's limits: after each size's jobs, `bench/_limits.py` measures
-on the same 4 ranks and backend the time of one torch.distributed send of each case's
-shard bytes between that case's sender and receiver (ARF's, UCE's), of a plain tensor copy
-of ARF's bytes, and of the rollback's param
+Repair cost against the machine's limits: right after each ARF warm-spare and UCE job,
+`bench/_limits.py` measures on the same 4 ranks and backend the time of one
+torch.distributed send of the bytes of that job's shard copy between its sender and
+receiver (the copy's limit, paired with it: the loopback rate here drifts by up to 2x from
+one minute to the next); after each size's jobs it measures the same sends once more (the
+pooled limit, printed beside), a plain tensor copy of ARF's bytes, and the rollback's param
 gather (all-gather, and point-to-point exchanges of the same shards: the faster is the
 limit); the shard copy (`shard_received`) and the rollback (`rolled_back`) are reported
 beside them with efficiency = limit / measured (the rollback's: its `params` part, which
@@ -479,6 +481,13 @@ def measure_size(opts: argparse.Namespace, host: Any, size: Size, work: Path,
             shutil.rmtree(job.run_dir / "ckpt", ignore_errors=True)
         return job
 
+    paired: dict[str, float | None] = {}  # job name -> the limit measured right after it
+
+    def run_paired(spec: JobSpec) -> Job:
+        job = run(spec)
+        paired[job.name] = measure_send(job, work, opts.timeout)
+        return job
+
     ref = run(JobSpec("reference", ha_args=REFERENCE_ARGS, env=ha_env, **base))
     if ref.returncode != 0:
         raise RuntimeError(f"the fault-free reference job failed\n{ref.describe()}")
@@ -487,8 +496,8 @@ def measure_size(opts: argparse.Namespace, host: Any, size: Size, work: Path,
     for i in range(opts.repeats):
         spare_rows.append(arf_row(
             "ARF warm spare", SPARE_LAUNCHER,
-            run(JobSpec(f"arf_spare{i}", ha_args=ARF_ARGS, launcher=SPARE_LAUNCHER,
-                        inject=kill, env=ha_env, **base)), opts.rank, reference))
+            run_paired(JobSpec(f"arf_spare{i}", ha_args=ARF_ARGS, launcher=SPARE_LAUNCHER,
+                               inject=kill, env=ha_env, **base)), opts.rank, reference))
         cold_rows.append(arf_row(
             "ARF cold restart", "tft-run",
             run(JobSpec(f"arf_cold{i}", ha_args=ARF_ARGS, launcher="tft-run",
@@ -504,7 +513,7 @@ def measure_size(opts: argparse.Namespace, host: Any, size: Size, work: Path,
         base_rows.append(baseline_row(shown, run(JobSpec(
             f"baseline{i}", launcher=launcher, inject=kill, load=True, env=env, **base)),
             opts.step))
-    uce_runs = {t: [uce_row(t, run(JobSpec(
+    uce_runs = {t: [uce_row(t, run_paired(JobSpec(
         f"uce_{t}{i}", ha_args=UCE_ARGS, env=ha_env, **base,
         inject=f"uce:rank={opts.uce_rank},step={opts.step},phase=backward,target={t}")),
         reference) for i in range(opts.repeats)] for t in targets}
@@ -515,7 +524,7 @@ def measure_size(opts: argparse.Namespace, host: Any, size: Size, work: Path,
         "elastic", ha_args=ELASTIC_ARGS, launcher="tft-run", inject=kill,
         env={**ha_env, **ELASTIC_ENV},
         **{**base, "train_iters": base["train_iters"] + ELASTIC_EXTRA_ITERS})))
-    moved = _state_moved([*spare_rows, *uce_rows])
+    moved = _state_moved([*spare_rows, *uce_rows], paired)
     limits = measure_limits(moved, work, opts.timeout) if moved else None
 
     rows = [*spare_rows, *cold_rows, *base_rows, *uce_rows, *([elastic] if elastic else [])]
@@ -638,9 +647,11 @@ LIMIT_REPEATS = 9
 WORLD, REPLICAS = 4, 2
 
 
-def _state_moved(rows: list[Row]) -> dict[str, dict[str, Any]]:
+def _state_moved(rows: list[Row],
+                 paired: dict[str, float | None]) -> dict[str, dict[str, Any]]:
     """Per repair case (ARF, UCE): bytes the shard copy moved, its two ranks and its time
-    on the receiver (`shard_received`: from the moment both holders were in the copy), the
+    on the receiver (`shard_received`: from the moment both holders were in the copy), each
+    job's copy beside the limit measured right after that job (`paired`, by job name), the
     rollback's time (`rolled_back` seconds summed, on the rank that entered it last: the
     rollback is collective, so the other ranks' extra time is waiting for that one to
     arrive, which the breakdown's marks count), the bytes its param all-gather moves, and
@@ -668,13 +679,15 @@ def _state_moved(rows: list[Row]) -> dict[str, dict[str, Any]]:
             "param_bytes": rolled[0]["param_bytes"],
             "params_gathered": any(e.get("params_gathered", True) for e in rolled),
             "first_step_s": None if done is None else done["time"] - repaired["time"],
+            "paired": [received["seconds"], paired.get(row.job.name)],
         })
     moved = {}
     for key, entries in cases.items():
         copy = sorted(entries, key=lambda e: e["copy_s"])[len(entries) // 2]
         back = sorted(entries, key=lambda e: e["rollback_s"])[len(entries) // 2]
         moved[key] = {**back, **{k: copy[k]
-                                 for k in ("bytes", "shard_bytes", "copy_s", "src", "dst")}}
+                                 for k in ("bytes", "shard_bytes", "copy_s", "src", "dst")},
+                      "paired": [e["paired"] for e in entries]}
     return moved
 
 
@@ -690,14 +703,32 @@ def measure_limits(moved: dict[str, dict[str, Any]], work: Path,
             "gather_bytes": case["param_bytes"],
             "gather_groups": [list(range(i, i + chunk)) for i in range(0, WORLD, chunk)],
             "repeats": LIMIT_REPEATS}
+    return {**_run_limits(spec, work / "limits", timeout), "bytes": case["bytes"],
+            "param_bytes": case["param_bytes"]}
+
+
+def measure_send(job: Job, work: Path, timeout: float) -> float | None:
+    """The limit of `job`'s shard copy, measured right after the job: one send of the same
+    bytes between the same two ranks (None when no copy followed its fault). The machine's
+    loopback rate drifts by up to 2x over minutes here, so each copy is held to a limit of
+    its own moment rather than to one measured after every job of its size."""
+    fault = job.first("fault_injected")
+    copy = None if fault is None else _last(job, "shard_received", fault["time"])
+    if copy is None:
+        return None
+    spec = {"sends": {"copy": {"bytes": copy["bytes"], "src": copy["source"],
+                               "dst": copy["rank"]}}, "repeats": LIMIT_REPEATS}
+    return _run_limits(spec, work / f"{job.name}_limit", timeout)["p2p_s"]["copy"]
+
+
+def _run_limits(spec: dict[str, Any], run_dir: Path, timeout: float) -> dict[str, Any]:
     out = run_job(torchrun_cmd(WORLD, LIMITS_WORKER, [json.dumps(spec)]),
-                  bench_env(work / "limits"), timeout, work / "limits" / "output.log")
+                  bench_env(run_dir), timeout, run_dir / "output.log")
     lines = [line for line in out.output.splitlines() if line.startswith("{")]
     if out.returncode != 0 or not lines:
         raise RuntimeError(f"the limits job failed (exit {out.returncode}):\n"
                            f"{tail(out.output)}")
-    return {**json.loads(lines[-1]), "bytes": case["bytes"],
-            "param_bytes": case["param_bytes"]}
+    return json.loads(lines[-1])
 
 
 def _repair_cost(moved: dict[str, dict[str, Any]],
@@ -706,7 +737,10 @@ def _repair_cost(moved: dict[str, dict[str, Any]],
     (for the rollback, measured = its `params` part: the part that moves the state).
     Shard copy's limit: one torch.distributed send of the same bytes (the shard, and the
     model params where they travelled with it to a new process), between the same two ranks
-    as that case's copy (its median job's). Rollback's: a plain
+    as that case's copy, measured right after each job (`measure_send`); its efficiency is
+    the median over jobs of each job's limit / its copy, paired as the recovery margins are
+    (the pooled figure, the median copy against the send measured after every job of the
+    size, is reported beside it: `copy_pooled_efficiency`). Rollback's: a plain
     copy of the main params' bytes (a third of the shard: main param, exp_avg, exp_avg_sq)
     into the model params plus their gather in each chunk (the faster of an all-gather and
     point-to-point exchanges of the same shards), where the rollback moved the params.
@@ -716,18 +750,24 @@ def _repair_cost(moved: dict[str, dict[str, Any]],
     if limits is not None:
         cost["limits"] = limits
     for case, m in moved.items():
-        copy_limit = None if limits is None else limits["p2p_s"][case]
+        pairs = [(copy, limit) for copy, limit in m["paired"] if copy and limit is not None]
+        pooled_limit = None if limits is None else limits["p2p_s"][case]
         rollback_limit = None if limits is None or not m["params_gathered"] else (
             limits["copy_s"] * (m["shard_bytes"] / 3) / limits["bytes"] + limits["gather_s"])
         cost[case] = {
             "state_bytes": m["bytes"], "sent_param_bytes": m["bytes"] - m["shard_bytes"],
-            "copy_s": m["copy_s"], "copy_limit_s": _round(copy_limit, 5),
+            "copy_s": m["copy_s"],
+            "copy_limit_s": _round(_median([limit for _, limit in pairs]), 5),
+            "copy_paired": [[round(copy, 5), round(limit, 5)] for copy, limit in pairs],
+            "copy_pooled_limit_s": _round(pooled_limit, 5),
+            "copy_pooled_efficiency": _ratio(pooled_limit, m["copy_s"]),
             "rollback_s": round(m["rollback_s"], 4), "rollback_parts": m["rollback_parts"],
             "rollback_limit_s": _round(rollback_limit, 4),
             "params_gathered": m["params_gathered"],
             "first_step_s": _round(m["first_step_s"]),
         }
-        cost[f"{case}_copy_efficiency"] = _ratio(copy_limit, m["copy_s"])
+        cost[f"{case}_copy_efficiency"] = _round(_median([limit / copy
+                                                          for copy, limit in pairs]))
         # the rollback's state part (params); scheduler, RNG and data iterator are a fixed
         # fraction of a millisecond at every size, shown in rollback_parts
         if m["params_gathered"]:
@@ -760,9 +800,12 @@ def print_cost(cost: dict[str, Any]) -> None:
         parts = ", ".join(f"{k} {v:.3f}" for k, v in c["rollback_parts"].items())
         with_params = (f" (of it {c['sent_param_bytes'] / 2**20:.1f} MiB model params)"
                        if c["sent_param_bytes"] else "")
+        pairs = ", ".join(f"{copy:.4f}/{limit:.4f}" for copy, limit in c["copy_paired"])
         print(f"{case.upper()}: shard copy {c['state_bytes'] / 2**20:.1f} MiB{with_params} in "
-              f"{c['copy_s']:.4f} s (limit {_fmt(c['copy_limit_s'])}, efficiency "
-              f"{_fmt(cost[f'{case}_copy_efficiency'])}); rollback {c['rollback_s']:.4f} s "
+              f"{c['copy_s']:.4f} s (each job's copy/limit measured right after it: {pairs}; "
+              f"efficiency {_fmt(cost[f'{case}_copy_efficiency'])}, the median of theirs; "
+              f"pooled: limit {_fmt(c['copy_pooled_limit_s'])}, efficiency "
+              f"{_fmt(c['copy_pooled_efficiency'])}); rollback {c['rollback_s']:.4f} s "
               f"({parts}; " + (f"params gathered; limit {_fmt(c['rollback_limit_s'])}, "
                                f"efficiency {_fmt(cost[f'{case}_rollback_efficiency'])}"
                                if c["params_gathered"] else "no params moved: no rank needed "
