@@ -320,6 +320,12 @@ def _last(job: Job, name: str, after: float) -> dict[str, Any] | None:
     return found[-1] if found else None
 
 
+def _shard_copy(job: Job) -> dict[str, Any] | None:
+    """The `shard_received` event of the repair of `job`'s fault (None without either)."""
+    fault = job.first("fault_injected")
+    return None if fault is None else _last(job, "shard_received", fault["time"])
+
+
 def _median_row(rows: list[Row]) -> Row | None:
     """The run whose recovery time is the median one (the lower middle of an even count)."""
     done = sorted((r for r in rows if r.recovered_s is not None), key=lambda r: r.recovered_s)
@@ -662,7 +668,7 @@ def _state_moved(rows: list[Row],
         if row.error or row.job.first("fault_injected") is None:
             continue
         t0 = row.job.fault()["time"]
-        received = _last(row.job, "shard_received", t0)
+        received = _shard_copy(row.job)
         rolled = [e for e in row.job.named("rolled_back") if e["time"] >= t0]
         repaired = row.job.first("repaired", t0)
         done = row.job.first_iteration_after_fault()
@@ -712,8 +718,7 @@ def measure_send(job: Job, work: Path, timeout: float) -> float | None:
     bytes between the same two ranks (None when no copy followed its fault). The machine's
     loopback rate drifts by up to 2x over minutes here, so each copy is held to a limit of
     its own moment rather than to one measured after every job of its size."""
-    fault = job.first("fault_injected")
-    copy = None if fault is None else _last(job, "shard_received", fault["time"])
+    copy = _shard_copy(job)
     if copy is None:
         return None
     spec = {"sends": {"copy": {"bytes": copy["bytes"], "src": copy["source"],
