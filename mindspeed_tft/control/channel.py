@@ -143,6 +143,13 @@ class Channel:
         self._outbox.append((mtype, payload))
         self._wake()
 
+    def update_replica(self, replica: dict[str, Any]) -> None:
+        """The rank's replica layout, learnt after it registered: registration sends it from
+        now on, and a repeated registration tells the controller now."""
+        self.replica = replica
+        if self._ever_registered:
+            self.post(MsgType.REGISTER, self._register_payload())
+
     def flush(self, timeout: float) -> None:
         """Wait (bounded) until the queued messages left."""
         deadline = time.monotonic() + timeout

@@ -593,6 +593,10 @@ class Controller:
             if msg.seq > row.last_seq:
                 row.last_seq = msg.seq
             row.last_seen = now
+            if p.get("replica") is not None:  # the layout, known after the registration
+                row.replica = p["replica"]
+                self.elasticity.note_registration(rank, p["replica"])
+                self._snapshot_dirty = True
             if row.health is Health.LOST and (self.sm.state is State.INIT or self.role == "backup"):
                 row.health = Health.ALIVE
             self.send_registered(row)

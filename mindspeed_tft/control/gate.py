@@ -138,29 +138,37 @@ class Gate:
     # -- trainer hooks ------------------------------------------------------------------
     def before_update(self, step: int, timeout: float | None = None) -> None:
         """Hold point before optimizer update `step` (see `processor`)."""
-        limit = self.config.effective_decision_timeout() if timeout is None else timeout
-        deadline = time.monotonic() + limit
-        waiting = WaitLog(self.rank, f"the end of a pause before update {step}", limit)
         with self._cond:
-            while True:
-                if self._pending is not None or (self._stopped and not (
-                        self._catch_up is not None and step <= self._catch_up)):
-                    raise ForceStop(f"rank {self.rank} stopped by the controller before "
-                                    f"update {step}")
-                if not self._paused:
-                    break
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise ForceStop(f"rank {self.rank} paused for more than {limit:g}s")
-                self.watchdog.pause()  # held on purpose: not a hang
-                self._cond.wait(min(remaining, 5.0))
-                waiting.tick()
-                if self._watching:
-                    self.watchdog.resume()
+            self._wait_unheld_locked(step, timeout)
             if self._status == "updating" and self._updating_step == step:
                 return
             self._status = "updating"
             self._updating_step = step
+
+    def wait_unheld(self, step: int, timeout: float | None = None) -> None:
+        """The hold of `before_update(step)` without marking the data Updating."""
+        with self._cond:
+            self._wait_unheld_locked(step, timeout)
+
+    def _wait_unheld_locked(self, step: int, timeout: float | None) -> None:
+        limit = self.config.effective_decision_timeout() if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        waiting = WaitLog(self.rank, f"the end of a pause before update {step}", limit)
+        while True:
+            if self._pending is not None or (self._stopped and not (
+                    self._catch_up is not None and step <= self._catch_up)):
+                raise ForceStop(f"rank {self.rank} stopped by the controller before "
+                                f"update {step}")
+            if not self._paused:
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ForceStop(f"rank {self.rank} paused for more than {limit:g}s")
+            self.watchdog.pause()  # held on purpose: not a hang
+            self._cond.wait(min(remaining, 5.0))
+            waiting.tick()
+            if self._watching:
+                self.watchdog.resume()
 
     def report_update_end(self, step: int) -> None:
         """Optimizer update `step` completed: the data is Updated at `step`."""

@@ -465,7 +465,7 @@ class IncidentFlow:
             reason = ("no optimizer update completed yet (lock step 0): there is nothing to "
                       "repair or dump")
         inc.strategy = strategy
-        inc.source = host.planner.repair_source(strategy)
+        inc.source = host.planner.repair_source(strategy, inc)
         emit("strategy", CONTROLLER_RANK, strategy=strategy.value, lock_step=inc.lock_step,
              source=inc.source, faults={str(r): k.value for r, k in inc.faults.items()},
              incident=inc.id)
@@ -497,6 +497,13 @@ class IncidentFlow:
             self._repair_failed(f"clean failed: {self._fail_text(phase)}")
             return
         inc = self.incident
+        for rank, result in phase.results.items():
+            # a faulty rank's clean may find what its fault damaged (an SDK host: a UCE
+            # that hit memory holding nothing to copy back, SPEC 8); network input: checked
+            target = result.get("detail", {}).get("target") if isinstance(
+                result.get("detail"), dict) else None
+            if rank in inc.faults and isinstance(target, str) and len(target) <= 32:
+                inc.details.setdefault(rank, {})["target"] = target
         if inc.awaiting:
             limit = self.host.config.effective_replacement_wait
             phase = Phase("rejoin", -1, self.host.now() + limit, set(inc.awaiting))

@@ -162,6 +162,12 @@ class Processor:
         if cancel_exit and self._exit_timer is not None:
             self._exit_timer.cancel()
 
+    def update_replica(self, replica: dict[str, Any]) -> None:
+        """This rank's replica layout (as `replica=` at construction), known only after it
+        registered (an SDK host learns it from its framework later): the controller is told."""
+        self.replica = replica
+        self._channel.update_replica(replica)
+
     @property
     def registered(self) -> bool:
         return self._channel.registered
@@ -219,6 +225,12 @@ class Processor:
         self._gate.before_update(step, timeout)
 
     report_update_start = before_update
+
+    def hold_point(self, step: int, timeout: float | None = None) -> None:
+        """A step boundary before update `step` where the training thread may be held: waits
+        while the rank is paused, raises ForceStop once it is stopped (as `before_update`,
+        without marking the data Updating)."""
+        self._gate.wait_unheld(step, timeout)
 
     def report_update_end(self, step: int) -> None:
         """Optimizer update `step` completed: the data is Updated at `step`."""

@@ -53,8 +53,9 @@ _SEVERITY = {Strategy.RETRY: 0, Strategy.LOAD_CHECKPOINT: 1, Strategy.RECOVER: 2
 #: An exception (unknown, comm) leaves the optimizer data intact: the rank stays a holder if
 #: its data is Updated at the lock step (so with no replicas every rank dumps its own shard).
 FAULTY_DATA_KINDS = frozenset({FaultKind.UCE, FaultKind.HANG, FaultKind.LOST})
-#: UCE targets that leave the optimizer state and params intact: nothing to copy (SPEC 8)
-SPARED_TARGETS = frozenset({"grad", "activation"})
+#: UCE targets that leave the optimizer state and params intact: nothing to copy (SPEC 8);
+#: `spared`: the framework's own check found nothing to repair (an SDK host's clean handler)
+SPARED_TARGETS = frozenset({"grad", "activation", "spared"})
 #: kinds whose rank's process is gone or must be restarted (ARF)
 PROCESS_KINDS = frozenset({FaultKind.HANG, FaultKind.LOST})
 
@@ -124,9 +125,13 @@ class StrategyPlanner:
             kinds = [kind for kind in kinds if kind is not FaultKind.COMM]
         return choose_strategy(kinds, self.features)
 
-    def repair_source(self, strategy: Strategy) -> str:
-        """Where repaired state comes from: replica holders or the last checkpoint."""
-        if self.features.no_replica or strategy is Strategy.LOAD_CHECKPOINT:
+    def repair_source(self, strategy: Strategy, incident: IncidentFacts | None = None) -> str:
+        """Where repaired state comes from: replica holders or the last checkpoint (also
+        when a report asks for the checkpoint: an SDK host's precision error or corrupted
+        memory, detail `source`)."""
+        asked = incident is not None and any(
+            d.get("source") == "checkpoint" for d in incident.details.values())
+        if self.features.no_replica or strategy is Strategy.LOAD_CHECKPOINT or asked:
             return "checkpoint"
         return "replica"
 
@@ -205,6 +210,11 @@ class StrategyPlanner:
                 out[r]["receive"].append({"optimizer": name, "shard": shard, "from": src})
                 if src in out:
                     out[src]["send"].append({"optimizer": name, "shard": shard, "to": r})
+        # every rank that sends or receives, on every rank's order: an SDK host's handler
+        # builds its repair group of them (`repair_info["rank_list"]`)
+        involved = sorted(r for r, p in out.items() if p["receive"] or p["send"])
+        for payload in out.values():
+            payload["involved"] = involved
         return out
 
     def rollback_payload(self, incident: IncidentFacts,
@@ -264,6 +274,8 @@ class StrategyPlanner:
         writers = sorted({r for r in chosen.values()})
         if not writers:
             raise PlanError("no rank can write the dump")
+        for payload in out.values():  # an SDK host's save handler is told its group's writers
+            payload["writers"] = writers
         return out, writers[0]
 
     @staticmethod

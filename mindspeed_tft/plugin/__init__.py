@@ -34,15 +34,16 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
-import sys
-import threading
-import time
 from collections.abc import Callable
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from mindspeed_tft.control.termination import (  # noqa: F401 (hosts import them from here)
+    SIGTERM_EXIT_CODE,
+    Termination,
+    exit_without_teardown,
+)
 from mindspeed_tft.events import configure_events, emit, iteration_log, validate_record
 from mindspeed_tft.faults import FaultInjector
 from mindspeed_tft.features import Features
@@ -59,8 +60,6 @@ T = TypeVar("T")
 
 #: set by `tft-run` in its workers: the controller runs in the launcher, not in rank 0
 CONTROLLER_IN_LAUNCHER_ENV = "TFT_CONTROLLER_IN_LAUNCHER"
-#: exit code of a process ended by SIGTERM when no fault is being handled
-SIGTERM_EXIT_CODE = 143
 #: what this package imports on first use, from `register()` to the first repair: a warm
 #: spare of `tft-run` imports them before it is ready (`spare.wait_for_assignment`), so that
 #: a spare that takes over a rank spends the repair on set-up, not on imports
@@ -110,7 +109,7 @@ class ProcessorHooks(TrainerHooks):
 
     The processor numbers an update by the iteration it produces (step s -> s + 1)."""
 
-    def __init__(self, processor: Any, termination: _Termination) -> None:
+    def __init__(self, processor: Any, termination: Termination) -> None:
         self.processor = processor
         self.termination = termination
 
@@ -131,53 +130,6 @@ class ProcessorHooks(TrainerHooks):
     def on_step_end(self, state: TrainingState) -> None:
         self.processor.report_progress(state.iteration)
         self.termination.check(self.processor)
-
-
-class _Termination:
-    """SIGTERM under high availability: a launcher (torchrun) terminates the survivors as
-    soon as one worker dies, and kills them after a grace period. The survivors must live
-    long enough to handle the fault (dump or repair), so SIGTERM only marks the process;
-    at its next step boundary a rank that is not part of a fault's handling waits briefly
-    for one to begin and otherwise exits."""
-
-    def __init__(self, wait_seconds: float) -> None:
-        self.requested = threading.Event()
-        self.wait_seconds = wait_seconds
-
-    def install(self) -> None:
-        signal.signal(signal.SIGTERM, self._on_sigterm)
-
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        if not self.requested.is_set():
-            print("[mindspeed-tft] SIGTERM received: finishing the fault handling before "
-                  "exiting", flush=True)
-        self.requested.set()
-
-    def check(self, processor: Any) -> None:
-        if not self.requested.is_set():
-            return
-        deadline = time.monotonic() + self.wait_seconds
-        while time.monotonic() < deadline and not processor.stopped:
-            time.sleep(0.05)
-        if processor.stopped:
-            from mindspeed_tft.control import ForceStop
-
-            raise ForceStop("FORCE STOP: terminated while a fault is handled")
-        print("[mindspeed-tft] SIGTERM: no fault to handle; exiting", flush=True)
-        processor.stop(SIGTERM_EXIT_CODE)
-        exit_without_teardown(SIGTERM_EXIT_CODE)
-
-
-def exit_without_teardown(code: int) -> NoReturn:
-    """End this training process now with `code`, after flushing its output, without
-    interpreter teardown. Used for every decided exit (atexit handlers could block on
-    broken process groups) and by `pretrain_gpt.py` once training finished: the teardown
-    frees process groups and their C++ threads at whatever moment the interpreter gets to
-    them, and was seen (rarely) to abort a finished process with SIGABRT ("terminate called
-    without an active exception"), which turns a finished job into a failed one."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 class SnapshotHooks(TrainerHooks):
@@ -241,7 +193,7 @@ class TFTPlugin:
         self.controller: Any = None
         self.processor: Any = None
         self.snapshots: StepSnapshots | None = None
-        self.termination: _Termination | None = None
+        self.termination: Termination | None = None
         self.control_config: Any = None
         self.actions: Any = None
         self.state: TrainingState | None = None
@@ -289,7 +241,7 @@ class TFTPlugin:
                                    replica={"dense": dense_map.describe_rank(rank)})
         self.actions.register(self.processor)
         self.processor.start()
-        self.termination = _Termination(config.lost_after + config.heartbeat_interval + 1.0)
+        self.termination = Termination(config.lost_after + config.heartbeat_interval + 1.0)
         self.termination.install()
 
     def join_job(self) -> None:
