@@ -6,12 +6,13 @@
 # The CPU wheel of torch is pinned here: an unpinned torch would pull a multi-GB CUDA build.
 # On GPU or NPU machines, install torch (and torch_npu) yourself before `pip install -e .`.
 # pybind11 (in the test extra) lets Megatron-LM compile its dataset helpers at start-up.
+# sdk/ (the `mindio_ttp` package for MindSpeed-LLM) is installed beside the project.
 
 TFT_TORCH_VERSION="${TFT_TORCH_VERSION:-2.13.0}"
 _tft_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 _tft_venv="${TFT_VENV:-${_tft_root}/.venv}"
 _tft_stamp="${_tft_venv}/.tft-installed"
-_tft_want="torch==${TFT_TORCH_VERSION} $(cat "${_tft_root}/setup.cfg" "${_tft_root}/pyproject.toml" | sha256sum | cut -c1-16)"
+_tft_want="torch==${TFT_TORCH_VERSION} $(cat "${_tft_root}/setup.cfg" "${_tft_root}/pyproject.toml" "${_tft_root}/sdk/setup.cfg" | sha256sum | cut -c1-16)"
 
 if [ ! -x "${_tft_venv}/bin/python" ]; then
     echo "[setup] creating ${_tft_venv}"
@@ -26,6 +27,9 @@ if [ ! -f "${_tft_stamp}" ] || [ "$(cat "${_tft_stamp}")" != "${_tft_want}" ]; t
         || { echo "[setup] pip install torch failed" >&2; return 1 2>/dev/null || exit 1; }
     python -m pip install -q --disable-pip-version-check -e "${_tft_root}[test]" \
         || { echo "[setup] pip install -e . failed" >&2; return 1 2>/dev/null || exit 1; }
+    # the `mindio_ttp` API on this control plane (sdk/, a distribution of its own: README.md)
+    python -m pip install -q --disable-pip-version-check --no-deps -e "${_tft_root}/sdk" \
+        || { echo "[setup] pip install -e sdk failed" >&2; return 1 2>/dev/null || exit 1; }
     echo "${_tft_want}" > "${_tft_stamp}"
 fi
 unset _tft_root _tft_venv _tft_stamp _tft_want

@@ -1,0 +1,155 @@
+"""The controller's orders, as calls of the handlers a framework registered with the SDK.
+
+mindspeed-tft's controller orders (docs/design.md, section 5) `hold`, `stop`, `clean`,
+`repair`, `rollback`, `resume` for a repair and `dump`, `rename`, `exit` for a dying-gasp
+checkpoint. `SdkActions` registers a processor callback for each that calls the SDK-shaped
+handler, with the SDK's arguments and return-code conventions:
+
+| order | handler call (the SDK's signature) |
+| --- | --- |
+| stop | `stop(train_args, ctx)` |
+| clean | `clean(is_uce_error, train_args, ctx)` -> 0 ok, 2 (UCE, nothing to rebuild: no repair for this rank), else the clean failed (the job falls back to a dump) |
+| repair | worker reboot: `rebuild_group(fault_ranks, train_args, ctx)` on every rank (a restarted one once its training function waits in the decorator); then, on each rank that sends or receives, `repair(step, need_rebuild, error_ranks, repair_info, train_args, ctx)` (`_translate.repair_calls`) |
+| rollback | `rollback(step, train_args, ctx)` |
+| dump | on the ranks that write: `clean(...)` first when `TTP_STOP_CLEAN_BEFORE_DUMP=1` (MindSpeed-LLM sets it) and this incident had no clean, then `save_ckpt(step, save_info, train_args, ctx)` |
+| rename | `rename(step, train_args)` (the PyTorch path's arguments) |
+| exit | `exit(ctx)`, then the process exits with the decided code |
+
+A handler that raises fails the order (the controller then falls back to a dump, or exits).
+The handlers run on the processor's order threads while the training thread waits in the
+exception decorator, as the SDK runs them on its processor's threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from mindspeed_tft.control import Processor
+
+from ._enums import RET_NO_REBUILD, RET_OK
+from ._runtime import Runtime
+from ._translate import repair_calls, repair_type_name, save_info
+
+log = logging.getLogger("mindio_ttp")
+
+
+class HandlerError(RuntimeError):
+    """A handler returned what the SDK counts as a failure."""
+
+
+class SdkActions:
+    """The processor callbacks of one process (see the module docstring)."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.rt = runtime
+        self.processor: Processor | None = None
+
+    def register(self, processor: Processor) -> None:
+        self.processor = processor
+        for name in ("stop", "clean", "repair", "rollback", "dump", "rename", "exit",
+                     "scale_in", "scale_out"):
+            processor.register_callback(name, getattr(self, name))
+
+    def _call(self, name: str, *args: Any) -> Any:
+        """Call handler `name` with `args` (its ctx appended unless the SDK passes none)."""
+        entry = self.rt.handlers.get(name)
+        if entry is None:
+            return None
+        func, ctx = entry
+        return func(*args) if name == "rename" else func(*args, ctx)
+
+    def _has(self, name: str) -> bool:
+        return self.rt.handlers.get(name) is not None
+
+    # -- orders -------------------------------------------------------------------------
+    def stop(self, payload: dict[str, Any]) -> dict[str, Any]:
+        rt = self.rt
+        rt.cleaned = False
+        rt.repair_step = int(payload.get("lock_step") or 0)
+        if not self._has("stop"):
+            raise HandlerError("no stop handler registered (tft_register_stop_handler)")
+        self._call("stop", rt.args)
+        return {}
+
+    def clean(self, payload: dict[str, Any]) -> dict[str, Any]:
+        rt = self.rt
+        rt.repair_type = repair_type_name(payload.get("strategy"))
+        rt.repair_step = int(payload.get("lock_step") or rt.repair_step)
+        return self._clean()
+
+    def _clean(self) -> dict[str, Any]:
+        rt = self.rt
+        uce = rt.uce_reported
+        if not self._has("clean"):
+            raise HandlerError("no clean handler registered (tft_register_clean_handler)")
+        ret = self._call("clean", uce, rt.args)
+        rt.uce_reported = False
+        rt.cleaned = True
+        if ret == RET_NO_REBUILD and uce:
+            # the UCE spared what a repair would copy: no repair for this rank
+            return {"detail": {"target": "spared"}}
+        if ret not in (RET_OK, RET_NO_REBUILD, None):
+            raise HandlerError(f"the clean handler returned {ret!r} (0: ok, 2: a UCE with "
+                               "nothing to rebuild)")
+        return {}
+
+    def repair(self, payload: dict[str, Any]) -> dict[str, Any]:
+        rt, processor = self.rt, self.processor
+        assert processor is not None and rt.rank is not None and rt.world_size is not None
+        rt.repair_type = repair_type_name(payload.get("strategy"))
+        rt.repair_step = int(payload["lock_step"])
+        rt.loaded_step = None
+        if payload.get("strategy") == "recover":
+            if processor.rejoining:
+                # the SDK rebuilds a restarted worker's groups once it is ready (its training
+                # function raised "ARF FINISH" and waits in the decorator)
+                processor.run_in_training_thread(lambda: None)
+            self._call("rebuild_group", list(payload.get("new_ranks", [])), rt.args)
+        for call in repair_calls(payload, rt.rank, rt.world_size, rt.uce_damaged,
+                                 list(rt.groups)):
+            self._call("repair", call.step, call.need_rebuild, call.error_ranks,
+                       call.repair_info, rt.args)
+        rt.uce_damaged = False
+        return {} if rt.loaded_step is None else {"step": rt.loaded_step}
+
+    def rollback(self, payload: dict[str, Any]) -> dict[str, Any]:
+        step = int(payload["step"])
+        self.rt.repair_step = step
+        self._call("rollback", step, self.rt.args)
+        return {"step": step}
+
+    def dump(self, payload: dict[str, Any]) -> dict[str, Any]:
+        rt = self.rt
+        rt.repair_type = "dump"
+        step = int(payload["lock_step"])
+        rt.repair_step = step
+        if not payload.get("shards"):
+            return {"written": []}
+        if not self._has("save_ckpt"):
+            raise HandlerError("no save handler registered (tft_register_save_ckpt_handler)")
+        if os.environ.get("TTP_STOP_CLEAN_BEFORE_DUMP") == "1" and not rt.cleaned:
+            self._clean()
+        assert rt.rank is not None
+        info = save_info(payload, rt.rank, rt.groups)
+        self._call("save_ckpt", step, info, rt.args)
+        return {"written": [entry["ranks"] for entry in info]}
+
+    def rename(self, payload: dict[str, Any]) -> dict[str, Any]:
+        step = int(payload["lock_step"])
+        self._call("rename", step, self.rt.args)
+        return {"iteration": step}
+
+    def exit(self, payload: dict[str, Any]) -> dict[str, Any]:
+        try:
+            self._call("exit")
+        except Exception:  # the exit goes on
+            log.exception("rank %s: the exit handler failed", self.rt.rank)
+        return {}
+
+    def scale_in(self, payload: dict[str, Any]) -> dict[str, Any]:
+        raise HandlerError("elastic training (a shrink from the dump) is not available "
+                           "through mindio_ttp: the job ends with its dump")
+
+    scale_out = scale_in

@@ -1,0 +1,29 @@
+"""The controller side of the SDK's API (`mindio_ttp.controller_ttp`)."""
+
+from .ttp_controller import (
+    tft_destroy_controller,
+    tft_init_controller,
+    tft_query_high_availability_switch,
+    tft_start_controller,
+)
+from .ttp_mindx_api import (
+    tft_notify_controller_change_strategy,
+    tft_notify_controller_dump,
+    tft_notify_controller_on_global_rank,
+    tft_notify_controller_prepare_action,
+    tft_notify_controller_stop_train,
+    tft_register_mindx_callback,
+)
+
+__all__ = [
+    "tft_destroy_controller",
+    "tft_init_controller",
+    "tft_notify_controller_change_strategy",
+    "tft_notify_controller_dump",
+    "tft_notify_controller_on_global_rank",
+    "tft_notify_controller_prepare_action",
+    "tft_notify_controller_stop_train",
+    "tft_query_high_availability_switch",
+    "tft_register_mindx_callback",
+    "tft_start_controller",
+]
