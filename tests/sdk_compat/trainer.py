@@ -1,0 +1,343 @@
+"""A data-parallel trainer whose fault tolerance is written against the `mindio_ttp` API only,
+in MindSpeed-LLM's shape, on CPU gloo: the end-to-end program of `tests/test_sdk_trainer.py`.
+
+It follows MindSpeed-LLM 2.3.0's high-availability code (`tft_train_initialize.py`,
+`tft_stop_clean.py`, `tft_optimizer_data_repair.py`, `tft_arf_group_repair.py`,
+`tft_rollback.py`, `tft_dump.py`) with a small model instead of Megatron's:
+
+- start-up: rank 0 starts the controller (`tft_init_controller` + `tft_start_controller`,
+  addresses from `TTP_ADDR` / `CONTROLLER_ADDR`, unless `MINDX_TASK_ID` is set), every rank
+  `tft_init_processor` + `tft_start_processor` before torch.distributed starts; a worker
+  restarted into the job (`tft_is_reboot_node`) builds its model without joining the old
+  process groups and raises "ARF FINISH" in its training function;
+- every rank holds the whole optimizer state (the non-distributed optimizer: replica count =
+  DP size), and the update is bracketed by `tft_start_updating_os` / `tft_end_updating_os`;
+- handlers: stop (`gloo_device.stop_device`, as torch_npu's `stop_device`), clean (a retry
+  rebuilds the process groups, as MindSpeed-LLM's `reinit_process_group`; then
+  `restart_device`), rebuild (worker reboot: new process groups with the restarted worker),
+  repair (RT_SEND sends the model, the optimizer and the step to the repaired rank; a
+  receiver loads them; RT_LOAD_CKPT loads the last checkpoint), rollback (the step), save
+  and rename (a Megatron-like `iter_XXXXXXX_tmp` folder renamed to `iter_XXXXXXX` with the
+  tracker file);
+- the training function runs under `tft_exception_handler`, which enters it again with the
+  same arguments after a repair.
+
+The data of iteration i is a function of i, so a rollback needs no data state. Each rank
+writes `OUT/losses.<rank>.jsonl` (iteration, loss as float.hex) and `OUT/calls.<rank>.jsonl`
+(the handler calls). Faults: `--fault KIND:RANK:ITERATION` with KIND kill (SIGKILL), uce
+(the rank's parameters and Adam state are overwritten with NaN, then "UCE ERROR" is raised)
+or unknown (a RuntimeError no pattern names: a dying-gasp checkpoint); a restarted process
+does not fault again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import signal
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import mindio_ttp.framework_ttp as ft
+from mindio_ttp import gloo_device
+from mindio_ttp.framework_ttp.ttp_decorator import tft_get_repair_type, tft_report_load_ckpt_step
+from mindio_ttp.utils import tft_set_update_end_time, tft_set_update_start_time
+
+MODEL_INDEX, OPTIM_INDEX, STATE_INDEX = 1, 2, 3
+RET_OK = 0
+GLOBAL_BATCH, FEATURES = 8, 16
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--iterations", type=int, default=12)
+    p.add_argument("--out", required=True)
+    p.add_argument("--save", default=None)
+    p.add_argument("--load", default=None)
+    p.add_argument("--fault", default=None, help="KIND:RANK:ITERATION")
+    p.add_argument("--enable-high-availability", action="store_true")
+    p.add_argument("--enable-hbmfault-repair", action="store_true")
+    p.add_argument("--enable-worker-reboot", action="store_true")
+    return p.parse_args()
+
+
+ARGS = parse_args()
+RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+TIMEOUT = timedelta(seconds=60)
+os.makedirs(ARGS.out, exist_ok=True)
+_calls = open(os.path.join(ARGS.out, f"calls.{RANK}.jsonl"), "a", buffering=1)
+_losses = open(os.path.join(ARGS.out, f"losses.{RANK}.jsonl"), "a", buffering=1)
+ARF_REBOOT = False
+STORE: dist.Store | None = None
+
+
+def record(call: str, **fields) -> None:
+    _calls.write(json.dumps({"call": call, "pid": os.getpid(), "t": time.time(), **fields}) + "\n")
+
+
+class TrainState:
+    """What MindSpeed-LLM keeps in its args and scheduler: the iteration."""
+
+    def __init__(self) -> None:
+        self.iteration = 0
+
+
+def build_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(1234)
+    model = torch.nn.Sequential(torch.nn.Linear(FEATURES, 32), torch.nn.Tanh(),
+                                torch.nn.Linear(32, FEATURES))
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
+
+
+def batch(iteration: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's slice of the global batch of `iteration` (a function of the iteration)."""
+    g = torch.Generator().manual_seed(10_000 + iteration)
+    x = torch.randn(GLOBAL_BATCH, FEATURES, generator=g)
+    y = torch.sin(x) + 0.1 * torch.randn(GLOBAL_BATCH, FEATURES, generator=g)
+    per = GLOBAL_BATCH // WORLD
+    return x[RANK * per:(RANK + 1) * per], y[RANK * per:(RANK + 1) * per]
+
+
+# -- process groups ------------------------------------------------------------------------------
+_retired: list = []  # old groups are never destroyed by the training thread (stuck work)
+
+
+def store() -> dist.Store:
+    global STORE
+    if STORE is None:
+        STORE = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              is_master=False, timeout=TIMEOUT, wait_for_workers=False)
+    return STORE
+
+
+def rebuild_world() -> int:
+    """Every rank of the job makes the world group again (a new key space each time)."""
+    generation = (store().add("mindio-trainer/rebuilds", 1) - 1) // WORLD + 1
+    if dist.is_initialized():
+        _retired.append(dist.group.WORLD)
+        dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"mindio-trainer/{generation}/",
+                                                           store()),
+                            rank=RANK, world_size=WORLD, timeout=TIMEOUT)
+    return generation
+
+
+# -- handlers ------------------------------------------------------------------------------------
+def stop_callback(train_args, ctx) -> None:
+    record("stop")
+    gloo_device.stop_device()
+
+
+def clean_callback(is_uce_error: bool, train_args, ctx) -> int:
+    repair_type = tft_get_repair_type()
+    record("clean", is_uce_error=is_uce_error, repair_type=repair_type)
+    if repair_type == "retry":
+        rebuild_world()
+    gloo_device.restart_device()
+    return RET_OK
+
+
+def rebuild_callback(fault_ranks: list, train_args, ctx) -> None:
+    global ARF_REBOOT
+    record("rebuild_group", fault_ranks=fault_ranks)
+    generation = rebuild_world()
+    gloo_device.restart_device()
+    ARF_REBOOT = False
+    record("rebuilt", generation=generation)
+
+
+def _state_bytes(train_args) -> torch.Tensor:
+    buffer = io.BytesIO()
+    torch.save({"model": train_args[MODEL_INDEX].state_dict(),
+                "optimizer": train_args[OPTIM_INDEX].state_dict(),
+                "iteration": train_args[STATE_INDEX].iteration}, buffer)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def _load(train_args, state: dict) -> None:
+    train_args[MODEL_INDEX].load_state_dict(state["model"])
+    train_args[OPTIM_INDEX].load_state_dict(state["optimizer"])
+    train_args[STATE_INDEX].iteration = state["iteration"]
+
+
+def repair_callback(step: int, need_rebuild: bool, error_ranks: list, repair_info: dict,
+                    train_args, ctx) -> None:
+    kind = ft.RepairType(repair_info["repair_type"])
+    record("repair", step=step, need_rebuild=need_rebuild, error_ranks=error_ranks,
+           repair_type=kind.name, src=repair_info["src"], dst=repair_info["dst"],
+           rank_list=repair_info["rank_list"])
+    if kind is ft.RepairType.RT_SEND:
+        payload = _state_bytes(train_args)
+        for dst in repair_info["dst"]:
+            dist.send(torch.tensor([payload.numel()], dtype=torch.long), dst)
+            dist.send(payload, dst)
+    elif kind in (ft.RepairType.RT_UCE_HIGHLEVEL, ft.RepairType.RT_UCE_LOWLEVEL,
+                  ft.RepairType.RT_RECV_REPAIR):
+        for src in repair_info["src"]:
+            size = torch.zeros(1, dtype=torch.long)
+            dist.recv(size, src)
+            payload = torch.empty(int(size.item()), dtype=torch.uint8)
+            dist.recv(payload, src)
+            _load(train_args, torch.load(io.BytesIO(payload.numpy().tobytes()),
+                                         weights_only=False))
+    elif kind in (ft.RepairType.RT_LOAD_CKPT, ft.RepairType.RT_LOAD_REBUILD):
+        iteration = load_checkpoint(train_args, ARGS.save)
+        tft_report_load_ckpt_step(iteration)
+    else:
+        raise ValueError(f"repair type {kind} is not valid here")
+
+
+def rollback_callback(step: int, train_args, ctx) -> None:
+    record("rollback", step=step, args_type=type(train_args).__name__)
+    train_args[STATE_INDEX].iteration = step
+
+
+def checkpoint_dir(root: str, iteration: int, tmp: bool = False) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}" + ("_tmp" if tmp else ""))
+
+
+def save_callback(step: int, save_info: list, train_args, ctx) -> None:
+    record("save_ckpt", step=step, save_info=save_info)
+    if ARGS.save is None:
+        raise RuntimeError("--save is None, TTP unavailable")
+    if train_args[STATE_INDEX].iteration != step:
+        raise RuntimeError(f"rank {RANK} is at {train_args[STATE_INDEX].iteration}, not {step}")
+    folder = checkpoint_dir(ARGS.save, step, tmp=True)
+    os.makedirs(folder, exist_ok=True)
+    torch.save({"model": train_args[MODEL_INDEX].state_dict(),
+                "optimizer": train_args[OPTIM_INDEX].state_dict(), "iteration": step},
+               os.path.join(folder, "model_optim_rng.pt"))
+
+
+def rename_callback(step: int, train_args) -> None:
+    record("rename", step=step)
+    os.rename(checkpoint_dir(ARGS.save, step, tmp=True), checkpoint_dir(ARGS.save, step))
+    with open(os.path.join(ARGS.save, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write(str(step))
+
+
+def load_checkpoint(train_args, root: str) -> int:
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt")) as f:
+        iteration = int(f.read())
+    state = torch.load(os.path.join(checkpoint_dir(root, iteration), "model_optim_rng.pt"),
+                       weights_only=False)
+    _load(train_args, state)
+    return iteration
+
+
+# -- training ------------------------------------------------------------------------------------
+def inject(iteration: int, train_args) -> None:
+    if not ARGS.fault or ARF_REBOOT_AT_START:
+        return
+    kind, rank, at = ARGS.fault.split(":")
+    if int(rank) != RANK or int(at) != iteration or getattr(inject, "done", False):
+        return
+    inject.done = True  # type: ignore[attr-defined]
+    record("fault", kind=kind, iteration=iteration)
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "uce":  # the memory really is damaged: only the repair brings it back
+        with torch.no_grad():
+            for p in train_args[MODEL_INDEX].parameters():
+                p.fill_(float("nan"))
+            for state in train_args[OPTIM_INDEX].state.values():
+                state["exp_avg"].fill_(float("nan"))
+        raise RuntimeError("UCE ERROR: uncorrectable error in device memory (injected)")
+    if kind == "unknown":
+        raise RuntimeError("an error no pattern names (injected)")
+
+
+def train(forward_step_func, model, optimizer, state, *rest):
+    record("train_enter", iteration=state.iteration)
+    loss_fn = torch.nn.MSELoss(reduction="sum")
+    while state.iteration < ARGS.iterations:
+        iteration = state.iteration
+        inject(iteration, [forward_step_func, model, optimizer, state])
+        x, y = batch(iteration)
+        optimizer.zero_grad(set_to_none=False)
+        loss = loss_fn(model(x), y) / GLOBAL_BATCH
+        loss.backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        ft.tft_start_updating_os(-1)
+        tft_set_update_start_time()
+        optimizer.step()
+        tft_set_update_end_time()
+        ft.tft_end_updating_os(iteration + 1)
+        state.iteration = iteration + 1
+        _losses.write(json.dumps({"iteration": iteration + 1, "loss": total.item().hex()}) + "\n")
+        ft.tft_pause_train(state.iteration)
+    return state.iteration
+
+
+@ft.tft_exception_handler
+def tft_train(*args, **kwargs):
+    ft.set_mindio_export_version("MindSpeed-LLM")
+    if ARF_REBOOT:
+        raise RuntimeError("ARF FINISH")
+    return train(*args, **kwargs)
+
+
+def init_controller_processor() -> None:
+    """MindSpeed-LLM's `tft_init_controller_processor` (the port: TTP_PORT, default 8000)."""
+    global ARF_REBOOT
+    default_ip = "127.0.0.1"
+    ttp_ip = os.getenv("TTP_ADDR", default_ip)
+    controller_ip = os.getenv("CONTROLLER_ADDR", default_ip)
+    controller_ip = ttp_ip if controller_ip == default_ip else controller_ip
+    processor_ip = os.getenv("PROCESSOR_ADDR", default_ip)
+    processor_ip = ttp_ip if processor_ip == default_ip else processor_ip
+    port = int(os.getenv("TTP_PORT", "8000"))
+    arf, uce = ARGS.enable_worker_reboot, ARGS.enable_hbmfault_repair
+    if RANK == 0 and os.getenv("MINDX_TASK_ID") is None:
+        ft.tft_init_controller(RANK, WORLD, False, arf, False)
+        ft.tft_start_controller(controller_ip, port, False, "")
+    ft.tft_init_processor(RANK, WORLD, False, False, "", uce, arf, False)
+    ft.tft_start_processor(processor_ip, port)
+    ARF_REBOOT = ft.tft_is_reboot_node()
+
+
+def register_processor() -> None:
+    ranks = list(range(WORLD))
+    ft.tft_set_optimizer_replica(RANK, [{"rank_list": ranks, "replica_cnt": WORLD,
+                                         "replica_shift": 0}])
+    ft.tft_set_dp_group_info(RANK, ranks)
+    ft.tft_register_save_ckpt_handler(save_callback)
+    ft.tft_register_rename_handler(rename_callback)
+    ft.tft_register_stop_handler(stop_callback)
+    ft.tft_register_clean_handler(clean_callback)
+    ft.tft_register_repair_handler(repair_callback)
+    ft.tft_register_rollback_handler(rollback_callback)
+    ft.tft_register_rebuild_group_handler(rebuild_callback)
+
+
+def main() -> None:
+    global ARF_REBOOT_AT_START
+    init_controller_processor()
+    ARF_REBOOT_AT_START = ARF_REBOOT
+    record("started", reboot=ARF_REBOOT)
+    if not ARF_REBOOT:  # a restarted worker joins the job's groups in the rebuild handler
+        dist.init_process_group("gloo", timeout=TIMEOUT)
+    model, optimizer = build_model()
+    state = TrainState()
+    if ARGS.load and not ARF_REBOOT:
+        load_checkpoint([None, model, optimizer, state], ARGS.load)
+    register_processor()
+    iteration = tft_train(None, model, optimizer, state, None, None, None, None)
+    record("end", iteration=iteration)
+    _calls.flush()
+    _losses.flush()
+    os._exit(0)  # groups retired by a repair may still wait for a peer that left
+
+
+ARF_REBOOT_AT_START = False
+
+if __name__ == "__main__":
+    main()

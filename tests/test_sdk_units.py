@@ -1,0 +1,170 @@
+"""The parts of this project's `mindio_ttp` (sdk/) that need no job: the SDK's names and enum
+values, fault classification by message, replica layouts, and the translation of this
+control plane's repair and dump orders into the SDK's handler arguments."""
+
+from __future__ import annotations
+
+import pytest
+
+import mindio_ttp.framework_ttp as ft
+from mindio_ttp import _translate as tr
+from mindio_ttp._faults import FaultTable
+from mindio_ttp.framework_ttp import ttp_decorator
+from mindio_ttp.utils import uce_utils
+
+#: every name MindSpeed-LLM 2.3.0 / master imports from mindio_ttp (core/high_availability)
+MINDSPEED_LLM_NAMES = {
+    ft: ["tft_exception_handler", "tft_init_controller", "tft_start_controller",
+         "tft_init_processor", "tft_start_processor", "tft_register_rename_handler",
+         "set_mindio_export_version", "tft_register_save_ckpt_handler",
+         "tft_set_optimizer_replica", "tft_set_dp_group_info", "tft_register_stop_handler",
+         "tft_register_clean_handler", "tft_register_repair_handler",
+         "tft_register_rollback_handler", "tft_register_rebuild_group_handler",
+         "tft_is_reboot_node", "tft_register_stream_sync_handler",
+         "tft_register_exception_handler", "tft_register_zit_downgrade_rebuild_handler",
+         "tft_register_zit_upgrade_rollback_handler", "tft_register_zit_upgrade_repair_handler",
+         "tft_register_zit_upgrade_rebuild_handler", "tft_start_updating_os",
+         "tft_end_updating_os", "tft_pause_train", "tft_report_error",
+         "tft_destroy_controller", "tft_destroy_processor", "OptimizerType", "RepairType",
+         "ReportState", "Action"],
+    ttp_decorator: ["tft_get_repair_type", "tft_report_load_ckpt_step",
+                    "get_mindio_export_version", "get_device"],
+}
+
+
+def test_every_name_mindspeed_llm_imports_exists():
+    import mindio_ttp.utils as utils
+
+    for module, names in MINDSPEED_LLM_NAMES.items():
+        assert [n for n in names if not hasattr(module, n)] == []
+    assert callable(utils.tft_set_update_start_time) and callable(utils.tft_set_update_end_time)
+    assert set(ft.__all__) <= set(dir(ft))
+
+
+def test_enum_values_are_the_sdks():
+    """The values of Huawei's 7.3.0 (its SWIG constants, read from the wheel)."""
+    assert {m.name: m.value for m in ft.ReportState} == {
+        "RS_NORMAL": 0, "RS_RETRY": 1, "RS_UCE": 2, "RS_UCE_CORRUPTED": 3, "RS_HCCL_FAILED": 4,
+        "RS_UNKNOWN": 8, "RS_INIT_FINISH": 5, "RS_PREREPAIR_FINISH": 6, "RS_STEP_FINISH": 7}
+    assert {m.name: m.value for m in ft.RepairType} == {
+        "RT_SEND": 0, "RT_UCE_HIGHLEVEL": 1, "RT_UCE_LOWLEVEL": 2, "RT_ROLLBACK": 4,
+        "RT_RECV_REPAIR": 3, "RT_LOAD_CKPT": 5, "RT_LOAD_REBUILD": 6}
+    assert [(m.name, m.value) for m in ft.OptimizerType] == [("ATTENTION", 0), ("MOE", 1)]
+    assert [(m.name, m.value) for m in ft.Action] == [("RETRY", 0), ("EXIT", 1)]
+
+
+@pytest.mark.parametrize("message,retry,expected", [
+    ("UCE ERROR on device 3", True, ("UCE ERROR", "RS_UCE")),
+    ("UCE ERROR on device 3", False, ("OTHER", "RS_UNKNOWN")),
+    ("FORCE STOP. By mindio-ttp BeginUpdating", True, ("FORCE STOP", "RS_NORMAL")),
+    ("ARF FINISH", True, ("ARF FINISH", "RS_PREREPAIR_FINISH")),
+    ("HCCL OP RETRY FAILED x", True, ("HCCL OP RETRY FAILED", "RS_HCCL_FAILED")),
+    ("SUSPECT REMOTE ERROR", True, ("SUSPECT REMOTE ERROR", "RS_HCCL_FAILED")),
+    ("UB LINK ERROR", False, ("OTHER", "RS_UNKNOWN")),
+    ("HCCS LINK ERROR", True, ("HCCS LINK ERROR", "RS_HCCL_FAILED")),
+    ("something else", True, ("OTHER", "RS_UNKNOWN")),
+])
+def test_fault_patterns(message, retry, expected):
+    key, state = FaultTable(lambda: retry).classify(message)
+    assert (key, state.name) == expected
+
+
+def test_hbm_ecc_is_repairable_only_after_or_during_an_update():
+    table = FaultTable(lambda: True)
+    uce_utils.tft_set_update_start_time(1000)
+    uce_utils.tft_set_update_end_time(2000)
+    assert table.classify("HBM MULTI BIT ECC time us=2500")[1] is ft.ReportState.RS_UCE
+    assert table.classify("HBM MULTI BIT ECC time us=1500")[1] is ft.ReportState.RS_UCE
+    assert table.classify("HBM MULTI BIT ECC time us=500")[1] is ft.ReportState.RS_UCE_CORRUPTED
+    assert table.classify("HBM MULTI BIT ECC")[1] is ft.ReportState.RS_UCE_CORRUPTED
+
+
+def test_registered_pattern_and_bad_registrations():
+    table = FaultTable(lambda: True)
+    table.register("PRECISION ERROR", "RS_RETRY", lambda message: "PRECISION ERROR")
+    assert table.classify("PRECISION ERROR load ckpt step=40") == ("PRECISION ERROR",
+                                                                   ft.ReportState.RS_RETRY)
+    table.register("ODD", "RS_UNKNOWN", lambda message: "no such key")
+    assert table.classify("ODD")[1] is ft.ReportState.RS_UNKNOWN
+    with pytest.raises(ValueError, match="RS_NOPE"):
+        table.register("X", "RS_NOPE", lambda m: "X")
+    with pytest.raises(TypeError, match="callable"):
+        table.register("X", "RS_UCE", "not callable")
+    with pytest.raises(ValueError, match="non-empty"):
+        table.register("", "RS_UCE", lambda m: "X")
+
+
+def test_replica_layout_cuts_the_dp_group_into_copies():
+    layout, groups = tr.replica_layout(6, [{"rank_list": [0, 2, 4, 6], "replica_cnt": 2,
+                                            "replica_shift": 0}])
+    assert layout == {"dense": {"dp_index": 3, "dp_size": 4, "replica_num": 2, "shard": 1,
+                                "holders": [2, 6]}}
+    assert groups == {"dense": [0, 2, 4, 6]}
+    full, _ = tr.replica_layout(1, [{"rank_list": [1, 3], "replica_cnt": 2, "replica_shift": 0},
+                                    {"rank_list": [1, 3], "replica_cnt": 1, "replica_shift": 0}])
+    assert full["dense"]["holders"] == [1, 3] and full["moe"]["holders"] == [1]
+    for bad in ([{"rank_list": [0, 2], "replica_cnt": 3, "replica_shift": 0}],
+                [{"rank_list": [2, 4], "replica_cnt": 2, "replica_shift": 0}],
+                [{"rank_list": [0, 2], "replica_cnt": 2, "replica_shift": 1}],
+                [{"rank_list": [0, "2"], "replica_cnt": 2, "replica_shift": 0}], []):
+        with pytest.raises(ValueError, match="set_optimizer_replica|replica_info"):
+            tr.replica_layout(0, bad)
+
+
+REPAIR = {"incident": 1, "strategy": "retry", "lock_step": 7, "source": "replica",
+          "faulty": [1], "new_ranks": [], "involved": [1, 3]}
+
+
+def test_repair_calls_of_a_uce_receiver_and_its_source():
+    [receive] = tr.repair_calls({**REPAIR, "receive": [{"optimizer": "dense", "shard": 0,
+                                                        "from": 3}], "send": []}, 1, 4, True,
+                                ["dense"])
+    assert (receive.step, receive.need_rebuild, receive.error_ranks) == (7, True, [1])
+    assert receive.repair_info == {"type": [0], "repair_type": 1, "src": [3], "dst": [1],
+                                   "rank_list": [1, 3]}
+    [send] = tr.repair_calls({**REPAIR, "receive": [], "send": [{"optimizer": "dense",
+                                                                 "shard": 0, "to": 1}]},
+                             3, 4, False, ["dense"])
+    assert (send.need_rebuild, send.error_ranks, send.repair_info["repair_type"],
+            send.repair_info["src"]) == (False, [1], 0, [3])
+    # a restarted worker (not a UCE) receives with RT_RECV_REPAIR; a bystander gets no call
+    [arf] = tr.repair_calls({**REPAIR, "receive": [{"optimizer": "dense", "shard": 0,
+                                                    "from": 0}], "send": []}, 1, 4, False, [])
+    assert (arf.repair_info["repair_type"], arf.need_rebuild) == (3, False)
+    assert tr.repair_calls({**REPAIR, "receive": [], "send": []}, 0, 4, False, ["dense"]) == []
+
+
+def test_repair_calls_from_the_checkpoint():
+    payload = {**REPAIR, "source": "checkpoint", "receive": [], "send": []}
+    [plain] = tr.repair_calls(payload, 2, 4, False, ["dense", "moe"])
+    assert plain.repair_info == {"type": [0, 1], "repair_type": 5, "src": [2, 2],
+                                 "dst": [2, 2], "rank_list": [0, 1, 2, 3]}
+    [damaged] = tr.repair_calls(payload, 1, 4, True, ["dense"])
+    assert (damaged.repair_info["repair_type"], damaged.need_rebuild) == (6, True)
+
+
+def test_save_info_names_the_writers_of_the_rank_s_group():
+    payload = {"lock_step": 5, "shards": [{"optimizer": "dense", "shard": 1,
+                                           "holders": [2, 6]}], "writers": [0, 2, 5, 7]}
+    assert tr.save_info(payload, 2, {"dense": [0, 2, 4, 6]}) == [{"type": 0, "ranks": [0, 2]}]
+    assert tr.save_info({"shards": [{"optimizer": "rank", "shard": 3, "holders": [3]}]}, 3,
+                        {}) == [{"type": 0, "ranks": [3]}]
+
+
+def test_repair_type_names():
+    assert [tr.repair_type_name(s) for s in ("retry", "load_checkpoint", "recover", "dump",
+                                             None)] == ["retry", "retry", "recover", "dump",
+                                                        "unknow"]
+
+
+def test_calls_before_the_processor_starts_say_so():
+    with pytest.raises(RuntimeError, match="tft_start_processor"):
+        ft.tft_start_updating_os()
+    with pytest.raises(ValueError, match="world_size"):
+        ft.tft_init_processor(4, 4, False)
+    with pytest.raises(ValueError, match="enable_local_copy"):
+        ft.tft_init_processor(0, 4, True)
+    with pytest.raises(ValueError, match="allowed: MindSpeed, MindSpeed-LLM"):
+        ft.set_mindio_export_version("Megatron")
+    with pytest.raises(TypeError, match="callable"):
+        ft.tft_register_stop_handler("stop")
