@@ -18,7 +18,8 @@ Moments, in the order a training process meets them:
 - ``megatron-lm`` / ``megatron-lm-cpu``: the Megatron-LM host adaptor
   (`mindspeed_tft.megatron.install`, the one-line import `mindspeed_tft.megatron_adaptor`);
 - ``torchrun``: the torchrun hook (`scripts/patch_torchrun.sh`: worker reboot under plain
-  torchrun).
+  torchrun; also the usage guide's `import mindio_ttp.framework_ttp` in the torchrun script,
+  sdk/, which installs it in that program only).
 
 Scoped swaps (a name replaced for the duration of a ``with`` block and put back) are listed
 too, under the moment ``scoped``; they are made with `swapped`, which refuses a target the
@@ -209,7 +210,8 @@ TABLE: tuple[Moment, ...] = (
         _p("megatron.training.initialize:_warmup_jit_function",
            "warms CUDA JIT kernels; CPU runs keep megatron-core's helpers eager", MLM),
     )),
-    Moment("torchrun", "scripts/patch_torchrun.sh: worker reboot under plain torchrun",
+    Moment("torchrun", "scripts/patch_torchrun.sh or the guide's `import "
+           "mindio_ttp.framework_ttp` in torchrun: worker reboot under plain torchrun",
            "mindspeed_tft.launcher.torchrun_hook:install_torchrun_hook", (
         _p("torch.distributed.run:get_args_parser", "torchrun's parser plus the launcher's "
            "--tft-spares-per-node", TORCH),

@@ -20,12 +20,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import socket
 import sys
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from mindspeed_tft.control import ControlConfig, Controller, Features, Processor
+from mindspeed_tft.control.config import ControlConfigError, parse_ip, parse_port
 from mindspeed_tft.control.termination import Termination
 
 from ._enums import FRAMEWORKS
@@ -119,7 +121,9 @@ class Runtime:
                         "available here; a lost rank without a replacement ends the job with "
                         "a dump (mindspeed-tft's own elastic training: --enable-elastic-training "
                         "in its hosts)")
-        config = ControlConfig.from_env(controller_addr=bind_ip, port=int(port))
+        config = ControlConfig.from_env(
+            controller_addr=_address(bind_ip, "tft_start_controller bind_ip", wildcard=True),
+            port=parse_port(port, "tft_start_controller port"))
         features = Features(high_availability=True, hbm_repair=self.enable_uce,
                             worker_reboot=arf, source="mindio_ttp")
         controller = Controller(world_size, config, features=features)
@@ -172,13 +176,17 @@ class Runtime:
                 log.info("the launcher's controller listens on port %d (TTP_PORT), not %s",
                          config.port, port)
         else:
-            config = ControlConfig.from_env(processor_addr=master_ip, port=int(port))
+            config = ControlConfig.from_env(
+                processor_addr=_address(master_ip, "tft_start_processor master_ip",
+                                        wildcard=False),
+                port=parse_port(port, "tft_start_processor port"))
         processor = Processor(self.rank, self.world_size, config)
         actions.register(processor)
         processor.start()
         self.processor = processor
-        self.termination = Termination(config.lost_after + config.heartbeat_interval + 1.0)
-        self.termination.install()
+        if threading.current_thread() is threading.main_thread():  # where signals go
+            self.termination = Termination(config.lost_after + config.heartbeat_interval + 1.0)
+            self.termination.install()
 
     def is_reboot_node(self) -> bool:
         """True once, in a process restarted into a running job (worker reboot)."""
@@ -238,6 +246,21 @@ class Runtime:
         if self.termination is not None:
             self.termination.check(processor)
         processor.hold_point(step + 1)
+
+
+def _address(value: Any, what: str, *, wildcard: bool) -> str:
+    """An IP literal, or a host name resolved to one (as the SDK does); a ControlConfigError
+    names the value otherwise."""
+    text = str(value)
+    try:
+        return parse_ip(text, what, allow_wildcard=wildcard)
+    except ControlConfigError:
+        try:
+            resolved = socket.gethostbyname(text)
+        except OSError:
+            raise ControlConfigError(f"{what}={value!r} is neither an IPv4/IPv6 address nor "
+                                     "a host name that resolves") from None
+        return parse_ip(resolved, what, allow_wildcard=wildcard)
 
 
 def _check_rank(rank: Any, what: str) -> None:
