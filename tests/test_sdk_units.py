@@ -4,9 +4,8 @@ control plane's repair and dump orders into the SDK's handler arguments."""
 
 from __future__ import annotations
 
-import pytest
-
 import mindio_ttp.framework_ttp as ft
+import pytest
 from mindio_ttp import _translate as tr
 from mindio_ttp._faults import FaultTable
 from mindio_ttp.framework_ttp import ttp_decorator
@@ -168,3 +167,44 @@ def test_calls_before_the_processor_starts_say_so():
         ft.set_mindio_export_version("Megatron")
     with pytest.raises(TypeError, match="callable"):
         ft.tft_register_stop_handler("stop")
+
+
+def test_pause_train_blocks_while_paused_and_reboot_is_told_once(tmp_path):
+    """The operator pauses the job after iteration 2: that iteration's `tft_pause_train`
+    blocks until the resume 1 s later, the others do not; `tft_is_reboot_node` is False for
+    a process that was not restarted (one process, world size 1)."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.jobs import REPO, free_port
+
+    out = subprocess.run([sys.executable, str(REPO / "tests" / "sdk_compat" / "pause_probe.py"),
+                          str(free_port())], capture_output=True, text=True, timeout=60,
+                         env={"PATH": "/usr/bin:/bin", "TTP_LOG_PATH": str(tmp_path)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    blocked = {int(k): v for k, v in result["blocked"].items()}
+    assert blocked[2] >= 0.6, blocked
+    assert all(v < 0.3 for k, v in blocked.items() if k != 2), blocked
+    assert result["reboot"] == [False, False]
+
+
+def test_no_controller_under_mindx_says_why(tmp_path):
+    """With MINDX_TASK_ID set MindSpeed-LLM starts no controller; without mindspeed-tft's
+    launcher nobody hosts one: the registration fails within TTP_REGISTER_TIMEOUT, saying
+    so, instead of waiting silently."""
+    import subprocess
+    import sys
+
+    from tests.jobs import free_port
+
+    program = ("import mindio_ttp.framework_ttp as ft\n"
+               "ft.tft_init_processor(0, 2, False, False, '', True, False)\n"
+               f"ft.tft_start_processor('127.0.0.1', {free_port()})\n")
+    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                         timeout=60, env={"PATH": "/usr/bin:/bin", "MINDX_TASK_ID": "7",
+                                          "TTP_REGISTER_TIMEOUT": "1",
+                                          "TTP_LOG_PATH": str(tmp_path)})
+    assert out.returncode == 1
+    assert "MINDX_TASK_ID is set" in out.stderr and "tft-run" in out.stderr, out.stderr[-2000:]

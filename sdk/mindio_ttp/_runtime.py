@@ -26,7 +26,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from mindspeed_tft.control import ControlConfig, Controller, Features, Processor
+from mindspeed_tft.control import ControlConfig, Controller, Features, Processor, ProcessorError
 from mindspeed_tft.control.config import ControlConfigError, parse_ip, parse_port
 from mindspeed_tft.control.termination import Termination
 
@@ -182,7 +182,16 @@ class Runtime:
                 port=parse_port(port, "tft_start_processor port"))
         processor = Processor(self.rank, self.world_size, config)
         actions.register(processor)
-        processor.start()
+        try:
+            processor.start()
+        except ProcessorError as e:
+            if os.environ.get("MINDX_TASK_ID") is None or \
+                    os.environ.get(CONTROLLER_IN_LAUNCHER_ENV) == "1":
+                raise
+            raise ProcessorError(
+                f"{e}: MINDX_TASK_ID is set, so MindSpeed-LLM started no controller (it leaves "
+                "it to MindCluster); run under tft-run, or torchrun with `import "
+                "mindio_ttp.framework_ttp`, whose launcher hosts it") from None
         self.processor = processor
         if threading.current_thread() is threading.main_thread():  # where signals go
             self.termination = Termination(config.lost_after + config.heartbeat_interval + 1.0)

@@ -40,10 +40,9 @@ import signal
 import time
 from datetime import timedelta
 
+import mindio_ttp.framework_ttp as ft
 import torch
 import torch.distributed as dist
-
-import mindio_ttp.framework_ttp as ft
 from mindio_ttp import gloo_device
 from mindio_ttp.framework_ttp.ttp_decorator import tft_get_repair_type, tft_report_load_ckpt_step
 from mindio_ttp.utils import tft_set_update_end_time, tft_set_update_start_time
@@ -322,7 +321,7 @@ def main() -> None:
     global ARF_REBOOT_AT_START
     init_controller_processor()
     ARF_REBOOT_AT_START = ARF_REBOOT
-    record("started", reboot=ARF_REBOOT)
+    record("started", reboot=ARF_REBOOT, reboot_again=ft.tft_is_reboot_node())
     if not ARF_REBOOT:  # a restarted worker joins the job's groups in the rebuild handler
         dist.init_process_group("gloo", timeout=TIMEOUT)
     model, optimizer = build_model()
