@@ -10,7 +10,7 @@ handler, with the SDK's arguments and return-code conventions:
 | stop | `stop(train_args, ctx)` |
 | clean | `clean(is_uce_error, train_args, ctx)` -> 0 ok, 2 (UCE, nothing to rebuild: no repair for this rank), else the clean failed (the job falls back to a dump) |
 | repair | worker reboot: `rebuild_group(fault_ranks, train_args, ctx)` on every rank (a restarted one once its training function waits in the decorator); then, on each rank that sends or receives, `repair(step, need_rebuild, error_ranks, repair_info, train_args, ctx)` (`_translate.repair_calls`) |
-| rollback | `rollback(step, train_args, ctx)` |
+| rollback | `rollback(step, train_args, ctx)`; the rank's data is then Updated at `step` |
 | dump | on the ranks that write: `clean(...)` first when `TTP_STOP_CLEAN_BEFORE_DUMP=1` (MindSpeed-LLM sets it) and this incident had no clean, then `save_ckpt(step, save_info, train_args, ctx)` |
 | rename | `rename(step, train_args)` (the PyTorch path's arguments) |
 | exit | `exit(ctx)`, then the process exits with the decided code |
@@ -118,6 +118,10 @@ class SdkActions:
         step = int(payload["step"])
         self.rt.repair_step = step
         self._call("rollback", step, self.rt.args)
+        assert self.processor is not None
+        # the data is Updated at `step` now (the SDK's notify-normal sets the same), also in
+        # a restarted worker that has made no update of its own yet
+        self.processor.report_update_end(step)
         return {"step": step}
 
     def dump(self, payload: dict[str, Any]) -> dict[str, Any]:
