@@ -1,11 +1,12 @@
 """The same MindSpeed-LLM-shaped client (`tests/sdk_compat/client.py`, 4 ranks, DP groups
 [0, 2] and [1, 3] with full optimizer replicas) runs against Huawei's `mindio_ttp` 7.3.0
 (../shared/peers/mindio_ttp, in a venv of its own) and against this project's (sdk/), for a
-UCE report on one rank, a communication failure, an unknown error (dump), a SIGKILLed rank
-and a normal end. Every handler call is recorded with its arguments; the two must agree on
+UCE report on one rank (also one whose clean finds nothing to rebuild), a communication
+failure, MindSpeed-LLM's precision error, an unknown error (dump), a SIGKILLed rank and a
+normal end. Every handler call is recorded with its arguments; the two must agree on
 which handlers run on which rank, in which order, with which step, ranks, repair type and
 checkpoint information, except where docs/design.md ("mindio_ttp") says this control plane
-differs, which is asserted as such. All ten jobs run at once (~15 s: the SDK takes 9-11 s to
+differs, which is asserted as such. All fourteen jobs run at once (~15 s: the SDK takes 9-11 s to
 see a killed process).
 """
 
@@ -31,7 +32,7 @@ WHEEL = PEER / "mindio_ttp-7.3.0-py3-none-linux_x86_64.whl"
 SDK_VENV = REPO / ".cache" / "mindio-sdk-venv"
 WORLD, ITERATIONS, FAULT_RANK, FAULT_ITER = 4, 6, 1, 3
 DP_GROUPS = [[0, 2], [1, 3]]
-CASES = ("uce", "hccl", "unknown", "kill", "none")
+CASES = ("uce", "uce_low", "hccl", "precision", "unknown", "kill", "none")
 
 
 def sdk_python() -> str:
@@ -90,13 +91,14 @@ def _after_fault(result: CaseResult, name: str) -> float:
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("case", ["uce", "hccl"])
+@pytest.mark.parametrize("case", ["uce", "uce_low", "hccl"])
 def test_repairs_call_the_same_handlers(runs, case):
-    """A UCE on rank 1 / its communication failure: on every rank stop, clean (the UCE rank's
+    """A UCE on rank 1 / the same UCE where its clean handler finds nothing to rebuild
+    (returns 2) / a communication failure: on every rank stop, clean (the UCE rank's
     `is_uce_error` True, repair type "retry"), for the UCE the repair of rank 1 from its
-    replica rank 3 (RT_UCE_HIGHLEVEL and rebuild on 1, RT_SEND on 3, step 3), rollback to 3;
-    then training goes on to the end. The SDK acts 2 s after the report (its confirmation
-    sleep); this control plane at once."""
+    replica rank 3 (RT_UCE_HIGHLEVEL and rebuild on 1, RT_SEND on 3, step 3), no repair in
+    the other two cases, rollback to 3; then training goes on to the end. The SDK acts 2 s
+    after the report (its confirmation sleep); this control plane at once."""
     sdk, ours = _pair(runs, case)
     assert calls_view(ours) == calls_view(sdk), sdk.describe() + "\n" + ours.describe()
     for result in (sdk, ours):
@@ -109,10 +111,32 @@ def test_repairs_call_the_same_handlers(runs, case):
     if case == "uce":
         assert view[1][2] == ("repair", FAULT_ITER, True, (1,), 1, (3,), (1,), (0,), (1, 3))
         assert view[3][2] == ("repair", FAULT_ITER, False, (1,), 0, (3,), (1,), (0,), (1, 3))
+    else:
+        assert not any(row[0] == "repair" for rows in view.values() for row in rows)
     assert all(rows[-1] == ("rollback", FAULT_ITER) for rows in view.values())
     assert set(ours.codes.values()) == {0}, ours.describe()
     assert _after_fault(sdk, "stop") >= 1.9, sdk.describe()
     assert _after_fault(ours, "stop") < 1.0, ours.describe()
+
+
+@pytest.mark.multiproc
+def test_precision_error_reloads_the_checkpoint(runs):
+    """MindSpeed-LLM's registered `PRECISION ERROR` (RS_RETRY) on rank 1: every rank's repair
+    handler reloads the last checkpoint (RT_LOAD_CKPT, its own rank, the whole job as
+    rank_list), as the SDK's PyTorch path does (`GetAllRepairInfo`), and the rollback goes to
+    the iteration the handlers loaded (`tft_report_load_ckpt_step`: 2). The SDK's MindSpore
+    path, which runs here, does not reload checkpoints: it repairs rank 1 from its replica
+    and rolls back to the lock step (docs/design.md)."""
+    sdk, ours = _pair(runs, "precision")
+    everyone = tuple(range(WORLD))
+    assert calls_view(ours) == {
+        r: [("stop",), ("clean", False, "retry"),
+            ("repair", FAULT_ITER, False, (r,), 5, (r,), (r,), (0,), everyone),
+            ("rollback", FAULT_ITER - 1)] for r in everyone}, ours.describe()
+    assert calls_view(sdk)[1][2] == ("repair", FAULT_ITER, False, (1,), 3, (3,), (1,), (0,),
+                                     (1, 3)), sdk.describe()
+    assert calls_view(sdk)[1][-1] == ("rollback", FAULT_ITER), sdk.describe()
+    assert set(ours.codes.values()) == {0}, ours.describe()
 
 
 def _writers(result: CaseResult) -> dict[int, tuple]:

@@ -15,7 +15,8 @@ run folder) that a stopped device leaves with "FORCE STOP".
 
     client.py RUNDIR RANK WORLD PORT CASE [FAULT_RANK FAULT_ITER]
 
-CASE: none, uce, hccl, unknown, kill. `RUNDIR/spec.json` holds the rest (iterations, DP
+CASE: none, uce, uce_low (the clean finds nothing to rebuild), hccl, precision (MindSpeed-LLM's
+`PRECISION ERROR`), unknown, kill. `RUNDIR/spec.json` holds the rest (iterations, DP
 groups, switches). Every handler call is a JSON line in `RUNDIR/calls.<rank>.jsonl`.
 
 Huawei's SDK is run on its MindSpore code path here (no torch_npu on this machine; see
@@ -118,8 +119,10 @@ def inject(iteration: int) -> None:
         return
     STATE["faulted"] = True
     record("fault", case=CASE, iteration=iteration)
-    if CASE == "uce":
+    if CASE in ("uce", "uce_low"):
         raise RuntimeError("UCE ERROR: an uncorrectable error in device memory (simulated)")
+    if CASE == "precision":  # MindSpeed-LLM's registered pattern (RS_RETRY)
+        raise RuntimeError("PRECISION ERROR load ckpt step=2 (simulated)")
     if CASE == "hccl":
         raise RuntimeError("HCCL OP RETRY FAILED: link to a peer failed (simulated)")
     if CASE == "unknown":
@@ -165,13 +168,18 @@ def stop_handler(train_args, ctx):
 def clean_handler(is_uce_error, train_args, ctx):
     record("clean", is_uce_error=bool(is_uce_error), repair_type=ttp_decorator.tft_get_repair_type())
     DEVICE.stopped.clear()
-    return 0
+    # uce_low: the device's check finds the UCE in memory that needs no rebuild (torch_npu's
+    # check_uce_in_memory says UCE_LOW_LEVEL; MindSpeed-LLM then returns RET_NO_REBUILD)
+    return 2 if is_uce_error and CASE == "uce_low" else 0
 
 
 def repair_handler(step, need_rebuild, error_ranks, repair_info, train_args, ctx):
     record("repair", step=step, need_rebuild=bool(need_rebuild), error_ranks=list(error_ranks),
            repair_info={k: (list(v) if isinstance(v, (list, tuple)) else v)
                         for k, v in repair_info.items()})
+    if repair_info["repair_type"] in (ft.RepairType.RT_LOAD_CKPT.value,
+                                      ft.RepairType.RT_LOAD_REBUILD.value):
+        ttp_decorator.tft_report_load_ckpt_step(step - 1)  # "loaded" the checkpoint before
 
 
 def rollback_handler(step, train_args, ctx):

@@ -203,7 +203,7 @@ def _report(state: ReportState, message: str) -> None:
         return
     kind, detail = _KINDS[state]
     processor = RUNTIME._processor("tft_report_error")
-    if kind is FaultKind.UCE:
+    if state in (ReportState.RS_UCE, ReportState.RS_UCE_CORRUPTED):  # the device's memory
         RUNTIME.uce_reported = RUNTIME.uce_damaged = True
     processor.report_error(kind, message[:4000], detail)
 
