@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mindspeed_tft.events import emit
+from mindspeed_tft.events import emit, work_counts
 from mindspeed_tft.recovery.interface import RecoverableState
 from mindspeed_tft.recovery.layout import set_rng_state
 from mindspeed_tft.recovery.snapshot import (
@@ -49,6 +49,7 @@ log = logging.getLogger("mindspeed_tft.recovery")
 def _send_bytes(data: bytes, dst: int) -> None:
     dist.send(torch.tensor([len(data)], dtype=torch.int64), dst=dst)
     dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst=dst)
+    work_counts.add("state_bytes_sent", 8 + len(data))
 
 
 def _recv_bytes(src: int) -> bytes:
@@ -56,6 +57,7 @@ def _recv_bytes(src: int) -> bytes:
     dist.recv(size, src=src)
     buffer = torch.empty(int(size[0]), dtype=torch.uint8)
     dist.recv(buffer, src=src)
+    work_counts.add("state_bytes_received", 8 + buffer.numel())
     return bytes(buffer.numpy().tobytes())
 
 
@@ -135,6 +137,12 @@ def gather_chunk_params(chunk: Any) -> None:
     114 MiB between the two ranks of each of two groups at once; bench/README.md, "The
     rollback's gather"). Elsewhere megatron-core's own all-gather."""
     groups = [*chunk.bucket_groups, *getattr(chunk, "expert_parallel_bucket_groups", [])]
+    for bucket_group in groups:  # what an all-gather moves, by whatever path it runs
+        size = bucket_group.intra_distributed_optimizer_instance_size
+        nbytes = sum(b.param_data.numel() * b.param_data.element_size()
+                     for b in bucket_group.buckets) // size * (size - 1)
+        work_counts.add("state_bytes_sent", nbytes)
+        work_counts.add("state_bytes_received", nbytes)
     if not groups or dist.get_backend(groups[0].intra_distributed_optimizer_instance_group) \
             != dist.Backend.GLOO:
         chunk.start_param_sync(force_sync=True)
