@@ -1,4 +1,5 @@
-"""One gloo transport device per process, shared by every gloo process group.
+"""One gloo transport device per process, shared by the small gloo process groups; a lazily
+connected device of its own for each group of three ranks or more.
 
 torch gives each gloo process group a transport device of its own, and each device runs a
 loop thread that wakes every 10 ms (gloo's TCP loop: `epoll_wait` with a fixed 10 ms
@@ -48,6 +49,8 @@ from datetime import timedelta
 from typing import Any
 
 from torch.distributed import distributed_c10d as c10d
+
+from mindspeed_tft.events import work_counts
 
 #: the environment variable torch's gloo reads for the interfaces to use
 IFNAME_ENV = "GLOO_SOCKET_IFNAME"
@@ -99,7 +102,9 @@ def devices_for(size: int) -> list[Any]:
     from `LAZY_MIN_SIZE` ranks up (unless ``TORCH_GLOO_LAZY_INIT`` is 0), else the shared
     eager ones."""
     if size >= LAZY_MIN_SIZE and lazy_connections():
-        return _new_devices(lazy=True)
+        devices = _new_devices(lazy=True)
+        work_counts.add("gloo_devices", len(devices))
+        return devices
     return shared_devices()
 
 
