@@ -60,6 +60,45 @@ def emit(event: str, rank: int, **fields: Any) -> dict[str, Any]:
     return record
 
 
+class WorkCounts:
+    """What this process did on the control plane and between ranks, counted where it is
+    done, cumulative from the process's start: connections opened (the processor's channel,
+    rendezvous-store clients, process-group connections), rendezvous-store operations and
+    their bytes, control messages and their bytes (by message type), process groups created,
+    bytes of training state moved. Nothing on a training step's own path counts (the
+    channel's I/O thread counts its messages; the rest counts during repairs and set-up).
+
+    `emit_work` writes the counts into the events stream as a `work` event, at the marks of
+    a repair (`recovery.work`): benchmarks and tests take differences between two marks of
+    one process. Names are plain strings; a name never counted reads as 0."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = {}
+
+    def add(self, name: str, amount: int = 1) -> None:
+        with self._lock:
+            self._counts[name] = self._counts.get(name, 0) + amount
+
+    def get(self, name: str) -> int:
+        with self._lock:
+            return self._counts.get(name, 0)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
+#: this process's work counts
+work_counts = WorkCounts()
+
+
+def emit_work(rank: int, mark: str, **fields: Any) -> dict[str, Any]:
+    """A `work` event: every count of this process now, at `mark` (with its pid, so a
+    restarted rank's counts are told from its predecessor's)."""
+    return emit("work", rank, mark=mark, pid=os.getpid(), counts=work_counts.snapshot(), **fields)
+
+
 def read_events(path: str) -> list[dict[str, Any]]:
     """All events of a file, in file order (for tests, benchmarks and tools)."""
     with open(path, encoding="utf-8") as f:

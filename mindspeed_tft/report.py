@@ -403,6 +403,61 @@ def describe_incident(incident: Incident) -> list[str]:
     return lines
 
 
+#: a repair's work per rank as reports give it (`repair_work`): name -> the `events.
+#: WorkCounts` names summed into it (a name ending in '.' sums every counter it begins)
+WORK_COUNTS = {
+    "connections": ("connections.",),
+    "conn_groups": ("connections.groups",),
+    "store_ops": ("store_ops.",),
+    "store_bytes": ("store_bytes",),
+    "control_msgs": ("control_sent.", "control_received."),
+    "control_bytes": ("control_sent_bytes.", "control_received_bytes."),
+    "groups_created": ("groups_created",),
+    "group_calls": ("group_calls",),
+    "state_bytes": ("state_bytes_sent", "state_bytes_received"),
+}
+#: control messages that come every heartbeat interval, as many as the repair lasts: left
+#: out of `control_msgs` and `control_bytes`, counted as `heartbeats`
+PERIODIC_MESSAGES = ("hb", "ack")
+
+
+def _periodic(name: str) -> bool:
+    return name.startswith("control_") and name.rsplit(".", 1)[-1] in PERIODIC_MESSAGES
+
+
+def work_summary(delta: dict[str, int]) -> dict[str, int]:
+    """`WORK_COUNTS` (and `heartbeats`) of one rank from its raw counter differences."""
+    row = {}
+    for name, prefixes in WORK_COUNTS.items():
+        row[name] = sum(value for key, value in delta.items() if not _periodic(key) and any(
+            key == p or (p.endswith(".") and key.startswith(p)) for p in prefixes))
+    row["heartbeats"] = sum(value for key, value in delta.items()
+                            if _periodic(key) and "_bytes." not in key)
+    return row
+
+
+def repair_work(events: list[dict[str, Any]],
+                incident: int | None = None) -> dict[int, dict[str, int]]:
+    """Each rank's work in the repair of `incident` (default: the first repair with a
+    `resumed` mark), summarized (`work_summary`): the difference of its process's `work`
+    counts between the `stop` mark and the `resumed` mark (the end of the first step after
+    the repair), or from the process's start for a process that was not stopped (a
+    worker reboot's replacement)."""
+    marks = [e for e in events if e["event"] == "work"]
+    resumed = [e for e in marks if e["mark"] == "resumed"]
+    if not resumed:
+        return {}
+    incident = resumed[0]["incident"] if incident is None else incident
+    rows = {}
+    for end in (e for e in resumed if e["incident"] == incident):
+        start = next((e for e in marks if e["mark"] == "stop" and e["incident"] == incident
+                      and e["pid"] == end["pid"]), None)
+        before = {} if start is None else start["counts"]
+        rows[end["rank"]] = work_summary(
+            {key: value - before.get(key, 0) for key, value in end["counts"].items()})
+    return rows
+
+
 def _plot_suffix(path: str) -> str:
     suffix = path.rsplit(".", 1)[-1].lower() if "." in path else ""
     if suffix not in ("png", "svg"):

@@ -4,7 +4,7 @@ torchrun (or `tft-run`), gloo on CPU, and read back what they did.
 `run_tiny_job` runs one job in its own directory and returns a `JobResult`: exit code,
 combined output, and the events file (SPEC 11) parsed. Layouts name the parallelism:
 `dp2` (2 ranks: for jobs that only have to fail in a given way, half the start-up of 4),
-`dp4` (4 ranks, DP=4), `tp2dp2`, `pp2dp2`, `tp2dp4` and `pp2dp4` (8 ranks). Every job has a
+`dp4` (4 ranks, DP=4), `tp2dp2`, `pp2dp2`, `tp2dp4` and `pp2dp4` (8 ranks), `dp16`. Every job has a
 timeout; on timeout the whole process group is killed and the test fails with the output so far.
 """
 
@@ -34,6 +34,7 @@ LAYOUTS: dict[str, dict[str, int]] = {
     "pp2dp2": {"NPROC": 4, "TP": 1, "PP": 2},
     "pp2dp4": {"NPROC": 8, "TP": 1, "PP": 2},
     "dp8": {"NPROC": 8, "TP": 1, "PP": 1},
+    "dp16": {"NPROC": 16, "TP": 1, "PP": 1},
     "tp2dp4": {"NPROC": 8, "TP": 2, "PP": 1},
     "tp2pp2dp2": {"NPROC": 8, "TP": 2, "PP": 2},
 }

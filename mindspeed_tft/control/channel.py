@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import zmq
 
 from .. import procfs
+from ..events import work_counts
 from .classify import FaultKind
 from .config import ControlConfig, parse_hostport
 from .orders import Order, Orders
@@ -191,6 +192,7 @@ class Channel:
         addr, port = self.addresses[self._addr_index]
         self._sock = connect_dealer(ctx, addr, port, routing_id=self._routing_id,
                                     max_bytes=self.config.max_message_bytes, curve=self._curve)
+        work_counts.add("connections.control")
         self._last_heard = time.monotonic()
         self._next_register = 0.0
         self.controller_role = None
@@ -292,6 +294,8 @@ class Channel:
     def _send(self, mtype: str, payload: dict[str, Any]) -> None:
         self._seq += 1
         frame = encode(mtype, self.rank, self._seq, payload)
+        work_counts.add(f"control_sent.{mtype}")
+        work_counts.add(f"control_sent_bytes.{mtype}", len(frame))
         try:
             self._sock.send(frame, zmq.NOBLOCK)  # type: ignore[union-attr]
         except zmq.ZMQError as e:
@@ -322,6 +326,8 @@ class Channel:
         if msg.sender != CONTROLLER:
             self.drops.drop("spoof", "not from a controller")
             return
+        work_counts.add(f"control_received.{msg.type}")
+        work_counts.add(f"control_received_bytes.{msg.type}", len(frames[0]))
         self._last_heard = now
         p = msg.payload
         t = msg.type

@@ -1,4 +1,5 @@
-"""One gloo transport device per process, shared by every gloo process group.
+"""One gloo transport device per process, shared by the small gloo process groups; a lazily
+connected device of its own for each group of three ranks or more.
 
 torch gives each gloo process group a transport device of its own, and each device runs a
 loop thread that wakes every 10 ms (gloo's TCP loop: `epoll_wait` with a fixed 10 ms
@@ -17,6 +18,23 @@ device per interface named in ``GLOO_SOCKET_IFNAME`` (comma-separated), else the
 the host name's address, two worker threads per device, the group's timeout. Nothing else
 about a group changes: its connections, its store keys, its collectives.
 
+Groups of three or more ranks connect lazily, each on a device of its own: its pair with a
+peer is connected at its first use instead of every pair at its creation. gloo's eager full
+mesh costs each member of an n-rank group n - 1 connections and as many store reads when
+the group is made, so what a rebuild of the process groups costs a rank (the repair of a
+worker reboot or a memory fault rebuilds every group, `recovery.rebuild`) would grow with
+the size of its data-parallel groups, that is with the job's. Lazily, a rank connects only
+to the peers its operations talk to: ring neighbours for all-reduce and all-gather, a
+tree's for broadcast and barrier (bench/repair_work.py counts them; NCCL and HCCL create
+their communicators at first use too, and NCCL connects its peers lazily since 2.22).
+gloo's lazy pairs cannot share a device: a lazy pair names itself to the peer's listener by
+its rank, the same number in every group on the device, and a lazy context shuts its device
+down when it is destroyed (gloo's `tcp/context.cc`); two groups on one lazy device hang at
+the second one's first operation here. So a lazy group pays a loop thread of its own again
+(~1 ms of CPU per second: one third to one half of megatron-core's groups are that big), and
+groups of one or two ranks (every pair used: nothing to save) stay eager on the shared
+device. ``TORCH_GLOO_LAZY_INIT=0`` keeps every group eager on the shared device.
+
 The change is one name, `torch.distributed.distributed_c10d.ProcessGroupGloo`, the class
 `_new_process_group_helper` constructs (declared in `mindspeed_tft.patches`, the ``cpu``
 moment). The replacement is a subclass whose `isinstance` answers as torch's class does, so
@@ -32,8 +50,12 @@ from typing import Any
 
 from torch.distributed import distributed_c10d as c10d
 
+from mindspeed_tft.events import work_counts
+
 #: the environment variable torch's gloo reads for the interfaces to use
 IFNAME_ENV = "GLOO_SOCKET_IFNAME"
+#: torch's switch for gloo's lazily connected pairs (read when a group is made)
+LAZY_ENV = "TORCH_GLOO_LAZY_INIT"
 
 _TorchGloo = c10d.ProcessGroupGloo
 _devices: list[Any] = []
@@ -48,15 +70,42 @@ def _interfaces() -> list[str]:
     return [name for name in value.split(",") if name]
 
 
+def lazy_connections() -> bool:
+    """Whether groups of `LAZY_MIN_SIZE` ranks and more connect their pairs at first use:
+    yes unless ``TORCH_GLOO_LAZY_INIT`` is 0 (or another false value torch accepts)."""
+    return os.environ.get(LAZY_ENV, "1").strip().lower() not in ("0", "false", "n", "no")
+
+
+#: the smallest group connected lazily, on a device of its own
+LAZY_MIN_SIZE = 3
+
+
+def _new_devices(lazy: bool) -> list[Any]:
+    """Devices made the way torch makes its default ones: one per interface named in
+    ``GLOO_SOCKET_IFNAME``, else the host name's."""
+    names = _interfaces()
+    if names:
+        return [_TorchGloo.create_device(interface=name, lazy_init=lazy) for name in names]
+    return [_TorchGloo.create_default_device(lazy_init=lazy)]
+
+
 def shared_devices() -> list[Any]:
-    """This process's gloo devices, made on first use and then reused by every group."""
+    """This process's eager gloo devices, made on first use and then reused by every group
+    that does not connect lazily."""
     if not _devices:
-        names = _interfaces()
-        if names:
-            _devices.extend(_TorchGloo.create_device(interface=name) for name in names)
-        else:
-            _devices.append(_TorchGloo.create_default_device())
+        _devices.extend(_new_devices(lazy=False))
     return _devices
+
+
+def devices_for(size: int) -> list[Any]:
+    """The devices a new group of `size` ranks runs on: lazily connected ones of its own
+    from `LAZY_MIN_SIZE` ranks up (unless ``TORCH_GLOO_LAZY_INIT`` is 0), else the shared
+    eager ones."""
+    if size >= LAZY_MIN_SIZE and lazy_connections():
+        devices = _new_devices(lazy=True)
+        work_counts.add("gloo_devices", len(devices))
+        return devices
+    return shared_devices()
 
 
 class _AnswersAsTorchGloo(type(_TorchGloo)):  # type: ignore[misc]
@@ -77,7 +126,7 @@ class SharedDeviceGloo(_TorchGloo, metaclass=_AnswersAsTorchGloo):
                  timeout: timedelta | None = None) -> None:
         if options is None:  # torch's own calls: (store, rank, size, timeout=)
             options = _TorchGloo._Options()
-            options._devices = shared_devices()
+            options._devices = devices_for(size)
             options._threads = 2 * len(options._devices)
             if timeout is not None:
                 options._timeout = timeout
@@ -85,6 +134,7 @@ class SharedDeviceGloo(_TorchGloo, metaclass=_AnswersAsTorchGloo):
 
 
 def share() -> None:
-    """Build every later gloo process group of this process on one shared device
-    (idempotent; before the first group, so the default group shares it too)."""
+    """Build every later gloo process group of this process on one shared device, or,
+    from `LAZY_MIN_SIZE` ranks up, on a lazily connected one of its own (idempotent;
+    before the first group, so the default group is made so too)."""
     c10d.ProcessGroupGloo = SharedDeviceGloo

@@ -151,6 +151,17 @@ class SnapshotHooks(TrainerHooks):
         self.snapshots.on_step_end(state)
 
 
+class RepairWorkHooks(TrainerHooks):
+    """Closes a repair's work count at the end of its first step (`RecoveryActions.
+    after_step`; one attribute check per step otherwise)."""
+
+    def __init__(self, actions: Any) -> None:
+        self.actions = actions
+
+    def on_step_end(self, state: TrainingState) -> None:
+        self.actions.after_step()
+
+
 class StopPointHooks(TrainerHooks):
     """Installs the compute stop points (`collectives.install_stop_points`) into the model
     at every train start (a rebuilt model gets them too)."""
@@ -394,6 +405,7 @@ class TFTPlugin:
             hooks.append(ProcessorHooks(self.processor, self.termination))
             hooks.append(SnapshotHooks(self.snapshots))
             hooks.append(StopPointHooks())
+            hooks.append(RepairWorkHooks(self.actions))
         injector = FaultInjector.from_env(dist.get_rank())
         if injector:
             hooks.append(FaultInjectionHooks(injector))

@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mindspeed_tft.events import emit, iteration_log
+from mindspeed_tft.events import emit, emit_work, iteration_log
 from mindspeed_tft.recovery import collectives
 from mindspeed_tft.recovery.dump import (
     SHARDS_DIRNAME,
@@ -100,6 +100,10 @@ class RecoveryActions:
         self.loaded_step: int | None = None
         #: the repair copied the complete params of the lock step into this rank
         self.params_restored = False
+        #: the incident whose repair ended (rollback done) and whose first step has not
+        #: ended yet (`after_step` then closes the repair's work count)
+        self._resume_incident: int | None = None
+        self._rebuild_seconds: float | None = None
 
     def register(self, processor: Any) -> None:
         """Register every callback this class implements with `processor`."""
@@ -136,6 +140,7 @@ class RecoveryActions:
         closed = collectives.abandon(
             f"incident {payload.get('incident')}: stopped by the controller", self.keep_ports
         )
+        self._mark_work("stop", int(payload.get("incident", 0)))
         # the iterations this rank completed; the stop may have cut the logging rank's line off
         return {"connections_closed": closed, "iterations": iteration_log.records()}
 
@@ -147,7 +152,9 @@ class RecoveryActions:
         generation = int(payload["incident"])
         rejoining = self.state is None
         run = self.processor.run_in_training_thread
+        started = time.perf_counter()
         run(lambda: self.rebuild_process_groups(generation, not rejoining))
+        self._rebuild_seconds = time.perf_counter() - started
         if rejoining:
             self._wait_attached()
         try:
@@ -228,8 +235,26 @@ class RecoveryActions:
              lr=state.optimizer.param_groups[0]["lr"],
              consumed_samples=state.args.consumed_train_samples)
         self._release_old_groups(incident)
+        self._mark_work("repaired", incident, rebuild_s=_rounded(self._rebuild_seconds))
+        self._resume_incident = incident
         # parked now: a record the stop result missed (the update ran on after it) is final
         return {"step": step, "iterations": iteration_log.records()}
+
+    # -- work counts ------------------------------------------------------------------------
+    def _mark_work(self, mark: str, incident: int, **fields: Any) -> None:
+        """A `work` event (`events.emit_work`) with this process's counts now, the group
+        connections it opened since the last mark counted first."""
+        collectives.count_connections(self.keep_ports)
+        emit_work(self.rank, mark, incident=incident, **fields)
+
+    def after_step(self) -> None:
+        """The trainer ended a step (the plugin's step hook: one attribute check): the
+        first step after a repair closes the repair's work count (`resumed`), with the
+        connections that lazily connected groups made in that step."""
+        if self._resume_incident is None:
+            return
+        incident, self._resume_incident = self._resume_incident, None
+        self._mark_work("resumed", incident)
 
     # -- elastic training -----------------------------------------------------------------
     def scale_in(self, payload: dict[str, Any]) -> dict[str, Any]:
@@ -337,3 +362,7 @@ class RecoveryActions:
         log.warning("rank %d: dying-gasp checkpoint of iteration %d published at %s",
                     self.rank, lock_step, path)
         return {"path": path, "iteration": lock_step}
+
+
+def _rounded(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 4)

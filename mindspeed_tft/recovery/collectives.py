@@ -19,8 +19,13 @@ and the control plane (`keep_ports`), even when made while a group was built. A 
 another thread of the process opens while a group is being built is taken for the
 group's: the window is the group's creation, or the whole of a `tracking_window()` block
 (megatron-core's `initialize_model_parallel`, the rebuild: one listing of the sockets
-before and after, not two per group). Every operation of this rank, and every operation of
-a peer waiting on this rank, then fails with "Connection closed by peer"; the
+before and after, not two per group). A lazily connected gloo group (the CPU platform's
+default, `platform.gloo_device`) makes its connections at their first use instead, on the
+process's gloo listener (recorded when it was made, inside a group's creation) or towards
+a peer's: `abandon` shuts down every connection accepted on a recorded listener too, and
+the peer's own stop shuts down the ones this rank made towards it. Every operation of this
+rank, and every operation of a peer waiting on this rank, then fails with "Connection
+closed by peer"; the
 training threads land in the fault handler, where the error counts as a consequence of the
 stop. The process lives on: recovery rebuilds the process groups on new connections.
 
@@ -55,6 +60,8 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+
+from mindspeed_tft.events import work_counts
 
 log = logging.getLogger("mindspeed_tft.recovery")
 
@@ -216,14 +223,26 @@ def _record_new_sockets(before: set[int]) -> None:
     _group_sockets.update(after - before)
 
 
+def _counted(result: Any) -> Any:
+    """Count a group creation (`events.work_counts`): ``group_calls`` for every call (torch's API
+    wants every rank of the world to call it for every group, member or not; a non-member's
+    call returns at once, with no store operation or connection) and ``groups_created``
+    for the groups this rank is a member of."""
+    work_counts.add("group_calls")
+    group = result[0] if isinstance(result, tuple) else result
+    if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
+        work_counts.add("groups_created")
+    return result
+
+
 def _tracked(create: Any) -> Any:
     @functools.wraps(create)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if getattr(_window, "depth", 0):
-            return create(*args, **kwargs)
+            return _counted(create(*args, **kwargs))
         before = _socket_inodes()
         try:
-            return create(*args, **kwargs)
+            return _counted(create(*args, **kwargs))
         finally:
             _record_new_sockets(before)
 
@@ -258,16 +277,50 @@ def group_connections() -> set[int]:
     return _group_sockets & _socket_inodes()
 
 
+#: socket inodes of the connections `count_connections` has counted (and still open)
+_counted_connections: set[int] = set()
+
+
+def count_connections(keep_ports: Iterable[int]) -> int:
+    """Count the TCP connections of this process (either end, listeners aside) that are new
+    since the last call and touch no port in `keep_ports` (the rendezvous store's and the
+    controllers', whose connections are counted where they are made): the connections of
+    process groups, made when a group is created or, with lazily connected groups, at
+    their first use. Adds them to ``connections.groups`` of `events.work_counts` and returns how
+    many. Lists /proc (a few ms): called at a repair's marks, never in a training step."""
+    keep = set(keep_ports)
+    table = _tcp_connections()
+    current = set()
+    for _, inode in _socket_fds():
+        row = table.get(inode)
+        if row is None or row[2] == _LISTEN or row[0] in keep or row[1] in keep:
+            continue
+        current.add(inode)
+    new = len(current - _counted_connections)
+    _counted_connections.clear()
+    _counted_connections.update(current)
+    work_counts.add("connections.groups", new)
+    return new
+
+
 def shutdown_connections(keep_ports: Iterable[int], only: set[int] | None = None) -> int:
     """Shut down the established TCP connections of this process whose local or remote
     port is not in `keep_ports`: all of them, or only those whose socket inode is in
-    `only`; returns how many."""
+    `only` and those accepted on a listener in `only` (a lazily connected gloo group's
+    connections are made after its creation, on the process's gloo listener, or by this
+    process towards a peer's listener, where the peer shuts them down); returns how
+    many."""
     keep = set(keep_ports)
     table = _tcp_connections()
+    fds = list(_socket_fds())
+    listeners = {table[inode][0] for _, inode in fds
+                 if only is not None and inode in only and inode in table
+                 and table[inode][2] == _LISTEN}
     count = 0
-    for fd, inode in _socket_fds():
+    for fd, inode in fds:
         row = table.get(inode)
-        if row is None or (only is not None and inode not in only):
+        if row is None or (only is not None and inode not in only
+                           and row[0] not in listeners):
             continue
         local_port, remote_port, state = row
         if state == _LISTEN or local_port in keep or remote_port in keep:

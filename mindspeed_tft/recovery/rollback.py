@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mindspeed_tft.events import emit
+from mindspeed_tft.events import emit, work_counts
 from mindspeed_tft.recovery.interface import RecoverableState
 from mindspeed_tft.recovery.layout import set_rng_state
 from mindspeed_tft.recovery.snapshot import (
@@ -49,6 +49,7 @@ log = logging.getLogger("mindspeed_tft.recovery")
 def _send_bytes(data: bytes, dst: int) -> None:
     dist.send(torch.tensor([len(data)], dtype=torch.int64), dst=dst)
     dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst=dst)
+    work_counts.add("state_bytes_sent", 8 + len(data))
 
 
 def _recv_bytes(src: int) -> bytes:
@@ -56,6 +57,7 @@ def _recv_bytes(src: int) -> bytes:
     dist.recv(size, src=src)
     buffer = torch.empty(int(size[0]), dtype=torch.uint8)
     dist.recv(buffer, src=src)
+    work_counts.add("state_bytes_received", 8 + buffer.numel())
     return bytes(buffer.numpy().tobytes())
 
 
@@ -130,11 +132,18 @@ def sync_model_params_from_main(state: RecoverableState, gather: bool = True,
 
 def gather_chunk_params(chunk: Any) -> None:
     """Every param of a megatron-core DDP chunk from the shards its bucket groups' ranks
-    hold (collective in each group). On gloo as point-to-point exchanges: gloo's all-gather
-    moves the same bytes 4-5x slower than its sends here (0.51 s against 0.11-0.15 s for
-    114 MiB between the two ranks of each of two groups at once; bench/README.md, "The
-    rollback's gather"). Elsewhere megatron-core's own all-gather."""
+    hold (collective in each group). On gloo as point-to-point sends around a ring
+    (`_ring_gather`): gloo's all-gather moves the same bytes 4-5x slower than its sends here
+    (0.51 s against 0.11-0.15 s for 114 MiB between the two ranks of each of two groups at
+    once; bench/README.md, "The rollback's gather"). Elsewhere megatron-core's own
+    all-gather."""
     groups = [*chunk.bucket_groups, *getattr(chunk, "expert_parallel_bucket_groups", [])]
+    for bucket_group in groups:  # what an all-gather moves, by whatever path it runs
+        size = bucket_group.intra_distributed_optimizer_instance_size
+        nbytes = sum(b.param_data.numel() * b.param_data.element_size()
+                     for b in bucket_group.buckets) // size * (size - 1)
+        work_counts.add("state_bytes_sent", nbytes)
+        work_counts.add("state_bytes_received", nbytes)
     if not groups or dist.get_backend(groups[0].intra_distributed_optimizer_instance_group) \
             != dist.Backend.GLOO:
         chunk.start_param_sync(force_sync=True)
@@ -143,24 +152,43 @@ def gather_chunk_params(chunk: Any) -> None:
         if bucket_group.param_gather_handle is not None:  # as megatron-core's force_sync
             bucket_group.param_gather_handle.wait()
             bucket_group.param_gather_handle = None
-        _exchange_shards(bucket_group)
+        _ring_gather(bucket_group)
         bucket_group.param_gather_dispatched = True
 
 
-def _exchange_shards(bucket_group: Any) -> None:
-    """Send this rank's shard of each bucket to every other rank of the group, receive
-    theirs into their place (the result of megatron-core's all-gather, byte for byte)."""
+def _ring_gather(bucket_group: Any) -> None:
+    """Every rank's shard of each bucket into its place (megatron-core's all-gather, byte
+    for byte), around the group's ring: in step k each rank sends the shard it got in step
+    k - 1 (its own first) to the next rank and receives the previous rank's into its place;
+    every bucket's messages of a step travel together. Each rank sends and receives
+    (size - 1) shards, as in any all-gather, and talks to two peers only: a lazily
+    connected gloo group (`platform.gloo_device`) then opens two connections per rank for
+    it, not one per rank of the group (bench/repair_work.py counts them)."""
     from megatron.core.distributed.param_and_grad_buffer import shard_buffer
 
     group = bucket_group.intra_distributed_optimizer_instance_group
     size = bucket_group.intra_distributed_optimizer_instance_size
     me = bucket_group.intra_distributed_optimizer_instance_rank
     ranks = dist.get_process_group_ranks(group)
-    works = []
-    for tag, bucket in enumerate(bucket_group.buckets):
-        works += post_exchange(shard_buffer(bucket.param_data, size), me, ranks, group, tag)
-    for work in works:
-        work.wait()
+    parts = [shard_buffer(bucket.param_data, size) for bucket in bucket_group.buckets]
+    for step in range(size - 1):
+        works = []
+        for tag, bucket_parts in enumerate(parts):
+            works += post_ring_step(bucket_parts, me, step, ranks, group, tag)
+        for work in works:
+            work.wait()
+
+
+def post_ring_step(parts: list[torch.Tensor], index: int, step: int, ranks: list[int],
+                   group: dist.ProcessGroup, tag: int = 0) -> list[Any]:
+    """Start step `step` of a ring all-gather of `parts` (this rank's is `parts[index]`,
+    `ranks[index]`): receive the previous rank's part `index - step - 1` into its place,
+    send part `index - step` to the next rank; returns the works to wait for."""
+    size = len(ranks)
+    return [dist.irecv(parts[(index - step - 1) % size], src=ranks[(index - 1) % size],
+                       group=group, tag=tag),
+            dist.isend(parts[(index - step) % size], dst=ranks[(index + 1) % size],
+                       group=group, tag=tag)]
 
 
 def post_exchange(parts: list[torch.Tensor], index: int, ranks: list[int],

@@ -58,6 +58,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mindspeed_tft.events import work_counts
+
 #: tensors of at least this many bytes travel as themselves; the smaller ones are packed.
 #: A message's fixed cost (about 60 us with gloo here) is the time of ~240 KiB of bytes, and
 #: packing plus unpacking a tensor costs about as much as its bytes on the wire
@@ -342,6 +344,7 @@ def copy_shard(
         params = param_buffers(model) if with_params else []
         _send(shard, params, dst, group, entered_ns)
         sent = sum(t.numel() * t.element_size() for t in params)
+        work_counts.add("state_bytes_sent", shard.nbytes + sent)
         return CopyResult(shard.nbytes + sent, param_bytes=sent)
     if me != dst:
         raise ValueError(f"rank {me} is neither the source {src} nor the destination {dst}")
@@ -354,4 +357,5 @@ def copy_shard(
     for state in shard.states:
         state["step"] = torch.tensor(float(step))
     got = sum(t.numel() * t.element_size() for t in params) if received else 0
+    work_counts.add("state_bytes_received", shard.nbytes + got)
     return CopyResult(shard.nbytes + got, seconds, param_bytes=got)
