@@ -72,15 +72,17 @@ def test_help_lists_the_flags_without_any_change_to_the_script(megatron_lm):
     (["--optimizer-replica-num", "3"],
      "--optimizer-replica-num 3 does not divide the data-parallel size 4"),
 ])
-def test_a_flag_the_plugin_cannot_serve_stops_at_start_up(megatron_lm, extra, message):
+def test_a_flag_the_plugin_cannot_serve_stops_at_start_up(megatron_lm, extra, message,
+                                                           tmp_path):
     """Refused after Megatron-LM's own validation, before torch.distributed starts: a clear
     error naming the flag and the fix, exit code 2, no traceback."""
-    env = {**_python_env(megatron_lm), "WORLD_SIZE": "4", "RANK": "0"}
+    env = {**_python_env(megatron_lm), "WORLD_SIZE": "4", "RANK": "0",
+           "TTP_PORT": str(free_port())}
     args = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
             "--max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 16 "
             "--train-iters 4 --lr 1e-3 --bf16 --use-distributed-optimizer --mock-data "
             "--tokenizer-type NullTokenizer --vocab-size 4096 --transformer-impl local "
-            "--enable-high-availability").split()
+            f"--enable-high-availability --save {tmp_path / 'ckpt'} --save-interval 4").split()
     done = subprocess.run([sys.executable, "-m", "mindspeed_tft.megatron", "pretrain_gpt.py",
                            *args, *extra], cwd=megatron_lm, env=env, capture_output=True,
                           text=True, timeout=120)
