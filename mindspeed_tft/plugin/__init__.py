@@ -268,6 +268,8 @@ class TFTPlugin:
         from mindspeed_tft.recovery.actions import RecoveryActions
 
         tie_to_launcher()  # a worker never outlives its launcher (tft-run, torchrun)
+        # its data-loader workers leave a launcher's SIGTERM to it, and end with it
+        patches.install("data-loader-workers")
         patches.install("connection-tracking")  # before any process group exists
         config = ControlConfig.from_env()
         self.control_config = config
