@@ -154,7 +154,7 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--split", default=None)
     g.add_argument("--data-cache-path", default=None)
     g.add_argument("--seq-length", type=int, default=None)
-    g.add_argument("--num-workers", type=int, default=0)
+    g.add_argument("--num-workers", type=int, default=2)  # Megatron-LM's: loader processes
     g.add_argument("--tokenizer-type", default=None,
                    choices=["Llama2Tokenizer", "GPTSentencePieceTokenizer", "NullTokenizer"])
     g.add_argument("--tokenizer-model", default=None)
@@ -320,6 +320,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         args.tokenizer_type = "NullTokenizer" if args.mock_data else None
         if args.tokenizer_type is None:
             raise ArgumentError("--tokenizer-type is required with --data-path")
+    if args.num_workers < 0:
+        raise ArgumentError(f"--num-workers {args.num_workers} is invalid; allowed: 0 (load in "
+                            "the training process) or a positive number of loader processes")
     if args.save_interval is not None and args.save_interval <= 0:
         raise ArgumentError(f"--save-interval {args.save_interval} must be a positive integer")
     if args.log_interval <= 0:
