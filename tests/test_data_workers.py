@@ -8,7 +8,7 @@ process's next batch raises "DataLoader worker (pid N) is killed by signal: Term
 failure that lost the dump under plain torchrun). With it: the workers ignore a SIGTERM that
 is not their training process's, every batch comes, the training process's own exit still
 ends them, and a training process killed outright takes them with it at once. The same on
-whole training jobs: tests/test_launch_matrix.py.
+whole training jobs: the launch matrix (docs/design.md, "Launch matrix").
 """
 
 from __future__ import annotations
