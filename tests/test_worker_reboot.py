@@ -64,12 +64,12 @@ def _assert_repaired(job, reference, restarted: dict[int, int]) -> None:
 # step is s + 1; there the killed rank is the logging rank (the last), which never logs
 # iteration s + 1: its replacement does. On dp4 the kills in the forward and the backward
 # pass are the two faults of `test_two_faults_...` below; Megatron-LM's loop repeats DP4 and
-# PP2xDP2 under tft-run (tests/test_megatron_lm.py); all within CI's time budget. Two cells of
-# the launch matrix (docs/design.md, "Launch matrix"): dp4 under torchrun with the guide's hook
-# (`scripts/patch_torchrun.sh`), tp2dp2 with Megatron-LM's default data loader (2 worker
-# processes per rank; the survivors' loaders are built again at the lock step).
-CASES = [("dp4", "optimizer", 1, 3, "hooked torchrun", 0),
-         ("tp2dp2", "backward", 0, 1, "tft-run", 2)]
+# PP2xDP2 under tft-run (tests/test_megatron_lm.py); all within CI's time budget. The tp2dp2
+# case is a cell of the launch matrix (docs/design.md, "Launch matrix"): under torchrun with
+# the guide's hook (`scripts/patch_torchrun.sh`), with Megatron-LM's default data loader (2
+# worker processes per rank; the survivors' loaders are built again at the lock step).
+CASES = [("dp4", "optimizer", 1, 3, "tft-run", 0),
+         ("tp2dp2", "backward", 0, 1, "hooked torchrun", 2)]
 
 
 @pytest.mark.parametrize(("layout", "phase", "behind", "rank", "launcher", "workers"), CASES)
