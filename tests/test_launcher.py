@@ -237,6 +237,38 @@ def test_bad_launcher_settings_are_refused_clearly(monkeypatch: pytest.MonkeyPat
     assert "'-1' is not a whole number >= 0" in capsys.readouterr().err
 
 
+def test_max_restarts_means_what_torchrun_users_expect(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--max-restarts N` is the number of restarts of failed workers (with worker reboot each
+    of the failed worker only; default 8 there, or TFT_MAX_WORKER_RESTARTS), and `--help`
+    says so; torch's whole-group restarts are off under worker reboot."""
+    from mindspeed_tft.launcher.options import get_args_parser, launch_options
+    from mindspeed_tft.launcher.run import parse_args
+
+    monkeypatch.delenv("HIGH_AVAILABILITY", raising=False)
+    monkeypatch.delenv("TFT_MAX_WORKER_RESTARTS", raising=False)
+    monkeypatch.delenv("PET_MAX_RESTARTS", raising=False)
+    script = [str(WORKER), "--out", "/nonexistent", *SAVE]
+
+    def budget(argv: list[str], env: dict[str, str]) -> tuple[int, int]:
+        options = launch_options(parse_args([*argv, *script]), env)
+        return options.max_restarts, options.torch_max_restarts
+
+    # without worker reboot: torchrun's own restarts of the whole group, its default 0
+    assert budget([], {}) == (0, 0)
+    assert budget(["--max-restarts", "3"], {}) == (3, 3)
+    assert budget(["--max-restarts", "3"], {"HIGH_AVAILABILITY": "dump"}) == (3, 3)
+    # with it: restarts of the failed workers only, torch's off
+    assert budget(["--max-restarts", "0"], {"HIGH_AVAILABILITY": "recover"}) == (0, 0)
+    assert budget(["--max-restarts", "3"], {"HIGH_AVAILABILITY": "recover"}) == (3, 0)
+    assert budget([], {"HIGH_AVAILABILITY": "recover"}) == (8, 0)
+    assert budget([], {"HIGH_AVAILABILITY": "recover", "TFT_MAX_WORKER_RESTARTS": "2"}) == (2, 0)
+    assert budget(["--max-restarts", "2"], {"HIGH_AVAILABILITY": "recover",
+                                            "TFT_MAX_WORKER_RESTARTS": "2"}) == (2, 0)
+    help_text = " ".join(get_args_parser().format_help().split())
+    assert ("Maximum number of restarts of failed workers this node's launcher makes before "
+            "the job fails (torchrun's meaning). mindspeed-tft: with worker reboot" in help_text)
+
+
 # -- worker reboot ----------------------------------------------------------------------------
 def test_worker_reboot_restarts_only_the_failed_worker(job: Job) -> None:
     """torchrun's `--max-restarts N` is the budget: N restarts of failed workers, each of the
