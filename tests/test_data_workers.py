@@ -4,8 +4,9 @@ is a training process's data loader (2 forked workers) in a session of its own, 
 starts a worker, and the test stops it as torchrun does (SIGTERM to the process group).
 
 Without the moment, torch's own behaviour: the workers die of the SIGTERM and the training
-process's next batch raises "DataLoader worker (pid N) is killed by signal: Terminated" (the
-failure that lost the dump under plain torchrun). With it: the workers ignore a SIGTERM that
+process raises "DataLoader worker (pid N) is killed by signal: Terminated" from its SIGCHLD
+handler (or "... exited unexpectedly" from its next batch, when that sees it first): the
+failure that lost the dump under plain torchrun. With it: the workers ignore a SIGTERM that
 is not their training process's, every batch comes, the training process's own exit still
 ends them, and a training process killed outright takes them with it at once. The same on
 whole training jobs: the launch matrix (docs/design.md, "Launch matrix").
@@ -59,9 +60,10 @@ def test_a_launchers_stop_is_the_training_processs_not_its_data_loaders(mode, tm
     result = json.loads((tmp_path / "result.json").read_text())
     assert proc.returncode == 0, err
     assert result["sigterm"], "the training process saw the stop"
-    if mode == "torch":
-        assert result["error"] is not None and result["error"].startswith("DataLoader worker (pid")
-        assert "is killed by signal: Terminated" in result["error"], result["error"]
+    if mode == "torch":  # torch's SIGCHLD handler, or its next batch if that ran first
+        error = result["error"]
+        assert error is not None and error.startswith("DataLoader worker (pid"), error
+        assert "is killed by signal: Terminated" in error or "exited unexpectedly" in error
     else:
         assert result["error"] is None, result["error"]
         assert result["batches"] == EXPECTED
