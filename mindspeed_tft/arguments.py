@@ -346,7 +346,7 @@ def check_environment(args: argparse.Namespace, environ: Mapping[str, str]) -> N
     (model build, checkpoint load): ``TFT_INJECT`` and its companions always, the control
     plane's ``TTP_*`` with high availability. Raises `TFTArgumentError` naming the variable.
     The plugin reads them again where it uses them, with the same readers."""
-    from mindspeed_tft.control.config import ControlConfig, ControlConfigError, check_port_free
+    from mindspeed_tft.control.config import ControlConfig, ControlConfigError
     from mindspeed_tft.control.transport import check_bind
     from mindspeed_tft.faults import FaultInjector, FaultSpecError
 
@@ -356,8 +356,6 @@ def check_environment(args: argparse.Namespace, environ: Mapping[str, str]) -> N
             config = ControlConfig.from_env(environ)
             if getattr(args, "rank", 0) == 0:  # rank 0 may host the controller (torchrun)
                 check_bind(config, config.controller_addr, "the controller")
-                if not launched_by_tft(environ):  # it does: its port must be free
-                    check_port_free(config.controller_addr, config.port)
                 if config.metrics_port:  # and its metrics endpoint: prometheus_client
                     from mindspeed_tft.control.metrics import prometheus
 
