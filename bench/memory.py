@@ -151,7 +151,10 @@ def per_param(step: dict[str, Any]) -> dict[str, float]:
 def run_case(case: Case, opts: argparse.Namespace, work: Path) -> dict[str, Any]:
     out_dir = work / case.name
     env = bench_env(work / f"{case.name}.ttp", BENCH_MEMORY_OUT=str(out_dir))
-    cmd = torchrun_cmd(case.d, WORKER, job_args(case, opts))
+    args = job_args(case, opts)
+    if "--enable-high-availability" in args:  # nothing is dumped here, but HA needs a folder
+        args += ["--save", str(out_dir / "ckpt")]
+    cmd = torchrun_cmd(case.d, WORKER, args)
     job = run_job(cmd, env, opts.timeout, work / f"{case.name}.log")
     ranks = sorted(out_dir.glob("rank*.json"))
     if job.returncode != 0 or len(ranks) != case.d:

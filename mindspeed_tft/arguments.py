@@ -24,7 +24,11 @@ Megatron's own validation (it needs ``data_parallel_size`` and friends) and:
    ``--distributed-optimizer-no-replica``, a non-default ``--optimizer-replica-num``) without
    high availability: they would have no effect;
 4. with high availability on, enforces SPEC 10 (optimizer kind, data-parallel sizes, the
-   replica number, no ``--swap-optimizer``, gloo process groups kept);
+   replica number, no ``--swap-optimizer``, gloo process groups kept) and refuses the
+   set-ups whose first fault could only fail (`check_first_fault_can_succeed`): no
+   ``--save`` folder (or one this process cannot write) for the dump, which elastic training
+   goes through too; worker reboot under a launcher that never restarts a worker (anything
+   but ``tft-run`` or a torchrun with the hook: `launched_by_tft`);
 5. records the result on ``args``:
 
    - ``args.optimizer_replica_num_effective``: how many copies of each optimizer-state shard
@@ -67,6 +71,9 @@ logger = logging.getLogger(__name__)
 ARGUMENT_GROUP_TITLE = "mindspeed-tft high availability"
 HIGH_AVAILABILITY_ENV = "HIGH_AVAILABILITY"
 EVENTS_FILE_ENV = "TFT_EVENTS_FILE"
+#: set by `tft-run` (and a torchrun with the hook) in every worker under high availability:
+#: the controller runs in the launcher, which restarts failed workers (worker reboot)
+CONTROLLER_IN_LAUNCHER_ENV = "TFT_CONTROLLER_IN_LAUNCHER"
 
 #: HIGH_AVAILABILITY modes -> (hbmfault repair, worker reboot, elastic training); every mode
 #: turns HA on. elastic-training (MindIO's and MindSpeed-LLM's name) is worker reboot that
@@ -269,9 +276,69 @@ def validate_tft_args(
     )
     args.tft_features = Features.from_args(args)
     if args.enable_high_availability:
+        check_first_fault_can_succeed(args, environ)
         export_metrics_port(args, environ)
     check_environment(args, environ)
     return args
+
+
+def launched_by_tft(environ: Mapping[str, str]) -> bool:
+    """This worker was started by `tft-run` (or a torchrun with the hook) under high
+    availability: the controller runs in its launcher, which restarts failed workers."""
+    return environ.get(CONTROLLER_IN_LAUNCHER_ENV) == "1"
+
+
+def check_save_dir(args: argparse.Namespace) -> None:
+    """The dying-gasp checkpoint is written under ``--save``: refuse a high-availability job
+    without one (elastic training shrinks through the dump, so it names that flag first), or
+    with one this process cannot create or write. Raises `TFTArgumentError`."""
+    save = getattr(args, "save", None)
+    if not save:
+        if getattr(args, "enable_elastic_training", False):
+            raise TFTArgumentError(
+                "--enable-elastic-training needs --save DIR: a shrink continues from the "
+                "dying-gasp checkpoint written there, and without it the first lost worker ends "
+                "the job with nothing saved; allowed: add --save DIR")
+        raise TFTArgumentError(
+            "--enable-high-availability needs --save DIR: the dying-gasp checkpoint is written "
+            "there, and without it the first fault ends the job with nothing saved; allowed: "
+            "add --save DIR")
+    problem = _unwritable(os.path.abspath(save))
+    if problem:
+        raise TFTArgumentError(
+            f"--save {save}: {problem}, so the dying-gasp checkpoint could not be written there; "
+            "allowed: a folder this process can create and write")
+
+
+def _unwritable(path: str) -> str | None:
+    """Why this process could not write checkpoints under `path` (None: it can)."""
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            return "it is a file, not a folder"
+        return None if os.access(path, os.W_OK | os.X_OK) else "the folder is not writable"
+    parent = os.path.dirname(path)
+    while parent and not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"{parent} is a file, not a folder"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"it does not exist and {parent} is not writable"
+    return None
+
+
+def check_first_fault_can_succeed(args: argparse.Namespace,
+                                  environ: Mapping[str, str]) -> None:
+    """Refuse the high-availability set-ups whose first fault could only fail (see the module
+    docstring); raises `TFTArgumentError` naming the flag and the fix."""
+    check_save_dir(args)
+    if args.enable_worker_reboot and not launched_by_tft(environ):
+        flag = ("--enable-worker-reboot" if args.tft_features_source == "command line"
+                else f"worker reboot ({args.tft_features_source})")
+        raise TFTArgumentError(
+            f"{flag} needs a launcher that restarts failed workers, and this one never does "
+            "(a killed worker would leave the others waiting for it until the launcher kills "
+            "them, with nothing saved); allowed: launch with tft-run (torchrun's arguments) or a "
+            "torchrun patched by scripts/patch_torchrun.sh, or remove worker reboot")
 
 
 def check_environment(args: argparse.Namespace, environ: Mapping[str, str]) -> None:

@@ -20,7 +20,8 @@ Kinds (what happens when an item fires):
   stopped the process by then it raises ``RuntimeError("TFT_INJECT hang: rank R step S phase
   P was not stopped within T s")``.
 
-Keys: ``rank`` (global rank, required, integer >= 0), ``step`` (required, integer >= 0),
+Keys: ``rank`` (global rank, required) and ``step`` (required), integers from 0 to
+`MAX_NUMBER` (2**31 - 1),
 ``phase`` = forward | backward | optimizer | save | after | publish | scale (default forward),
 ``target`` = optimizer | param | grad | activation (uce only; default optimizer), ``point`` =
 written | synced | aside | renamed | tracker (required with phase publish, allowed only with
@@ -30,6 +31,10 @@ means no faults. Anything else that does not follow these rules raises `FaultSpe
 startup, naming the item (1-based) and the bad part::
 
     TFT_INJECT item 2 'kill:rank=x,step=3': rank must be a non-negative integer, got 'x'
+
+An echoed item or value longer than `SHOWN_CHARS` characters is cut there, with its length
+(``'kill:rank=99999…' (5017 characters)``): a message stays one short line whatever the
+variable holds.
 
 Step numbering: ``step`` is the 0-based training step, the value of Megatron's ``iteration``
 (completed updates) when the step starts; step s produces iteration s+1. The trainer calls
@@ -114,6 +119,10 @@ DEFAULT_PHASE = "forward"
 DEFAULT_TARGET = "optimizer"
 
 _NON_NEGATIVE_INT = re.compile(r"[0-9]+")
+#: the largest rank or step an item may name (a bound, so that no value is too long to read)
+MAX_NUMBER = 2**31 - 1
+#: the longest echo of an item or value in a message (longer ones are cut, with their length)
+SHOWN_CHARS = 60
 
 
 class FaultSpecError(ValueError):
@@ -148,6 +157,22 @@ class FaultItem:
         return f"{text},target={self.target}" if self.target else text
 
 
+def shown(text: str, limit: int = SHOWN_CHARS) -> str:
+    """`text` quoted for a message: cut to `limit` characters, with its length, when longer."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}… ({len(text)} characters)"
+
+
+def parse_bounded_int(text: str) -> int | None:
+    """A whole number from 0 to `MAX_NUMBER` written in decimal digits, or None (checked on
+    the text first: a number too long to convert is refused before any conversion)."""
+    if not _NON_NEGATIVE_INT.fullmatch(text) or len(text.lstrip("0")) > len(str(MAX_NUMBER)):
+        return None
+    number = int(text)
+    return number if number <= MAX_NUMBER else None
+
+
 def parse_fault_spec(text: str | None) -> list[FaultItem]:
     """Parse a ``TFT_INJECT`` value into items of all ranks; raises `FaultSpecError`."""
     if text is None or not text.strip():
@@ -157,14 +182,14 @@ def parse_fault_spec(text: str | None) -> list[FaultItem]:
 
 def _parse_item(item: str, index: int) -> FaultItem:
     def fail(problem: str) -> FaultSpecError:
-        return FaultSpecError(f"{INJECT_ENV} item {index} {item!r}: {problem}")
+        return FaultSpecError(f"{INJECT_ENV} item {index} {shown(item)}: {problem}")
 
     if not item:
         raise fail(f"empty item; allowed: KIND:key=value,... with KIND one of {', '.join(KINDS)}")
     kind, _, rest = item.partition(":")
     kind = kind.strip()
     if kind not in KINDS:
-        raise fail(f"unknown kind {kind!r}; allowed: {', '.join(KINDS)}")
+        raise fail(f"unknown kind {shown(kind)}; allowed: {', '.join(KINDS)}")
 
     values: dict[str, str] = {}
     if rest.strip():
@@ -172,9 +197,10 @@ def _parse_item(item: str, index: int) -> FaultItem:
             key, sep, value = pair.partition("=")
             key, value = key.strip(), value.strip()
             if not sep or not key:
-                raise fail(f"{pair.strip()!r} is not key=value; allowed keys: {', '.join(KEYS)}")
+                raise fail(f"{shown(pair.strip())} is not key=value; allowed keys: "
+                           f"{', '.join(KEYS)}")
             if key not in KEYS:
-                raise fail(f"unknown key {key!r}; allowed: {', '.join(KEYS)}")
+                raise fail(f"unknown key {shown(key)}; allowed: {', '.join(KEYS)}")
             if key in values:
                 raise fail(f"duplicate key {key!r}")
             values[key] = value
@@ -183,19 +209,22 @@ def _parse_item(item: str, index: int) -> FaultItem:
     for key in ("rank", "step"):
         if key not in values:
             raise fail(f"missing required key {key!r}")
-        if not _NON_NEGATIVE_INT.fullmatch(values[key]):
-            raise fail(f"{key} must be a non-negative integer, got {values[key]!r}")
-        numbers[key] = int(values[key])
+        number = parse_bounded_int(values[key])
+        if number is None:
+            problem = ("must be a non-negative integer" if not _NON_NEGATIVE_INT.fullmatch(
+                values[key]) else f"must be at most {MAX_NUMBER}")
+            raise fail(f"{key} {problem}, got {shown(values[key])}")
+        numbers[key] = number
 
     phase = values.get("phase", DEFAULT_PHASE)
     if phase not in PHASES:
-        raise fail(f"unknown phase {phase!r}; allowed: {', '.join(PHASES)}")
+        raise fail(f"unknown phase {shown(phase)}; allowed: {', '.join(PHASES)}")
 
     target: str | None = None
     if kind == "uce":
         target = values.get("target", DEFAULT_TARGET)
         if target not in TARGETS:
-            raise fail(f"unknown target {target!r}; allowed: {', '.join(TARGETS)}")
+            raise fail(f"unknown target {shown(target)}; allowed: {', '.join(TARGETS)}")
     elif "target" in values:
         raise fail(f"target is only allowed for uce, not for {kind}")
 
@@ -205,7 +234,7 @@ def _parse_item(item: str, index: int) -> FaultItem:
             raise fail(f"phase publish needs point=P; allowed: {', '.join(PUBLISH_POINTS)}")
         point = values["point"]
         if point not in PUBLISH_POINTS:
-            raise fail(f"unknown point {point!r}; allowed: {', '.join(PUBLISH_POINTS)}")
+            raise fail(f"unknown point {shown(point)}; allowed: {', '.join(PUBLISH_POINTS)}")
     elif "point" in values:
         raise fail(f"point is only allowed with phase publish, not with phase {phase}")
 
@@ -222,7 +251,7 @@ def parse_hang_seconds(text: str | None) -> float:
         seconds = -1.0
     if not seconds > 0 or seconds == float("inf"):
         raise FaultSpecError(
-            f"{HANG_SECONDS_ENV}={text!r}: allowed: a positive number of seconds"
+            f"{HANG_SECONDS_ENV}={shown(text)}: allowed: a positive number of seconds"
         )
     return seconds
 
@@ -413,9 +442,10 @@ def _own_rank() -> int:
     text = os.environ.get("RANK")
     if text is None or not text.strip():
         return 0
-    if not _NON_NEGATIVE_INT.fullmatch(text.strip()):
-        raise FaultSpecError(f"RANK={text!r}: allowed: a non-negative integer")
-    return int(text)
+    rank = parse_bounded_int(text.strip())
+    if rank is None:
+        raise FaultSpecError(f"RANK={shown(text)}: allowed: an integer from 0 to {MAX_NUMBER}")
+    return rank
 
 
 def fire_publish_point(iteration: int, point: str) -> None:

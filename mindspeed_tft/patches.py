@@ -15,6 +15,8 @@ Moments, in the order a training process meets them:
 - ``update-bracket``: the trainer starts reporting its optimizer updates (SPEC 3);
 - ``replica-optimizer``: the replica groups exist (`TFTPlugin.setup`);
 - ``gloo-collectives``: high availability on gloo (`TFTPlugin.register`);
+- ``data-loader-workers``: high availability, a launcher's stop is the training process's
+  grace period (`TFTPlugin.register`);
 - ``megatron-lm`` / ``megatron-lm-cpu``: the Megatron-LM host adaptor
   (`mindspeed_tft.megatron.install`, the one-line import `mindspeed_tft.megatron_adaptor`);
 - ``torchrun``: the torchrun hook (`scripts/patch_torchrun.sh`: worker reboot under plain
@@ -151,6 +153,16 @@ TABLE: tuple[Moment, ...] = (
           for name in ("isend", "irecv", "batch_isend_irecv")),
         *(_p(f"torch.distributed:{name}", "blocking p2p through the abandonable wait", TORCH)
           for name in ("send", "recv")),
+    )),
+    Moment("data-loader-workers", "high availability: a launcher's stop is the training "
+           "process's grace period (`TFTPlugin.register`)",
+           "mindspeed_tft.launcher.lifetime:install_data_worker_signals", (
+        _p("torch.utils.data._utils.signal_handling:_set_worker_signal_handlers",
+           "a data-loader worker dies of the SIGTERM a launcher sends its worker's whole "
+           "process group, and the training process's SIGCHLD handler then raises 'DataLoader "
+           "worker (pid N) is killed by signal: Terminated' at an arbitrary point of a healthy "
+           "rank's fault handling: the worker blocks SIGTERM first and leaves any but its "
+           "parent's to the training process; it dies with its parent", TORCH),
     )),
     Moment("connection-tracking", "high availability, before the first process group",
            "mindspeed_tft.recovery.collectives:install_connection_tracking", (

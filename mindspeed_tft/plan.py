@@ -312,8 +312,11 @@ class Layout:
 
 
 def _plugin_args(layout: Layout, n: int, no_replica: bool) -> argparse.Namespace:
-    return argparse.Namespace(
-        enable_high_availability=True, use_distributed_optimizer=True, bf16=True,
+    import tempfile
+
+    return argparse.Namespace(  # a --save the plugin can write: the layout is what is checked
+        save=tempfile.gettempdir(), enable_high_availability=True,
+        use_distributed_optimizer=True, bf16=True,
         distributed_optimizer_no_replica=no_replica, optimizer_replica_num=n,
         data_parallel_size=layout.dp, context_parallel_size=layout.cp,
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,

@@ -2,8 +2,9 @@
 # Llama2-7B pretraining with mindspeed-tft high availability: MindIO TFT's reference script
 # (examples/mcore/llama2/pretrain_llama2_7b_ptd.sh of MindSpeed-LLM) for real clusters.
 # Set the paths below, TTP_ADDR to the master node's IP, and run on every node with its
-# NODE_RANK. Use `tft-run` instead of `torchrun` (or patch torchrun with
-# scripts/patch_torchrun.sh) for worker reboot.
+# NODE_RANK. It launches with `tft-run` (torchrun's arguments): worker reboot needs a launcher
+# that restarts failed workers; LAUNCHER=torchrun works once torchrun is patched with
+# scripts/patch_torchrun.sh (plain torchrun refuses --enable-worker-reboot at start-up).
 
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 export PYTORCH_NPU_ALLOC_CONF=expandable_segments:True
@@ -25,7 +26,7 @@ TOKENIZER_MODEL=${TOKENIZER_MODEL:-"your tokenizer path"}
 CKPT_LOAD_DIR=${CKPT_LOAD_DIR:-"your model ckpt path"}
 TP=${TP:-1}
 PP=${PP:-2}
-LAUNCHER=${LAUNCHER:-torchrun}
+LAUNCHER=${LAUNCHER:-tft-run}
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 source "${ROOT}/configs/models/llama2-7b.sh"

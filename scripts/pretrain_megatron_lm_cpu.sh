@@ -10,7 +10,8 @@
 #   ENTRY ("-m mindspeed_tft.megatron": how the adaptor is installed; empty when the script
 #     imports mindspeed_tft.megatron_adaptor itself or under tft-run) SCRIPT (pretrain_gpt.py)
 #   NPROC (4) TP (1) PP (1) TRAIN_ITERS (20) SAVE_INTERVAL (10) GBS (16) RUN_DIR
-#   (runs/megatron-lm) CKPT_DIR LOAD_DIR EVENTS LAUNCHER (torchrun) HA_ARGS EXTRA_ARGS
+#   (runs/megatron-lm) CKPT_DIR LOAD_DIR EVENTS LAUNCHER (tft-run) HA_ARGS EXTRA_ARGS
+#   NUM_WORKERS (0: data-loader worker processes per rank, --num-workers)
 set -eo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 : "${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM clone (core_v0.12.1)}"
@@ -25,7 +26,7 @@ GBS=${GBS:-16}
 RUN_DIR=${RUN_DIR:-${ROOT}/runs/megatron-lm}
 CKPT_DIR=${CKPT_DIR:-${RUN_DIR}/ckpt}
 EVENTS=${EVENTS:-${RUN_DIR}/events.jsonl}
-LAUNCHER=${LAUNCHER:-torchrun}
+LAUNCHER=${LAUNCHER:-tft-run}
 ENTRY=${ENTRY-"-m mindspeed_tft.megatron"}
 SCRIPT=${SCRIPT:-pretrain_gpt.py}
 MASTER_PORT=${MASTER_PORT:-$((20000 + RANDOM % 20000))}
@@ -57,7 +58,7 @@ GPT_ARGS="
     ${HA_ARGS}
 "
 CPU_ARGS="--transformer-impl local --no-rope-fusion --no-bias-swiglu-fusion
-    --no-persist-layer-norm --num-workers 0"
+    --no-persist-layer-norm --num-workers ${NUM_WORKERS:-0}"
 DATA_ARGS="--mock-data --split 949,50,1"
 OUTPUT_ARGS="
     --log-interval 1

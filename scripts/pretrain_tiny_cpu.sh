@@ -3,9 +3,11 @@
 # Environment knobs (all optional):
 #   NPROC (4) TP (1) PP (1) TRAIN_ITERS (40) SAVE_INTERVAL (20) GBS (16)
 #   CKPT_DIR (runs/tiny/ckpt) LOAD_DIR (empty: no --load) EVENTS (runs/tiny/events.jsonl)
-#   LAUNCHER (torchrun) HA_ARGS (the high-availability flags) EXTRA_ARGS
+#   LAUNCHER (tft-run: worker reboot needs it; torchrun for the dump and in-place repairs)
+#   HA_ARGS (the high-availability flags) EXTRA_ARGS
 #   DIST_OPT_ARGS (--use-distributed-optimizer; set it empty for the bf16 optimizer)
 #   DATA_ARGS (--mock-data --split 949,50,1) TOKENIZER_ARGS (NullTokenizer, vocab 4096)
+#   NUM_WORKERS (0: data-loader worker processes per rank, --num-workers)
 # Extra command-line arguments are passed to pretrain_gpt.py.
 set -eo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -19,7 +21,7 @@ GBS=${GBS:-16}
 RUN_DIR=${RUN_DIR:-${ROOT}/runs/tiny}
 CKPT_DIR=${CKPT_DIR:-${RUN_DIR}/ckpt}
 EVENTS=${EVENTS:-${RUN_DIR}/events.jsonl}
-LAUNCHER=${LAUNCHER:-torchrun}
+LAUNCHER=${LAUNCHER:-tft-run}
 MASTER_PORT=${MASTER_PORT:-$((20000 + RANDOM % 20000))}
 HA_ARGS=${HA_ARGS:-"--enable-high-availability --enable-hbmfault-repair --enable-worker-reboot"}
 
@@ -38,7 +40,8 @@ GPT_ARGS="
     --use-fused-rotary-pos-emb
     ${HA_ARGS}
 "
-DATA_ARGS=${DATA_ARGS:-"--mock-data --split 949,50,1"}
+# --num-workers 0 keeps data-loader processes out of small runs (Megatron-LM's default is 2)
+DATA_ARGS=${DATA_ARGS:-"--mock-data --split 949,50,1"}" --num-workers ${NUM_WORKERS:-0}"
 OUTPUT_ARGS="
     --log-interval 1
     --save-interval ${SAVE_INTERVAL}

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -76,3 +78,16 @@ def megatron_reference(
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def hooked_torchrun(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A copy of the venv's `torchrun` with the guide's one-line hook
+    (`scripts/patch_torchrun.sh apply`): the launch route 'torchrun, patched'."""
+    copy = tmp_path_factory.mktemp("hooked-torchrun") / "torchrun"
+    shutil.copy2(Path(sys.executable).parent / "torchrun", copy)
+    done = subprocess.run(["bash", str(REPO / "scripts" / "patch_torchrun.sh"), "apply"],
+                          env={**os.environ, "TORCHRUN": str(copy)}, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return str(copy)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import tempfile
 
 import pytest
 
@@ -15,6 +16,7 @@ from mindspeed_tft.arguments import (
     parse_high_availability_env,
     validate_tft_args,
 )
+from tests.jobs import free_port
 
 # A Megatron-like layout: 8 ranks = tensor 2 x pipeline 1 x context 1 x data 4, bf16,
 # distributed optimizer.
@@ -27,7 +29,10 @@ LAYOUT = dict(
     use_distributed_optimizer=True,
     bf16=True,
     fp16=False,
+    save=tempfile.gettempdir(),  # where the dump goes (high availability needs it)
 )
+#: the environment `tft-run` gives its workers: a launcher that restarts failed workers
+LAUNCHED = {"TFT_CONTROLLER_IN_LAUNCHER": "1"}
 
 
 def make_args(argv: list[str], **layout: object) -> argparse.Namespace:
@@ -39,7 +44,7 @@ def make_args(argv: list[str], **layout: object) -> argparse.Namespace:
 
 
 def validate(argv: list[str], env: dict[str, str] | None = None, **layout: object):
-    return validate_tft_args(make_args(argv, **layout), environ=env or {})
+    return validate_tft_args(make_args(argv, **layout), environ={**LAUNCHED, **(env or {})})
 
 
 def error_of(argv: list[str], env: dict[str, str] | None = None, **layout: object) -> str:
@@ -490,3 +495,51 @@ def test_elastic_training_flag_needs_worker_reboot_and_the_distributed_optimizer
         "remove --enable-elastic-training")
     assert error_of(["--enable-elastic-training"]).startswith(
         "--enable-elastic-training takes effect only with --enable-high-availability")
+
+
+# --- set-ups whose first fault could only fail -----------------------------------------------
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (HA, "--enable-high-availability needs --save DIR: the dying-gasp checkpoint is written "
+         "there, and without it the first fault ends the job with nothing saved; allowed: add "
+         "--save DIR"),
+    (HA + ["--enable-worker-reboot", "--enable-elastic-training"],
+     "--enable-elastic-training needs --save DIR: a shrink continues from the dying-gasp "
+     "checkpoint written there, and without it the first lost worker ends the job with "
+     "nothing saved; allowed: add --save DIR"),
+])
+def test_high_availability_without_save_is_refused(argv, message):
+    assert error_of(argv, save=None) == message
+
+
+def test_an_unwritable_save_folder_is_refused(tmp_path):
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    assert error_of(HA, save=str(a_file)) == (
+        f"--save {a_file}: it is a file, not a folder, so the dying-gasp checkpoint could not "
+        "be written there; allowed: a folder this process can create and write")
+    assert error_of(HA, save=str(a_file / "ckpt")).startswith(
+        f"--save {a_file / 'ckpt'}: {a_file} is a file, not a folder")
+    validate(HA, save=str(tmp_path / "new" / "ckpt"))  # created at the first save
+    assert not (tmp_path / "new").exists()
+
+
+def test_worker_reboot_without_a_restarting_launcher_is_refused():
+    message = ("--enable-worker-reboot needs a launcher that restarts failed workers, and this "
+               "one never does (a killed worker would leave the others waiting for it until "
+               "the launcher kills them, with nothing saved); allowed: launch with tft-run "
+               "(torchrun's arguments) or a torchrun patched by scripts/patch_torchrun.sh, or "
+               "remove worker reboot")
+    args = make_args(HA + ["--enable-worker-reboot"])
+    with pytest.raises(TFTArgumentError) as info:
+        validate_tft_args(args, environ={})  # plain torchrun: no TFT_CONTROLLER_IN_LAUNCHER
+    assert str(info.value) == message
+    args = make_args([])
+    with pytest.raises(TFTArgumentError) as info:
+        validate_tft_args(args, environ={"HIGH_AVAILABILITY": "recover"})
+    assert str(info.value).startswith("worker reboot (HIGH_AVAILABILITY=recover) needs a "
+                                      "launcher that restarts failed workers")
+    # in-place repairs need no restart (the port: rank 0 would host the controller)
+    validate_tft_args(make_args(HA + ["--enable-hbmfault-repair"]),
+                      environ={"TTP_PORT": str(free_port())})

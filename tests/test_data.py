@@ -546,6 +546,27 @@ def test_rebuilt_iterator_resumes_exactly(corpus: dict, tmp_path: Path) -> None:
                     assert torch.equal(batch[name], value), (resume_step, rank, step, name)
 
 
+def test_worker_processes_give_the_same_batches(corpus: dict, tmp_path: Path) -> None:
+    """`--num-workers 2` (Megatron-LM's default): real worker processes read the samples,
+    the batches come in the sampler's order, bit for bit those of loading in the training
+    process, from the start and from a resume point."""
+    args = make_args(corpus, data_cache_path=str(tmp_path / "cache"))
+    train = build_train_valid_test_datasets(args, build_tokenizer(args))[0]
+    for consumed in (0, 20):
+        inline = build_data_iterator(train, consumed, 2, 1, 2, num_workers=0)
+        loaded = build_data_iterator(train, consumed, 2, 1, 2, num_workers=2)
+        workers = loaded._workers  # type: ignore[union-attr]
+        assert len(workers) == 2 and all(w.pid != os.getpid() for w in workers)
+        for _ in range(10):
+            expected, got = next(inline), next(loaded)
+            assert expected.keys() == got.keys()
+            for name, value in expected.items():
+                assert torch.equal(got[name], value), (consumed, name)
+        del loaded  # its workers end with it
+    with pytest.raises(ValueError, match="--num-workers -1: allowed: 0"):
+        build_data_iterator(train, 0, 2, 0, 1, num_workers=-1)
+
+
 def test_iterator_is_none_without_dataset() -> None:
     assert build_data_iterator(None, 0, 2, 0, 1) is None
 

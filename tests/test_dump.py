@@ -57,8 +57,10 @@ def _assert_story_in_order(faulty, dump_iteration):
     assert faulty.named("strategy")[0]["lock_step"] == dump_iteration
 
 
-def _assert_resumes_like_the_reference(reference, faulty, config, tmp_path, iteration):
-    resumed = run_tiny_job(tmp_path / "resumed", load_dir=faulty.checkpoint_dir, **config)
+def _assert_resumes_like_the_reference(reference, faulty, config, tmp_path, iteration,
+                                       env=None):
+    resumed = run_tiny_job(tmp_path / "resumed", load_dir=faulty.checkpoint_dir, env=env,
+                           **config)
     assert resumed.returncode == 0, resumed.describe()
     assert f"loaded checkpoint {faulty.checkpoint_dir} at iteration {iteration}" in resumed.output
     losses, expected = resumed.losses(), reference.losses()
@@ -70,19 +72,23 @@ def _assert_resumes_like_the_reference(reference, faulty, config, tmp_path, iter
 # the backward kill on tp2dp2, the kills in forward and in the update on dp4 (Megatron-LM's
 # loop repeats the kill on DP4 and TP2xDP2: tests/test_megatron_lm.py; a raised error ends in
 # the dump in test_no_replica_dumps_every_rank_own_shard_when_all_are_alive), which keeps the
-# suite inside CI's time
-CASES = [("dp4", *FAULTS[0]), ("dp4", *FAULTS[2]), ("tp2dp2", *FAULTS[1])]
+# suite inside CI's time. The backward kill runs with Megatron-LM's default data loader
+# (--num-workers 2: worker processes torchrun's SIGTERM reaches), a cell of the launch matrix
+# (docs/design.md, "Launch matrix"); its reference has none: the batches are the same.
+CASES = [("dp4", *FAULTS[0], 0), ("dp4", *FAULTS[2], 0), ("tp2dp2", *FAULTS[1], 2)]
 
 
-@pytest.mark.parametrize(("layout", "kind", "rank", "step", "phase", "dump_iteration"), CASES)
+@pytest.mark.parametrize(
+    ("layout", "kind", "rank", "step", "phase", "dump_iteration", "workers"), CASES)
 def test_fault_produces_a_dump_that_resumes_bit_exact(
-    layout, kind, rank, step, phase, dump_iteration, reference_job, tmp_path
+    layout, kind, rank, step, phase, dump_iteration, workers, reference_job, tmp_path
 ):
     config = dict(LAYOUTS[layout])
     if layout == "tp2dp2":
         step, dump_iteration = step - 4, dump_iteration - 4
     reference = reference_job(**config)
-    faulty = run_tiny_job(tmp_path / "faulty",
+    env = {"NUM_WORKERS": str(workers)}
+    faulty = run_tiny_job(tmp_path / "faulty", env=env,
                           inject=f"{kind}:rank={rank},step={step},phase={phase}", **config)
     assert faulty.returncode != 0
     saved = _dump_event(faulty)
@@ -117,7 +123,10 @@ def test_fault_produces_a_dump_that_resumes_bit_exact(
     assert faulty.logged_lines() == once, faulty.describe()
     if rank == 3 and dump_iteration > step:
         assert "logged at the exit: the dump holds it" in faulty.output
-    _assert_resumes_like_the_reference(reference, faulty, config, tmp_path, dump_iteration)
+    # torchrun's SIGTERM to every worker's process group is no fault of a healthy rank
+    assert "DataLoader worker" not in faulty.output
+    assert "unknown" not in {e["kind"] for e in faulty.named("fault_detected")}
+    _assert_resumes_like_the_reference(reference, faulty, config, tmp_path, dump_iteration, env)
 
 
 def test_both_holders_of_a_shard_lost_fails_clearly_and_publishes_nothing(tmp_path):

@@ -16,11 +16,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.jobs import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 ARGS = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
         "--max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 16 "
         "--train-iters 4 --lr 1e-3 --bf16 --use-distributed-optimizer --mock-data "
-        "--tokenizer-type NullTokenizer --vocab-size 4096 --enable-high-availability").split()
+        "--tokenizer-type NullTokenizer --vocab-size 4096 --enable-high-availability "
+        "--save ckpt --save-interval 4").split()
 CASES = [
     ({"TFT_INJECT": "kill:rank=x,step=3"},
      "TFT_INJECT item 1 'kill:rank=x,step=3': rank must be a non-negative integer, got 'x'"),
@@ -34,6 +37,10 @@ CASES = [
      "TTP_CURVE_AUTHORIZED_KEYS (python -m mindspeed_tft.control.keys DIR), or "
      "TTP_ALLOW_INSECURE=1 to run an unauthenticated control plane anyway"),
     ({"TFT_CONTROL_NICE": "5"}, "TFT_CONTROL_NICE='5' is not an integer in [-20, 0] (unset: -10)"),
+    # a number too long for int() (4300 digits): refused by its text, echoed cut
+    ({"TFT_INJECT": f"kill:rank={'9' * 5000},step=1"},
+     f"TFT_INJECT item 1 'kill:rank={'9' * 50}'… (5017 characters): rank must be at most "
+     f"2147483647, got '{'9' * 60}'… (5000 characters)"),
 ]
 
 
@@ -41,7 +48,7 @@ def _start(command: list[str], cwd: Path, env: dict[str, str], extra_path: str =
         subprocess.CompletedProcess:
     full = {k: v for k, v in os.environ.items()
             if not k.startswith(("TTP_", "TFT_")) and k != "HIGH_AVAILABILITY"}
-    full.update(env, RANK="0", WORLD_SIZE="4", LOCAL_RANK="0",
+    full.update({"TTP_PORT": str(free_port())}, **env, RANK="0", WORLD_SIZE="4", LOCAL_RANK="0",
                 PYTHONPATH=os.pathsep.join(p for p in (extra_path, str(REPO)) if p))
     return subprocess.run(command, cwd=cwd, env=full, capture_output=True, text=True,
                           timeout=120)

@@ -138,6 +138,30 @@ def test_malformed_spec(spec, message):
     assert isinstance(info.value, ValueError)
 
 
+def test_numbers_are_bounded_and_echoes_cut():
+    """A number of any length is refused by its text, before a conversion could fail, and
+    an echoed item or value is cut to 60 characters with its length (one short line)."""
+    huge = "9" * 5000
+    with pytest.raises(FaultSpecError) as info:
+        parse_fault_spec(f"kill:rank={huge},step=1")
+    assert str(info.value) == (
+        f"TFT_INJECT item 1 'kill:rank={'9' * 50}'… (5017 characters): rank must be at most "
+        f"2147483647, got '{'9' * 60}'… (5000 characters)")
+    with pytest.raises(FaultSpecError) as info:
+        parse_fault_spec("kill:rank=0,step=2147483648")
+    assert str(info.value).endswith("step must be at most 2147483647, got '2147483648'")
+    assert parse_fault_spec("kill:rank=0002147483647,step=0")[0].rank == 2147483647
+    junk = "x" * 120_000
+    with pytest.raises(FaultSpecError) as info:
+        parse_fault_spec(f"kill:rank=0,step=1;{junk}")
+    assert str(info.value) == (f"TFT_INJECT item 2 '{'x' * 60}'… (120000 characters): unknown "
+                               f"kind '{'x' * 60}'… (120000 characters); allowed: kill, raise, "
+                               "uce, comm, hang")
+    with pytest.raises(FaultSpecError) as info:
+        parse_hang_seconds(junk)
+    assert len(str(info.value)) < 200
+
+
 def test_from_env_rejects_malformed_spec_of_other_ranks():
     with pytest.raises(FaultSpecError) as info:
         FaultInjector.from_env(0, environ={"TFT_INJECT": "kill:rank=0,step=1;hang:rank=1"})

@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +27,9 @@ from tests.jobs import free_port, run_tiny_job, wait_for
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "tests" / "programs" / "launcher_worker.py"
 BIN = Path(sys.executable).parent
-ARF = ["--enable-high-availability", "--enable-worker-reboot"]
+#: the dump's folder the launcher checks (the test workers write nothing there)
+SAVE = ["--save", str(Path(tempfile.gettempdir()) / "tft-launcher-tests")]
+ARF = ["--enable-high-availability", "--enable-worker-reboot", *SAVE]
 #: variables that differ between two launches of the same job by design
 PER_LAUNCH = {"MASTER_PORT", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_RUN_ID", "TFT_LAUNCHER_PID"}
 
@@ -220,8 +223,11 @@ def test_bad_launcher_settings_are_refused_clearly(monkeypatch: pytest.MonkeyPat
 
     assert "TFT_MAX_WORKER_RESTARTS='lots' is not a whole number >= 0" in refused(
         [*script, *ARF], {"TFT_MAX_WORKER_RESTARTS": "lots"})
+    assert ("--max-restarts 1 contradicts TFT_MAX_WORKER_RESTARTS=2: both set how many times "
+            "this node's launcher restarts failed workers" in refused(
+                ["--max-restarts", "1", *script, *ARF], {"TFT_MAX_WORKER_RESTARTS": "2"}))
     assert "--tft-spares-per-node 1 needs worker reboot" in refused(
-        ["--tft-spares-per-node", "1", *script, "--enable-high-availability"])
+        ["--tft-spares-per-node", "1", *script, "--enable-high-availability", *SAVE])
     assert "HIGH_AVAILABILITY='reboot': unknown mode 'reboot'" in refused(
         script, {"HIGH_AVAILABILITY": "reboot"})
     assert "TTP_ADDR='nowhere' is not an IPv4 or IPv6 address" in refused(
@@ -231,9 +237,43 @@ def test_bad_launcher_settings_are_refused_clearly(monkeypatch: pytest.MonkeyPat
     assert "'-1' is not a whole number >= 0" in capsys.readouterr().err
 
 
+def test_max_restarts_means_what_torchrun_users_expect(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--max-restarts N` is the number of restarts of failed workers (with worker reboot each
+    of the failed worker only; default 8 there, or TFT_MAX_WORKER_RESTARTS), and `--help`
+    says so; torch's whole-group restarts are off under worker reboot."""
+    from mindspeed_tft.launcher.options import get_args_parser, launch_options
+    from mindspeed_tft.launcher.run import parse_args
+
+    monkeypatch.delenv("HIGH_AVAILABILITY", raising=False)
+    monkeypatch.delenv("TFT_MAX_WORKER_RESTARTS", raising=False)
+    monkeypatch.delenv("PET_MAX_RESTARTS", raising=False)
+    script = [str(WORKER), "--out", "/nonexistent", *SAVE]
+
+    def budget(argv: list[str], env: dict[str, str]) -> tuple[int, int]:
+        options = launch_options(parse_args([*argv, *script]), env)
+        return options.max_restarts, options.torch_max_restarts
+
+    # without worker reboot: torchrun's own restarts of the whole group, its default 0
+    assert budget([], {}) == (0, 0)
+    assert budget(["--max-restarts", "3"], {}) == (3, 3)
+    assert budget(["--max-restarts", "3"], {"HIGH_AVAILABILITY": "dump"}) == (3, 3)
+    # with it: restarts of the failed workers only, torch's off
+    assert budget(["--max-restarts", "0"], {"HIGH_AVAILABILITY": "recover"}) == (0, 0)
+    assert budget(["--max-restarts", "3"], {"HIGH_AVAILABILITY": "recover"}) == (3, 0)
+    assert budget([], {"HIGH_AVAILABILITY": "recover"}) == (8, 0)
+    assert budget([], {"HIGH_AVAILABILITY": "recover", "TFT_MAX_WORKER_RESTARTS": "2"}) == (2, 0)
+    assert budget(["--max-restarts", "2"], {"HIGH_AVAILABILITY": "recover",
+                                            "TFT_MAX_WORKER_RESTARTS": "2"}) == (2, 0)
+    help_text = " ".join(get_args_parser().format_help().split())
+    assert ("Maximum number of restarts of failed workers this node's launcher makes before "
+            "the job fails (torchrun's meaning). mindspeed-tft: with worker reboot" in help_text)
+
+
 # -- worker reboot ----------------------------------------------------------------------------
 def test_worker_reboot_restarts_only_the_failed_worker(job: Job) -> None:
-    launch = job.launch(nproc=3, worker_args=ARF, env={"TFT_MAX_WORKER_RESTARTS": "2"})
+    """torchrun's `--max-restarts N` is the budget: N restarts of failed workers, each of the
+    failed worker only."""
+    launch = job.launch(nproc=3, worker_args=ARF, extra=["--max-restarts", "2"])
     first = job.wait_starts({0: 1, 1: 1, 2: 1})
     pid0, pid1, pid2 = (first[r][0]["pid"] for r in (0, 1, 2))
 
@@ -262,8 +302,7 @@ def test_worker_reboot_restarts_only_the_failed_worker(job: Job) -> None:
     os.kill(pid2, signal.SIGKILL)  # the budget is spent
     wait_for(lambda: "are used up" in launch.text(), 20, "the budget message")
     assert (f"rank 2 (pid {pid2}) died (signal 9, SIGKILL); not restarting it: the 2 "
-            "restart(s) allowed on this node (TFT_MAX_WORKER_RESTARTS=2) are used up"
-            in launch.text())
+            "restart(s) allowed on this node (--max-restarts 2) are used up" in launch.text())
     job.order(1, 1)  # a failure: not restarted
     job.order(0, 0)  # done: not restarted
     assert launch.wait() == 1  # torchrun's failure
@@ -278,7 +317,8 @@ def test_worker_reboot_restarts_only_the_failed_worker(job: Job) -> None:
 def test_dump_exit_code_ends_the_job_with_75(job: Job) -> None:
     job.order(0, 75)  # the dying-gasp checkpoint was saved
     job.order(1, 0)
-    launch = job.launch(env={"HIGH_AVAILABILITY": "recover"})  # ARF from the environment
+    launch = job.launch(env={"HIGH_AVAILABILITY": "recover"},  # ARF from the environment
+                        worker_args=SAVE)
     assert launch.wait() == 75
     text = launch.text()
     assert "exited with code 75 (dying-gasp checkpoint saved); not restarting it" in text

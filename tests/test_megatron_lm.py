@@ -33,6 +33,9 @@ ROUTES = {
     "dp4": {"layout": "dp4"},
     "tp2dp2": {"layout": "tp2dp2", "entry": "", "script": "pretrain_gpt_tft.py"},
 }
+#: Megatron-LM's default data loader: 2 worker processes per rank (the jobs' script passes
+#: --num-workers 0 otherwise); a reference without them has the same batches
+WORKERS = {"NUM_WORKERS": "2"}
 #: the guide's Llama2 shape: TP1 PP2, sequence parallel, overlap-grad-reduce, the distributed
 #: optimizer (all in the script), loading neither optimizer nor RNG from --load
 GUIDE_SHAPE = ["--no-load-optim", "--no-load-rng"]
@@ -72,15 +75,17 @@ def test_help_lists_the_flags_without_any_change_to_the_script(megatron_lm):
     (["--optimizer-replica-num", "3"],
      "--optimizer-replica-num 3 does not divide the data-parallel size 4"),
 ])
-def test_a_flag_the_plugin_cannot_serve_stops_at_start_up(megatron_lm, extra, message):
+def test_a_flag_the_plugin_cannot_serve_stops_at_start_up(megatron_lm, extra, message,
+                                                           tmp_path):
     """Refused after Megatron-LM's own validation, before torch.distributed starts: a clear
     error naming the flag and the fix, exit code 2, no traceback."""
-    env = {**_python_env(megatron_lm), "WORLD_SIZE": "4", "RANK": "0"}
+    env = {**_python_env(megatron_lm), "WORLD_SIZE": "4", "RANK": "0",
+           "TTP_PORT": str(free_port())}
     args = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
             "--max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 16 "
             "--train-iters 4 --lr 1e-3 --bf16 --use-distributed-optimizer --mock-data "
             "--tokenizer-type NullTokenizer --vocab-size 4096 --transformer-impl local "
-            "--enable-high-availability").split()
+            f"--enable-high-availability --save {tmp_path / 'ckpt'} --save-interval 4").split()
     done = subprocess.run([sys.executable, "-m", "mindspeed_tft.megatron", "pretrain_gpt.py",
                            *args, *extra], cwd=megatron_lm, env=env, capture_output=True,
                           text=True, timeout=120)
@@ -104,12 +109,19 @@ def test_trains_in_megatron_lms_loop_and_the_loss_falls(route, megatron_referenc
 def test_killed_rank_dumps_in_megatron_lm_layout_and_load_resumes_bit_exact(
     route, megatron_lm, megatron_reference, tmp_path
 ):
-    """Data-parallel size 2 (tp2dp2) keeps a replica with the defaults (N = d = 2)."""
+    """Data-parallel size 2 (tp2dp2) keeps a replica with the defaults (N = d = 2). Two
+    cells of the launch matrix (docs/design.md, "Launch matrix"), both under plain torchrun:
+    `torchrun -m mindspeed_tft.megatron` (dp4), and the one-line import with Megatron-LM's
+    default data loader (tp2dp2, 2 worker processes per rank, which torchrun's SIGTERM to
+    every worker's process group reaches)."""
     config = {**ROUTES[route], **ITERS}
+    env = WORKERS if route == "tp2dp2" else None
     reference = megatron_reference(ha_args=HA, **config)
-    faulty = run_megatron_job(tmp_path / "faulty", megatron_lm, ha_args=HA,
+    faulty = run_megatron_job(tmp_path / "faulty", megatron_lm, ha_args=HA, env=env,
                               inject="kill:rank=1,step=5,phase=backward", **config)
     assert faulty.returncode != 0
+    assert "DataLoader worker" not in faulty.output  # the stop is no fault of a healthy rank
+    assert "unknown" not in {e["kind"] for e in faulty.named("fault_detected")}
     saved = faulty.named("dump_saved")
     iteration_dir = faulty.checkpoint_dir / "iter_0000005"
     assert [(e["iteration"], e["path"]) for e in saved] == [(5, str(iteration_dir))]
@@ -119,7 +131,7 @@ def test_killed_rank_dumps_in_megatron_lm_layout_and_load_resumes_bit_exact(
             assert (iteration_dir / f"mp_rank_{tp:02d}" / name).is_file()
     assert f"exits with code {DUMP_EXIT_CODE}: dying-gasp checkpoint saved" in faulty.output
 
-    resumed = run_megatron_job(tmp_path / "resumed", megatron_lm, ha_args=HA,
+    resumed = run_megatron_job(tmp_path / "resumed", megatron_lm, ha_args=HA, env=env,
                                load_dir=faulty.checkpoint_dir, **config)
     assert resumed.returncode == 0, resumed.describe()
     assert f"successfully loaded checkpoint from {faulty.checkpoint_dir} " in resumed.output
@@ -161,13 +173,16 @@ def test_worker_reboot_under_tft_run_restarts_only_the_killed_rank(
 ):
     """`tft-run` runs the unchanged script through the adaptor by itself (no -m, no import);
     on dp4 with a warm spare, which takes the killed rank over (a spare does the workers'
-    imports and less: it is ready before their first step)."""
+    imports and less: it is ready before their first step). pp2dp2 with Megatron-LM's default
+    data loader (2 worker processes per rank): a cell of the launch matrix
+    (docs/design.md, "Launch matrix")."""
     arf = f"{HA} --enable-worker-reboot"
     # the switch changes no arithmetic: the plain HA run is the reference
     reference = megatron_reference(layout=layout, ha_args=HA, extra_args=extra, **ITERS)
     launcher = f"tft-run --tft-spares-per-node {spares}" if spares else "tft-run"
     job = run_megatron_job(tmp_path, megatron_lm, layout=layout, ha_args=arf, entry="",
                            launcher=launcher, extra_args=extra,
+                           env=None if spares else WORKERS,
                            inject=f"kill:rank={rank},step=4,phase=backward", **ITERS)
     assert job.returncode == 0, job.describe()
     if spares:
@@ -214,17 +229,19 @@ def test_elastic_training_shrinks_in_megatron_lms_loop(megatron_lm, megatron_ref
 
 
 def test_no_replica_worker_reboot_reloads_the_periodic_checkpoint(
-    megatron_lm, megatron_reference, tmp_path
+    megatron_lm, megatron_reference, hooked_torchrun, tmp_path
 ):
     """N = 1: the killed rank has no replica; every rank reloads the periodic checkpoint of
     iteration 4 with Megatron-LM's load_checkpoint (survivors in place) and goes on exactly
-    like a run without the plugin (the same optimizer layout: one instance)."""
+    like a run without the plugin (the same optimizer layout: one instance). Launched by
+    torchrun with the guide's hook (`scripts/patch_torchrun.sh`), the unchanged script: a
+    cell of the launch matrix (docs/design.md, "Launch matrix")."""
     # without the plugin's flags Megatron-LM's default format is torch_dist: ask for torch
     plain = megatron_reference(ha_args="", extra_args=["--ckpt-format", "torch"],
                                **ROUTES["dp4"], **ITERS)
     job = run_megatron_job(
         tmp_path, megatron_lm, ha_args=f"{HA} --enable-worker-reboot "
-        "--distributed-optimizer-no-replica", launcher="tft-run", entry="",
+        "--distributed-optimizer-no-replica", launcher=hooked_torchrun, entry="",
         inject="kill:rank=3,step=6,phase=backward", **ROUTES["dp4"], **ITERS)
     assert job.returncode == 0, job.describe()
     assert sorted(e["rank"] for e in job.named("rolled_back")) == [0, 1, 2, 3]

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.jobs import REPO
+from tests.jobs import REPO, free_port
 
 #: printed by a process at exit: (collector on?, objects frozen, torch imported?)
 PROBE = ("import atexit, gc, sys\n"
@@ -91,8 +91,10 @@ def test_megatron_lm_routes(megatron_lm, tmp_path):
     flag the plugin refuses inside it ends the run there); a loop of its own, when it
     parses Megatron-LM's arguments."""
     refused = _python("", "-m", "mindspeed_tft.megatron", "pretrain_gpt.py", *ARGS,
+                      "--save", str(tmp_path / "ckpt"), "--save-interval", "4",
                       "--exit-signal-handler", cwd=megatron_lm, probe_dir=tmp_path,
-                      megatron_lm=megatron_lm, env={"RANK": "0", "WORLD_SIZE": "4"})
+                      megatron_lm=megatron_lm, env={"RANK": "0", "WORLD_SIZE": "4",
+                                                    "TTP_PORT": str(free_port())})
     assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
     assert "--exit-signal-handler cannot be combined" in refused.stderr
     assert _probe(refused) == (True, True, True, True)

@@ -59,24 +59,30 @@ def _assert_repaired(job, reference, restarted: dict[int, int]) -> None:
         r for r, n in restarted.items() for _ in range(n))
 
 
-# (layout, phase, the lock step minus the killed step, the rank killed): a kill inside the
-# update of step s leaves the survivors' update done, so the lock step is s + 1; there the
-# killed rank is the logging rank (the last), which never logs iteration s + 1: its
-# replacement does. On dp4 the kills in the forward and the backward pass are the two
-# faults of `test_two_faults_...` below; Megatron-LM's loop repeats DP4 and PP2xDP2 under
-# tft-run (tests/test_megatron_lm.py); all within CI's time budget.
-CASES = [("dp4", "optimizer", 1, 3), ("tp2dp2", "backward", 0, 1)]
+# (layout, phase, the lock step minus the killed step, the rank killed, launcher, data-loader
+# workers): a kill inside the update of step s leaves the survivors' update done, so the lock
+# step is s + 1; there the killed rank is the logging rank (the last), which never logs
+# iteration s + 1: its replacement does. On dp4 the kills in the forward and the backward
+# pass are the two faults of `test_two_faults_...` below; Megatron-LM's loop repeats DP4 and
+# PP2xDP2 under tft-run (tests/test_megatron_lm.py); all within CI's time budget. The tp2dp2
+# case is a cell of the launch matrix (docs/design.md, "Launch matrix"): under torchrun with
+# the guide's hook (`scripts/patch_torchrun.sh`), with Megatron-LM's default data loader (2
+# worker processes per rank; the survivors' loaders are built again at the lock step).
+CASES = [("dp4", "optimizer", 1, 3, "tft-run", 0),
+         ("tp2dp2", "backward", 0, 1, "hooked torchrun", 2)]
 
 
-@pytest.mark.parametrize(("layout", "phase", "behind", "rank"), CASES)
+@pytest.mark.parametrize(("layout", "phase", "behind", "rank", "launcher", "workers"), CASES)
 def test_killed_worker_is_replaced_and_training_is_bit_exact(
-    layout, phase, behind, rank, reference_job, tmp_path
+    layout, phase, behind, rank, launcher, workers, reference_job, hooked_torchrun, tmp_path
 ):
     config = LAYOUTS[layout]
     step = 7 if layout == "dp4" else 3
     reference = reference_job(ha_args=HA_ARGS, **config)
     job = run_tiny_job(tmp_path, inject=f"kill:rank={rank},step={step},phase={phase}",
-                       ha_args=ARF_ARGS, launcher="tft-run", **config)
+                       ha_args=ARF_ARGS, env={"NUM_WORKERS": str(workers)},
+                       launcher=hooked_torchrun if launcher == "hooked torchrun" else launcher,
+                       **config)
     _assert_repaired(job, reference, {rank: 1})
     assert [e["strategy"] for e in job.named("strategy")] == ["recover"]
     _assert_shard_and_params(job, config, [(rank, step + behind, phase)])

@@ -107,6 +107,35 @@ def parse_port(value: str | int, name: str = "TTP_PORT", *, allow_any: bool = Fa
     return port
 
 
+def port_in_use(addr: str, port: int, what: str = "the controller",
+                variable: str = "TTP_PORT") -> ControlConfigError:
+    """The one-line error of a controller whose port another process holds."""
+    where = f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
+    return ControlConfigError(
+        f"{what} cannot listen on {where}: the port is in use (another job's controller or "
+        f"another program listens there); allowed: a free port in {variable}")
+
+
+def check_port_free(addr: str, port: int, what: str = "the controller",
+                    variable: str = "TTP_PORT") -> None:
+    """Raise `port_in_use` when `addr:port` cannot be bound now (as ZeroMQ binds it: with
+    SO_REUSEADDR, so a port left in TIME_WAIT by an earlier job counts as free)."""
+    import errno
+    import socket
+
+    if not port:
+        return
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((addr, port))
+        except OSError as error:
+            if error.errno == errno.EADDRINUSE:
+                raise port_in_use(addr, port, what, variable) from None
+            raise
+
+
 def parse_hostport(value: str, name: str) -> tuple[str, int]:
     """Parse `ip:port` or `[ipv6]:port` into (ip, port)."""
     text = value.strip()

@@ -43,7 +43,7 @@ from ..features import Features
 from . import local
 from .backup import BackupSync
 from .classify import FaultKind
-from .config import ControlConfig, ControlConfigError, setup_logging
+from .config import ControlConfig, ControlConfigError, port_in_use, setup_logging
 from .elasticity import Elasticity
 from .incident import Incident, IncidentFlow, IncidentStats
 from .priority import raise_priority
@@ -322,8 +322,17 @@ class Controller:
         self._auth = start_authenticator(self._ctx, self._curve, self.connection_cap)
         if self._curve is not None:
             self.backups.server_key = self._curve.server_user_id
-        self._router = bind_router(self._ctx, self.bind_addr, self._port_wanted,
-                                   max_bytes=cfg.max_message_bytes, curve=self._curve, zap=True)
+        try:
+            self._router = bind_router(self._ctx, self.bind_addr, self._port_wanted,
+                                       max_bytes=cfg.max_message_bytes, curve=self._curve,
+                                       zap=True)
+        except zmq.ZMQError as error:  # one line naming the port and what sets it
+            if error.errno != zmq.EADDRINUSE:
+                raise
+            active = self.role == "active"
+            raise port_in_use(self.bind_addr, self._port_wanted,
+                              "the controller" if active else what,
+                              "TTP_PORT" if active else "TTP_BACKUP_ADDRS") from None
         self.port = bound_port(self._router)
         self._monitor = self._router.get_monitor_socket(MONITOR_EVENTS)
         self._started = self._now = time.monotonic()

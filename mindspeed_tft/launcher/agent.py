@@ -1,6 +1,6 @@
 """The elastic agent of `tft-run`: torch's `LocalElasticAgent` with mindspeed-tft's failure
 handling, everything else (rendezvous, worker environment, logs, error files, exit barrier,
-group restarts of `--max-restarts`) left to torch.distributed.elastic.
+group restarts of `--max-restarts` without worker reboot) left to torch.distributed.elastic.
 
 What changes, by feature (see `options`):
 
@@ -24,7 +24,9 @@ What changes, by feature (see `options`):
   `ControlConfig.reboot_exit_code`) is restarted at once as the same rank with the same
   environment plus `TFT_WORKER_RESTART_COUNT`, while the other workers keep running; a
   worker exiting 0, 75 (dump saved), 1 or anything else is not. The node's workers are
-  done when all of them ended. `TFT_MAX_WORKER_RESTARTS` bounds the restarts per launcher.
+  done when all of them ended. `--max-restarts` (torchrun's flag, or `TFT_MAX_WORKER_RESTARTS`;
+  `options.restart_budget`) bounds the restarts per launcher; torch's own restarts of the
+  whole group are off.
   A worker killed by a signal counts as dead as soon as the signal takes effect, before the
   kernel has released its memory and lets it be reaped (`procfs`: 0.2-0.7 s for a 2.5 GB
   CPU worker here, more for a GPU worker's device context): its replacement starts while
@@ -63,16 +65,15 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
 from mindspeed_tft import patches
+from mindspeed_tft.arguments import CONTROLLER_IN_LAUNCHER_ENV
 
 from ..procfs import killed_returncode
 from .lifetime import TiedSubprocessHandler
-from .options import MAX_WORKER_RESTARTS_ENV, LauncherError, LaunchOptions
+from .options import MAX_RESTARTS_OPTION, LauncherError, LaunchOptions
 from .pool import SparePool
 from .spare import PREDECESSOR_PID_ENV
 from .store import bind_static_store
 
-#: set in every worker under high availability (same name as `plugin.CONTROLLER_IN_LAUNCHER_ENV`)
-CONTROLLER_IN_LAUNCHER_ENV = "TFT_CONTROLLER_IN_LAUNCHER"
 #: how many times this rank's process was restarted (set in restarted workers only)
 WORKER_RESTART_COUNT_ENV = "TFT_WORKER_RESTART_COUNT"
 #: key (under the rendezvous' run-id prefix) of a node's record: what its workers are
@@ -577,14 +578,14 @@ class TFTElasticAgent(LocalElasticAgent):
             say(f"{what}; not restarting it: the job is ending (the controller decided to "
                 "dump or exit)")
             return False
-        limit = self.options.max_worker_restarts
+        limit = self.options.max_restarts
         if self.restarts >= limit:
             say(f"{what}; not restarting it: the {limit} restart(s) allowed on this node "
-                f"({MAX_WORKER_RESTARTS_ENV}={limit}) are used up")
+                f"({MAX_RESTARTS_OPTION} {limit}) are used up")
             acting = self.acting_controller()
             if acting is not None:
-                acting.report_no_replacement(rank, f"{MAX_WORKER_RESTARTS_ENV}={limit} restarts "
-                                             "used up on its node")
+                acting.report_no_replacement(rank, f"{MAX_RESTARTS_OPTION} {limit}: its node's "
+                                             "restarts are used up")
             return False
         self.restarts += 1
         env = dict(context.envs[local_rank])

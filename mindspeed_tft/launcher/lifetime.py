@@ -18,6 +18,23 @@ mechanisms end them within seconds:
 The launcher's pid is `TFT_LAUNCHER_PID` (set by `tft-run` in every worker and spare); under
 a plain torchrun it is the worker's parent when `tie_to_launcher` runs. Linux only: elsewhere
 only the watch thread runs.
+
+A training process's own helpers, its data-loader worker processes, live and end with it (the
+``data-loader-workers`` moment of `mindspeed_tft.patches`, installed with high availability).
+A launcher stops a worker by signalling its whole process group (torch's `SubprocessHandler`
+`os.killpg`s: SIGTERM, then SIGKILL after its grace period); a scheduler may signal every
+process of the job. Under high availability that SIGTERM starts the grace period in which
+the training process finishes the fault's handling (`plugin._Termination`), but torch's
+data-loader worker dies of it (its C handler keeps only its parent's SIGTERM as a clean exit),
+and the training process's SIGCHLD handler then raises ``RuntimeError: DataLoader worker (pid
+N) is killed by signal: Terminated`` in its main thread at whatever it is doing: a healthy
+rank would report a fault, or drop out of the dump it is writing. So a data-loader worker
+(forked: torch's default start method on Linux) blocks SIGTERM before torch installs its
+worker signal handlers, and a thread of its own takes each SIGTERM with its sender
+(`sigwaitinfo`): from its training process (torch's shutdown of its workers, multiprocessing's
+at exit) it exits 0 as torch's handler would; from anyone else it is left to the training
+process, which ends its workers when it ends. The worker also gets the parent-death signal
+(SIGKILL), so that it ends the moment its training process does, however that ends.
 """
 
 from __future__ import annotations
@@ -28,7 +45,9 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from subprocess import Popen
+from typing import Any
 
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
@@ -135,6 +154,46 @@ def tie_to_launcher() -> int | None:
     threading.Thread(target=_watch, args=(parent,), name="tft-launcher-watch",
                      daemon=True).start()
     return parent
+
+
+def install_data_worker_signals() -> None:
+    """The ``data-loader-workers`` moment of `mindspeed_tft.patches`: torch's worker signal
+    set-up, wrapped (see the module docstring). In the training process, from its main
+    thread."""
+    from torch.utils.data._utils import signal_handling
+
+    global _forking_thread
+    _forking_thread = threading.main_thread().ident
+    signal_handling._set_worker_signal_handlers = _worker_signal_handlers(
+        signal_handling._set_worker_signal_handlers)
+
+
+#: the training process's main thread, which starts its data-loader workers: the
+#: parent-death signal follows the thread that forked, so only its children get one
+_forking_thread: int | None = None
+
+
+def _worker_signal_handlers(original: Callable[..., None]) -> Callable[..., None]:
+    def set_worker_signal_handlers(*args: Any) -> None:
+        taking = hasattr(signal, "sigwaitinfo")
+        if taking:  # first: from here on a SIGTERM waits for the thread below
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        original(*args)  # torch's messages for SIGBUS, SIGSEGV, SIGFPE
+        if taking:
+            threading.Thread(target=_take_sigterms, name="tft-data-worker-sigterm",
+                             daemon=True).start()
+        if threading.get_ident() == _forking_thread:  # forked by the training thread
+            set_parent_death_signal(signal.SIGKILL)
+
+    return set_worker_signal_handlers
+
+
+def _take_sigterms() -> None:
+    """A data-loader worker's SIGTERMs, with their senders (blocked in every thread)."""
+    while True:
+        info = signal.sigwaitinfo({signal.SIGTERM})
+        if info.si_pid == os.getppid():  # its training process ends it: torch's clean exit
+            os._exit(0)
 
 
 class TiedSubprocessHandler(SubprocessHandler):

@@ -6,7 +6,15 @@ The launcher accepts every torchrun argument (`torch.distributed.run.get_args_pa
 | option / variable | meaning | default |
 | --- | --- | --- |
 | `--tft-spares-per-node K` | warm spare worker processes kept ready on this node | 0 |
-| `TFT_MAX_WORKER_RESTARTS` | restarts of failed workers this node's launcher may make | 8 |
+| `--max-restarts N` | torchrun's: how many times this node's launcher restarts failed workers (see below) | 8 with worker reboot, else torchrun's 0 |
+| `TFT_MAX_WORKER_RESTARTS` | the same budget from the environment, with worker reboot | |
+
+`--max-restarts N` keeps torchrun's meaning, the number of restarts of failed workers this
+node's launcher makes before the job fails (`restart_budget`, the one place the budget is
+decided). With worker reboot a restart is of the failed worker only, while the others keep
+training (and the whole group is never restarted); without it torch restarts the whole worker
+group, as torchrun does. `--max-restarts` (or torchrun's own `PET_MAX_RESTARTS`) and
+`TFT_MAX_WORKER_RESTARTS` set the same number: given both, they must agree.
 
 With high availability, the training command's `--tft-metrics-port P` is written to
 `TFT_METRICS_PORT` in the launcher's environment (`mindspeed_tft.arguments.
@@ -22,6 +30,10 @@ group (`mindspeed_tft.arguments.add_tft_args`) and the trainer's rule for
 - worker reboot (ARF): `--enable-worker-reboot` with `--enable-high-availability`, or
   `HIGH_AVAILABILITY` containing `recover`; the launcher then restarts only failed workers.
 
+With high availability the training command's set-ups whose first fault could only fail are
+refused here too, with the trainer's own check and message (`arguments.check_save_dir`: no
+``--save`` folder for the dump, or one that cannot be written).
+
 Every refusal is a `LauncherError` (a ValueError) naming the value and what is allowed.
 """
 
@@ -34,8 +46,20 @@ from dataclasses import dataclass
 from typing import Any
 
 SPARES_OPTION = "--tft-spares-per-node"
+MAX_RESTARTS_OPTION = "--max-restarts"
 MAX_WORKER_RESTARTS_ENV = "TFT_MAX_WORKER_RESTARTS"
+#: the budget with worker reboot when neither `--max-restarts` nor the variable gives one
+#: (torchrun's own default, 0, would leave worker reboot nothing to do)
 DEFAULT_MAX_WORKER_RESTARTS = 8
+#: torchrun's environment form of `--max-restarts` (its `env` argparse action)
+PET_MAX_RESTARTS_ENV = "PET_MAX_RESTARTS"
+MAX_RESTARTS_HELP = (
+    "Maximum number of restarts of failed workers this node's launcher makes before the job "
+    "fails (torchrun's meaning). mindspeed-tft: with worker reboot (--enable-high-availability "
+    "--enable-worker-reboot in the training command) each restart restarts only the failed "
+    f"worker, the others keep training; default {DEFAULT_MAX_WORKER_RESTARTS} there, or "
+    f"{MAX_WORKER_RESTARTS_ENV}. Without worker reboot: the whole worker group, as torchrun; "
+    "default 0.")
 
 
 class LauncherError(ValueError):
@@ -49,11 +73,19 @@ class LaunchOptions:
     high_availability: bool
     worker_reboot: bool
     spares_per_node: int
-    max_worker_restarts: int
+    #: `restart_budget`: with worker reboot, restarts of failed workers only; without, torch's
+    #: restarts of the whole worker group (`torch_max_restarts`)
+    max_restarts: int
     #: the training command's mindspeed-tft flags, `HIGH_AVAILABILITY` folded in
     tft_args: argparse.Namespace
     #: this node's `--node-rank` (the static rendezvous' group rank)
     node_rank: int
+
+    @property
+    def torch_max_restarts(self) -> int:
+        """torch's `--max-restarts` (whole-group restarts): none with worker reboot, where
+        this launcher restarts the failed workers themselves."""
+        return 0 if self.worker_reboot else self.max_restarts
 
     @property
     def elastic(self) -> bool:
@@ -67,8 +99,8 @@ class LaunchOptions:
             return "high availability off: launching exactly like torchrun"
         parts = ["high availability on (controller in node 0's launcher)"]
         if self.worker_reboot:
-            parts.append(f"worker reboot on (at most {self.max_worker_restarts} restarts of "
-                         f"failed workers on this node)")
+            parts.append(f"worker reboot on (at most {self.max_restarts} restarts of "
+                         f"failed workers on this node: {MAX_RESTARTS_OPTION})")
             if self.spares_per_node:
                 parts.append(f"{self.spares_per_node} warm spare(s) per node")
             if self.elastic:
@@ -89,8 +121,17 @@ def _non_negative_int(value: str) -> int:
     return number
 
 
-def add_launcher_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the launcher's own options to a torchrun argument parser; returns it."""
+def add_launcher_args(parser: argparse.ArgumentParser,
+                      environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    """Add the launcher's own options to a torchrun argument parser and give its
+    `--max-restarts` this launcher's meaning and default (None: not given, see
+    `restart_budget`); returns it."""
+    environ = os.environ if environ is None else environ
+    for action in parser._actions:
+        if MAX_RESTARTS_OPTION in action.option_strings:
+            action.help = MAX_RESTARTS_HELP
+            if PET_MAX_RESTARTS_ENV not in environ:
+                action.default = None
     parser.add_argument(
         SPARES_OPTION, "--tft_spares_per_node", dest="tft_spares_per_node",
         type=_non_negative_int, default=0, metavar="K",
@@ -101,23 +142,39 @@ def add_launcher_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     return parser
 
 
-def max_worker_restarts(environ: Mapping[str, str] | None = None) -> int:
-    """`TFT_MAX_WORKER_RESTARTS` (default 8); a value that is not a whole number >= 0 is an
-    error."""
+def restart_budget(given: int | None, worker_reboot: bool,
+                   environ: Mapping[str, str] | None = None) -> int:
+    """How many times this node's launcher restarts failed workers (see the module
+    docstring): `--max-restarts` (`given`; None when not on the command line), else, with
+    worker reboot, `TFT_MAX_WORKER_RESTARTS` or 8; without worker reboot torchrun's 0 (the
+    variable is read with worker reboot only). A variable that is not a whole number >= 0,
+    or one that contradicts `--max-restarts`, is an error."""
     environ = os.environ if environ is None else environ
-    raw = environ.get(MAX_WORKER_RESTARTS_ENV, "").strip()
-    if not raw:
-        return DEFAULT_MAX_WORKER_RESTARTS
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
+    if given is not None and given < 0:
+        raise LauncherError(f"{MAX_RESTARTS_OPTION} {given} is not a whole number >= 0; "
+                            "allowed: 0 (never restart), 1, 2, ...")
+    raw = environ.get(MAX_WORKER_RESTARTS_ENV, "").strip() if worker_reboot else ""
+    from_env: int | None = None
+    if raw:
+        try:
+            from_env = int(raw)
+        except ValueError:
+            from_env = -1
+        if from_env < 0:
+            raise LauncherError(
+                f"{MAX_WORKER_RESTARTS_ENV}={environ[MAX_WORKER_RESTARTS_ENV]!r} is not a whole "
+                f"number >= 0; allowed: 0 (never restart), 1, 2, ... (default "
+                f"{DEFAULT_MAX_WORKER_RESTARTS} with worker reboot)")
+    if given is not None and from_env is not None and given != from_env:
         raise LauncherError(
-            f"{MAX_WORKER_RESTARTS_ENV}={environ[MAX_WORKER_RESTARTS_ENV]!r} is not a whole "
-            f"number >= 0; allowed: 0 (never restart), 1, 2, ... (default "
-            f"{DEFAULT_MAX_WORKER_RESTARTS})")
-    return value
+            f"{MAX_RESTARTS_OPTION} {given} contradicts {MAX_WORKER_RESTARTS_ENV}={from_env}: "
+            "both set how many times this node's launcher restarts failed workers; allowed: "
+            f"one of the two, or the same number")
+    if given is not None:
+        return given
+    if from_env is not None:
+        return from_env
+    return DEFAULT_MAX_WORKER_RESTARTS if worker_reboot else 0
 
 
 def training_features(script_args: Sequence[str],
@@ -134,6 +191,7 @@ def training_features(script_args: Sequence[str],
     environ = os.environ if environ is None else environ
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
     add_tft_args(parser)
+    parser.add_argument("--save", default=None)  # where the dump goes (`check_save_dir`)
     try:
         tft_args, _ = parser.parse_known_args([str(a) for a in script_args])
     except argparse.ArgumentError as e:
@@ -149,12 +207,16 @@ def launch_options(args: argparse.Namespace,
                    environ: MutableMapping[str, str] | None = None) -> LaunchOptions:
     """Decide what the launch does from parsed launcher arguments (torchrun's + ours);
     with high availability, `--tft-metrics-port` goes to `environ` (default `os.environ`)."""
-    from mindspeed_tft.arguments import export_metrics_port
+    from mindspeed_tft.arguments import TFTArgumentError, check_save_dir, export_metrics_port
 
     environ = os.environ if environ is None else environ
     tft_args = training_features(getattr(args, "training_script_args", []) or [], environ)
     high_availability = bool(tft_args.enable_high_availability)
     if high_availability:
+        try:
+            check_save_dir(tft_args)
+        except TFTArgumentError as e:
+            raise LauncherError(str(e)) from None
         export_metrics_port(tft_args, environ)
     worker_reboot = high_availability and bool(tft_args.enable_worker_reboot)
     spares = int(getattr(args, "tft_spares_per_node", 0) or 0)
@@ -163,12 +225,12 @@ def launch_options(args: argparse.Namespace,
             f"{SPARES_OPTION} {spares} needs worker reboot; allowed: add "
             "--enable-high-availability --enable-worker-reboot to the training command (or set "
             f"HIGH_AVAILABILITY=recover), or use {SPARES_OPTION} 0")
-    restarts = max_worker_restarts(environ) if worker_reboot else 0
+    restarts = restart_budget(getattr(args, "max_restarts", None), worker_reboot, environ)
     return LaunchOptions(
         high_availability=high_availability,
         worker_reboot=worker_reboot,
         spares_per_node=spares,
-        max_worker_restarts=restarts,
+        max_restarts=restarts,
         tft_args=tft_args,
         node_rank=int(getattr(args, "node_rank", 0) or 0),
     )

@@ -12,9 +12,14 @@ a random per-job token and puts it into its own and its workers' environment: th
 then accepts registrations only from processes that carry it (see docs/design.md, "Security
 of the control plane"). With several nodes, set `TTP_JOB_TOKEN` on every node yourself.
 
+`--max-restarts N` keeps torchrun's meaning, the restarts of failed workers this node makes;
+with worker reboot each restarts only the failed worker (`options.restart_budget`).
+
 Exit codes: 0 when every worker succeeded; with high availability, 75 when the job ended with
 a dying-gasp checkpoint (the failed workers all exited with 75); otherwise torchrun's
-failure (the `ChildFailedError` summary, exit code 1); 2 for a bad launcher setting.
+failure (the `ChildFailedError` summary, exit code 1); 2 for a bad launcher setting, a
+training command whose first fault could only fail (no `--save`), or a controller port in
+use.
 """
 
 from __future__ import annotations
@@ -62,6 +67,14 @@ def megatron_lm_entry(args: argparse.Namespace) -> bool:
     return True
 
 
+def hosts_controller(args: argparse.Namespace) -> bool:
+    """Whether this launcher will host the job's controller, known before the rendezvous:
+    the only node, or node 0 of a static rendezvous (torchrun's default)."""
+    if parse_min_max_nnodes(args.nnodes)[1] == 1:
+        return True
+    return args.rdzv_backend == "static" and int(args.node_rank or 0) == 0
+
+
 def launch(args: argparse.Namespace) -> int:
     """Launch the workers of parsed launcher arguments; returns the launcher's exit code
     (a torchrun failure raises `ChildFailedError`, as torch's `run` does)."""
@@ -70,6 +83,7 @@ def launch(args: argparse.Namespace) -> int:
     except LauncherError as e:
         say(f"error: {e}")
         return 2
+    args.max_restarts = options.torch_max_restarts  # torch's whole-group restarts
     if megatron_lm_entry(args):
         say(f"{args.training_script_args[0]} is a Megatron-LM training script: its workers run "
             "it through `python -m mindspeed_tft.megatron` (the Megatron-LM host adaptor)")
@@ -77,7 +91,7 @@ def launch(args: argparse.Namespace) -> int:
         torch_run_functions()[0](args)
         return 0
 
-    from mindspeed_tft.control.config import ControlConfig, ControlConfigError
+    from mindspeed_tft.control.config import ControlConfig, ControlConfigError, check_port_free
     from mindspeed_tft.control.transport import check_bind
 
     try:
@@ -85,6 +99,8 @@ def launch(args: argparse.Namespace) -> int:
         # this launcher hosts the controller (node 0) or a backup (nodes 1, 2): refuse an
         # unauthenticated network bind now, not from inside torch's agent
         check_bind(config, config.controller_addr, "the controller")
+        if hosts_controller(args):
+            check_port_free(config.controller_addr, config.port)
     except ControlConfigError as e:
         say(f"error: {e}")
         return 2
@@ -99,6 +115,9 @@ def launch(args: argparse.Namespace) -> int:
         with patches.swapped("torch.distributed.launcher.api:LocalElasticAgent",
                              agent_factory(options)):
             torch_run_functions()[0](args)
+    except ControlConfigError as e:  # the controller's port taken since the check above
+        say(f"error: {e}")
+        return 2
     except ChildFailedError as e:
         codes = {failure.exitcode for failure in e.failures.values()}
         if codes == {dump_exit_code}:

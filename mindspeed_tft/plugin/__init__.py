@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -58,8 +59,6 @@ log = logging.getLogger("mindspeed_tft.plugin")
 
 T = TypeVar("T")
 
-#: set by `tft-run` in its workers: the controller runs in the launcher, not in rank 0
-CONTROLLER_IN_LAUNCHER_ENV = "TFT_CONTROLLER_IN_LAUNCHER"
 #: what this package imports on first use, from `register()` to the first repair: a warm
 #: spare of `tft-run` imports them before it is ready (`spare.wait_for_assignment`), so that
 #: a spare that takes over a rank spends the repair on set-up, not on imports
@@ -226,20 +225,28 @@ class TFTPlugin:
         if not self.high_availability:
             return
         from mindspeed_tft import patches
+        from mindspeed_tft.arguments import launched_by_tft
         from mindspeed_tft.control import ControlConfig, Controller, Processor
+        from mindspeed_tft.control.config import ControlConfigError
         from mindspeed_tft.launcher.lifetime import tie_to_launcher
         from mindspeed_tft.recovery.actions import RecoveryActions
 
         tie_to_launcher()  # a worker never outlives its launcher (tft-run, torchrun)
+        # its data-loader workers leave a launcher's SIGTERM to it, and end with it
+        patches.install("data-loader-workers")
         patches.install("connection-tracking")  # before any process group exists
         config = ControlConfig.from_env()
         self.control_config = config
         if self.args.distributed_backend == "gloo":
             patches.install("gloo-collectives")
         rank, world_size = self.args.rank, self.args.world_size
-        if rank == 0 and os.environ.get(CONTROLLER_IN_LAUNCHER_ENV) != "1":
+        if rank == 0 and not launched_by_tft(os.environ):  # tft-run's is in its launcher
             self.controller = Controller(world_size, config, features=self.features)
-            self.controller.start()
+            try:
+                self.controller.start()
+            except ControlConfigError as error:  # its port taken since the start-up check
+                print(f"[mindspeed-tft] error: {error}", file=sys.stderr, flush=True)
+                exit_without_teardown(2)
         dense_map = ReplicaLayout.from_args(self.args).dense_map()
         keep_ports = [config.port, *(port for _, port in config.backups)]
         if os.environ.get("MASTER_PORT"):

@@ -154,7 +154,7 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--split", default=None)
     g.add_argument("--data-cache-path", default=None)
     g.add_argument("--seq-length", type=int, default=None)
-    g.add_argument("--num-workers", type=int, default=0)
+    g.add_argument("--num-workers", type=int, default=2)  # Megatron-LM's: loader processes
     g.add_argument("--tokenizer-type", default=None,
                    choices=["Llama2Tokenizer", "GPTSentencePieceTokenizer", "NullTokenizer"])
     g.add_argument("--tokenizer-model", default=None)
@@ -274,6 +274,33 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         args.accumulate_allreduce_grads_in_fp32 = not args.grad_reduce_in_bf16
     if tp == 1 and args.sequence_parallel:
         args.sequence_parallel = False  # Megatron-LM: sequence parallelism needs TP > 1
+    _derive_model_shape(args, tp, pp)
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_fraction is not None and args.lr_warmup_iters != 0:
+        raise ArgumentError("--lr-warmup-fraction and --lr-warmup-iters cannot both be set")
+    if args.start_weight_decay is None:
+        args.start_weight_decay = args.weight_decay
+    if args.end_weight_decay is None:
+        args.end_weight_decay = args.weight_decay
+    _check_data(args)
+    if args.save_interval is not None and args.save_interval <= 0:
+        raise ArgumentError(f"--save-interval {args.save_interval} must be a positive integer")
+    if args.log_interval <= 0:
+        raise ArgumentError(f"--log-interval {args.log_interval} must be a positive integer")
+    if args.overlap_param_gather and not (args.use_distributed_optimizer and args.overlap_grad_reduce):
+        raise ArgumentError(
+            "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce"
+        )
+    # Consumed-sample counters live in args, as in Megatron-LM (saved with the checkpoint).
+    args.consumed_train_samples = 0
+    args.consumed_valid_samples = 0
+    args.iteration = 0
+    return args
+
+
+def _derive_model_shape(args: argparse.Namespace, tp: int, pp: int) -> None:
+    """Megatron-LM's derived model sizes; layouts the model cannot be split into."""
     if args.hidden_size % args.num_attention_heads != 0:
         raise ArgumentError(
             f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
@@ -304,14 +331,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
             f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
             f"{args.max_position_embeddings}"
         )
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
-    if args.lr_warmup_fraction is not None and args.lr_warmup_iters != 0:
-        raise ArgumentError("--lr-warmup-fraction and --lr-warmup-iters cannot both be set")
-    if args.start_weight_decay is None:
-        args.start_weight_decay = args.weight_decay
-    if args.end_weight_decay is None:
-        args.end_weight_decay = args.weight_decay
+
+
+def _check_data(args: argparse.Namespace) -> None:
+    """The data flags: a source, its tokenizer, the loader's worker processes."""
     if not args.mock_data and not args.data_path:
         raise ArgumentError("no training data: give --data-path PREFIX [PREFIX ...] or --mock-data")
     if args.data_path and args.split is None:
@@ -320,19 +343,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         args.tokenizer_type = "NullTokenizer" if args.mock_data else None
         if args.tokenizer_type is None:
             raise ArgumentError("--tokenizer-type is required with --data-path")
-    if args.save_interval is not None and args.save_interval <= 0:
-        raise ArgumentError(f"--save-interval {args.save_interval} must be a positive integer")
-    if args.log_interval <= 0:
-        raise ArgumentError(f"--log-interval {args.log_interval} must be a positive integer")
-    if args.overlap_param_gather and not (args.use_distributed_optimizer and args.overlap_grad_reduce):
-        raise ArgumentError(
-            "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce"
-        )
-    # Consumed-sample counters live in args, as in Megatron-LM (saved with the checkpoint).
-    args.consumed_train_samples = 0
-    args.consumed_valid_samples = 0
-    args.iteration = 0
-    return args
+    if args.num_workers < 0:
+        raise ArgumentError(f"--num-workers {args.num_workers} is invalid; allowed: 0 (load in "
+                            "the training process) or a positive number of loader processes")
 
 
 def fused_kernel_notices(args: argparse.Namespace, platform: str) -> list[str]:

@@ -12,11 +12,14 @@ depends only on (consumed_samples, micro batch size, DP rank, DP size): rebuildi
 at the consumed-samples count saved in a checkpoint (resume) or held by a replica (rollback)
 continues exactly where the old iterator was.
 
-Batches are produced by a `torch.utils.data.DataLoader` with `num_workers=0`: loading runs in
-the training process, so there are no worker processes to fork, restart or keep in step after a
-fault, and the order is the sampler's order. The samples are small memory-mapped reads, so the
-cost of not prefetching in a worker is low for this trainer. (`--num-workers` is therefore not
-used.)
+Batches are produced by a `torch.utils.data.DataLoader` with Megatron-LM's settings:
+`--num-workers` worker processes (0: loading runs in the training process), persistent across
+epochs, over the same batch sampler. Workers change where a batch is read, never which batch
+comes next: the DataLoader hands batches out in the sampler's order, so the batches (and the
+losses) are the same bit for bit with any number of workers. After a repair the iterator is
+built again at the lock step's sample count (new workers; the old ones end with their
+iterator). Under high availability a launcher's stop does not reach the workers
+(`launcher.lifetime`, the ``data-loader-workers`` patch moment).
 """
 
 from __future__ import annotations
@@ -341,8 +344,13 @@ def build_data_loader(
     micro_batch_size: int,
     data_parallel_rank: int,
     data_parallel_size: int,
+    num_workers: int = 0,
 ) -> torch.utils.data.DataLoader:
-    """A DataLoader over `dataset` in MegatronPretrainingSampler order (num_workers=0)."""
+    """A DataLoader over `dataset` in MegatronPretrainingSampler order, with `num_workers`
+    persistent worker processes (Megatron-LM's loader; 0: none)."""
+    if num_workers < 0:
+        raise ValueError(f"--num-workers {num_workers}: allowed: 0 (load in the training "
+                         "process) or a positive number of worker processes")
     sampler = MegatronPretrainingSampler(
         total_samples=len(dataset),
         consumed_samples=consumed_samples,
@@ -350,7 +358,8 @@ def build_data_loader(
         data_parallel_rank=data_parallel_rank,
         data_parallel_size=data_parallel_size,
     )
-    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=0)
+    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
+                                       persistent_workers=num_workers > 0)
 
 
 def build_data_iterator(
@@ -359,6 +368,7 @@ def build_data_iterator(
     micro_batch_size: int,
     data_parallel_rank: int,
     data_parallel_size: int,
+    num_workers: int = 0,
 ) -> Iterator[Batch] | None:
     """Iterate micro batches of `dataset` for one DP rank, starting after `consumed_samples`.
 
@@ -368,12 +378,13 @@ def build_data_iterator(
     `attention_mask` (the model builds the causal mask). A blended dataset (several
     `--data-path` prefixes) adds megatron-core's `dataset_id` ([micro_batch_size] int64, which prefix each
     sample came from). Returns None when `dataset` is None (a rank that builds no datasets), as
-    Megatron-LM does.
+    Megatron-LM does. `num_workers`: Megatron-LM's `--num-workers` (see `build_data_loader`).
     """
     if dataset is None:
         return None
     return iter(
         build_data_loader(
-            dataset, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size
+            dataset, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size,
+            num_workers,
         )
     )

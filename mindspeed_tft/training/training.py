@@ -426,11 +426,13 @@ def pretrain(
         if train_ds is None:
             return None
         return build_data_iterator(train_ds, consumed_samples, args.micro_batch_size,
-                                   ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+                                   ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(),
+                                   args.num_workers)
 
     def build_valid_iterator() -> Iterator | None:
         return build_data_iterator(valid_ds, args.consumed_valid_samples, args.micro_batch_size,
-                                   ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+                                   ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(),
+                                   args.num_workers)
 
     def rebuild_model_and_optimizer(root: str) -> int:
         # elastic training: the same model, optimizer and data at the current (smaller) size,
