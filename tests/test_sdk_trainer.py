@@ -58,6 +58,8 @@ def run_trainer(run_dir: Path, launcher: str, *args: str, timeout: float = 180) 
     env.update(PYTHONUNBUFFERED="1", TTP_PORT=str(free_port()),
                TTP_LOG_PATH=str(run_dir / "logs"),
                PATH=str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", ""))
+    if "--save" not in args:  # as every high-availability launch has (tft-run refuses none)
+        args = (*args, "--save", str(run_dir / "save"))
     command = [*launcher_command(launcher, run_dir), str(TRAINER), "--out", str(run_dir / "out"),
                "--iterations", str(ITERATIONS), *args]
     proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
