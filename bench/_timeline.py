@@ -13,7 +13,6 @@ All stamps come from the same machine clock, so they are comparable to each othe
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -25,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from _jobs import Host, bench_env, free_port, run_job, tail
+
+from mindspeed_tft.events import read_events_if_any
 
 BIN = Path(sys.executable).parent
 
@@ -213,10 +214,7 @@ def run_spec(spec: JobSpec, work: Path, timeout_s: float, host: Host | None = No
     env.update(spec.env)
     out = run_job(["bash", str(host.script), *host.script_args, *spec.extra_args], env,
                   timeout_s, run_dir / "output.log")
-    events_file = run_dir / "events.jsonl"
-    events = []
-    if events_file.exists():
-        events = [json.loads(line) for line in events_file.read_text().splitlines() if line]
+    events = read_events_if_any(run_dir / "events.jsonl")
     return Job(spec.name, run_dir, out.returncode, out.output, out.seconds, events,
                _read_ttp(run_dir / "ttp_logs" / "ttp_log.log"))
 

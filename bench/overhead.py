@@ -66,6 +66,8 @@ from _jobs import (  # noqa: E402
     tail,
 )
 
+from mindspeed_tft.events import read_events_if_any  # noqa: E402
+
 PROFILE_LAUNCHER = REPO / "bench" / "_profile_launch.py"
 #: Components timed by `--profile` (see bench/_profile_worker.py), in display order.
 COMPONENTS = (
@@ -132,9 +134,8 @@ def run_one(mode: str, rnd: int, opts: argparse.Namespace, work: Path, host: Hos
     times = JobTimes(mode, rnd, seconds=job.seconds)
     for match in ITER_LINE.finditer(job.output):
         times.step_ms[int(match.group(1))] = float(match.group(2))
-    events_file = run_dir / "events.jsonl"
-    if events_file.exists():
-        events = [json.loads(line) for line in events_file.read_text().splitlines() if line]
+    events = read_events_if_any(run_dir / "events.jsonl")
+    if events:
         stamps = {e["iteration"]: e["time"] for e in events if e.get("event") == "iteration"}
         times.losses = {
             e["iteration"]: e["loss"] for e in events if e.get("event") == "iteration"

@@ -64,13 +64,13 @@ import logging
 import os
 from collections.abc import Mapping, MutableMapping
 
+from mindspeed_tft.events import EVENTS_FILE_ENV, events_file_from_env
 from mindspeed_tft.features import DEFAULT_OPTIMIZER_REPLICA_NUM, Features
 
 logger = logging.getLogger(__name__)
 
 ARGUMENT_GROUP_TITLE = "mindspeed-tft high availability"
 HIGH_AVAILABILITY_ENV = "HIGH_AVAILABILITY"
-EVENTS_FILE_ENV = "TFT_EVENTS_FILE"
 #: set by `tft-run` (and a torchrun with the hook) in every worker under high availability:
 #: the controller runs in the launcher, which restarts failed workers (worker reboot)
 CONTROLLER_IN_LAUNCHER_ENV = "TFT_CONTROLLER_IN_LAUNCHER"
@@ -156,7 +156,7 @@ def add_tft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--tft-events-file",
-        default=os.environ.get(EVENTS_FILE_ENV) or None,
+        default=events_file_from_env(),
         metavar="PATH",
         help="Append the JSON Lines event stream (faults, states, strategies, dumps, "
         f"iterations) to PATH. Default: the {EVENTS_FILE_ENV} environment variable.",

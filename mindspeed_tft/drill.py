@@ -62,7 +62,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mindspeed_tft.events import read_events
+from mindspeed_tft.events import EVENTS_FILE_ENV, read_events_if_any
 from mindspeed_tft.faults import DEFAULT_PHASE, parse_fault_spec
 from mindspeed_tft.report import describe_goodput, describe_incident, goodput, incidents, losses
 from mindspeed_tft.report import steps as report_steps
@@ -211,7 +211,7 @@ def pass_env(base: dict[str, str], pass_dir: Path, spec: str | None,
              extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of one pass: `base` with the drill's variables."""
     env = {key: value for key, value in base.items() if key != "TFT_INJECT"}
-    env["TFT_EVENTS_FILE"] = str(pass_dir / "events.jsonl")
+    env[EVENTS_FILE_ENV] = str(pass_dir / "events.jsonl")
     env["TFT_INJECT_STATE_DIR"] = str(pass_dir / "inject-state")
     if spec:
         env["TFT_INJECT"] = spec
@@ -230,13 +230,6 @@ def _tail(path: Path) -> str:
     with open(path, "rb") as f:
         f.seek(max(0, f.seek(0, os.SEEK_END) - TAIL_BYTES))
         return f.read().decode(errors="replace")
-
-
-def _read_events(path: Path) -> list[dict[str, Any]]:
-    try:
-        return read_events(str(path))
-    except FileNotFoundError:
-        return []
 
 
 def _wait(proc: subprocess.Popen, timeout: float) -> bool:
@@ -269,7 +262,7 @@ def run_pass(command: list[str], env: dict[str, str], pass_dir: Path,
             raise UsageError(f"cannot run {command[0]!r}: {e}") from None
         timed_out = _wait(proc, timeout)
     return PassResult(None if timed_out else proc.returncode,
-                      _read_events(pass_dir / "events.jsonl"), _tail(log), timed_out,
+                      read_events_if_any(pass_dir / "events.jsonl"), _tail(log), timed_out,
                       time.monotonic() - start, pass_dir)
 
 

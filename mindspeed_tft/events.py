@@ -5,8 +5,9 @@ Every event is one JSON object on one line with at least `time` (unix seconds, f
 read this file to see faults, state transitions, strategies, dumps and iterations in order.
 
 The file comes from `--tft-events-file` (via `configure_events`) or the `TFT_EVENTS_FILE`
-environment variable. Writers in different processes append to the same file: each event is
-written with a single `os.write` on a file opened with O_APPEND, so lines never interleave.
+environment variable, which is read here only (`events_file_from_env`). Writers in different
+processes append to the same file: each event is written with a single `os.write` on a file
+opened with O_APPEND, so lines never interleave.
 With no file configured, `emit` does nothing.
 """
 
@@ -19,10 +20,17 @@ import time
 from typing import Any
 
 CONTROLLER_RANK = -1
+#: the environment variable naming the events file (`--tft-events-file` wins over it)
+EVENTS_FILE_ENV = "TFT_EVENTS_FILE"
 
 _lock = threading.Lock()
 _path: str | None = None
 _fd: int | None = None
+
+
+def events_file_from_env() -> str | None:
+    """The events file `TFT_EVENTS_FILE` names, or None (unset or empty)."""
+    return os.environ.get(EVENTS_FILE_ENV) or None
 
 
 def configure_events(path: str | None) -> None:
@@ -32,15 +40,15 @@ def configure_events(path: str | None) -> None:
         if _fd is not None:
             os.close(_fd)
             _fd = None
-        _path = path or os.environ.get("TFT_EVENTS_FILE") or None
+        _path = path or events_file_from_env()
         if _path:
-            os.environ["TFT_EVENTS_FILE"] = _path  # children (restarted workers) inherit it
+            os.environ[EVENTS_FILE_ENV] = _path  # children (restarted workers) inherit it
 
 
 def events_path() -> str | None:
     """The events file in use, or None."""
     if _path is None:
-        return os.environ.get("TFT_EVENTS_FILE") or None
+        return events_file_from_env()
     return _path
 
 
@@ -99,10 +107,18 @@ def emit_work(rank: int, mark: str, **fields: Any) -> dict[str, Any]:
     return emit("work", rank, mark=mark, pid=os.getpid(), counts=work_counts.snapshot(), **fields)
 
 
-def read_events(path: str) -> list[dict[str, Any]]:
+def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """All events of a file, in file order (for tests, benchmarks and tools)."""
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def read_events_if_any(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The events of a file that may not exist (yet): none then."""
+    try:
+        return read_events(path)
+    except FileNotFoundError:
+        return []
 
 
 #: the fields of an iteration record besides `iteration` (SPEC 11, `iteration` event)

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mindspeed_tft.events import read_events_if_any
+
 REPO = Path(__file__).resolve().parent.parent
 TINY_SCRIPT = REPO / "scripts" / "pretrain_tiny_cpu.sh"
 #: the same job in Megatron-LM's own pretrain_gpt.py (MEGATRON_LM names the clone)
@@ -291,16 +293,6 @@ def wait_for(pred: Callable[[], Any], timeout: float, what: str = "condition",
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
-
-
-def read_events_if_any(path: Path | str) -> list[dict[str, Any]]:
-    """The events of a file that may not exist yet (then none)."""
-    from mindspeed_tft.events import read_events
-
-    try:
-        return read_events(str(path))
-    except FileNotFoundError:
-        return []
 
 
 def wait_event(path: Path | str, pred: Callable[[dict[str, Any]], bool], timeout: float,
