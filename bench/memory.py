@@ -3,7 +3,7 @@
 What it measures: the bytes per model parameter that one rank really holds for training
 state - model params + gradient buffers + optimizer state - with N optimizer replicas on a
 data-parallel group of size d, against SPEC 2's formula (bf16 params;
-`mindspeed_tft.plan.bytes_per_param`, the replica planner's, so the two cannot drift):
+`mindspeed_tft.tools.plan.bytes_per_param`, the replica planner's, so the two cannot drift):
 
     bf16 grads (--bf16 --grad-reduce-in-bf16):  4 + 16 N / d
     fp32 grads (--bf16, Megatron-LM's default): 6 + 12 N / d
@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _jobs import REPO, bench_env, run_job, tail, torchrun_cmd  # noqa: E402
 
-from mindspeed_tft.plan import bytes_per_param  # noqa: E402  (_jobs puts REPO on sys.path)
+from mindspeed_tft.tools.plan import bytes_per_param  # noqa: E402  (_jobs puts REPO on sys.path)
 
 WORKER = REPO / "bench" / "_memory_worker.py"
 GRADS = ("bf16", "fp32")

@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _timeline import Job, JobSpec, run_spec  # noqa: E402
 
-from mindspeed_tft.report import WORK_COUNTS, repair_work  # noqa: E402
+from mindspeed_tft.tools.report import WORK_COUNTS, repair_work  # noqa: E402
 
 ARF_ARGS = "--enable-high-availability --enable-worker-reboot"
 UCE_ARGS = "--enable-high-availability --enable-hbmfault-repair"

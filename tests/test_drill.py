@@ -1,4 +1,4 @@
-"""The fault drill (mindspeed_tft/drill.py): its options, the certificate built from events,
+"""The fault drill (mindspeed_tft/tools/drill.py): its options, the certificate built from events,
 a pass's timeout, and two real drills of the tiny CPU job under `tft-run` with 2 ranks: one
 configuration that recovers from a kill and a UCE in the optimizer state (every row OK, exit
 0), and one that cannot (`--distributed-optimizer-no-replica`, a kill before the first
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from mindspeed_tft import drill
-from mindspeed_tft.drill import PassResult, certify, parse_args
+from mindspeed_tft.tools import drill
+from mindspeed_tft.tools.drill import PassResult, certify, parse_args
 from tests.jobs import REPO, tiny_job_env
 
 REFERENCE = {1: 8.31, 2: 8.30, 3: 8.28, 4: 8.25, 5: 8.20, 6: 8.21}

@@ -21,7 +21,8 @@ import time
 
 import pytest
 
-from mindspeed_tft.report import describe_incident, incidents
+from mindspeed_tft.goodput import incidents
+from mindspeed_tft.tools.report import describe_incident
 from tests.jobs import (
     HA_ARGS,
     STANDARD,

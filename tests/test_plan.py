@@ -1,4 +1,4 @@
-"""The replica planner (`python -m mindspeed_tft.plan`): its formula, parsing and parameter
+"""The replica planner (`tft-plan`, mindspeed_tft/tools/plan.py): its formula, parsing and parameter
 count, and one small run of `bench/memory.py` that its bytes per parameter must match."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from types import ModuleType
 
 import pytest
 
-from mindspeed_tft import plan
+from mindspeed_tft.tools import plan
 
 REPO = Path(__file__).resolve().parent.parent
 MEMORY_BENCH = REPO / "bench" / "memory.py"

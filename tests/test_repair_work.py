@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from mindspeed_tft.report import repair_work
+from mindspeed_tft.tools.report import repair_work
 from tests.jobs import HA_ARGS, run_tiny_job
 
 pytestmark = pytest.mark.multiproc

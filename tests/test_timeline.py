@@ -1,5 +1,5 @@
-"""The goodput accounting (mindspeed_tft/report.py) and the timeline picture
-(mindspeed_tft/timeline.py) on hand-written event streams with known times: a run without a
+"""The goodput accounting (mindspeed_tft/goodput.py, tools/report.py) and the timeline picture
+(mindspeed_tft/tools/timeline.py) on hand-written event streams with known times: a run without a
 fault, a repair that recomputes steps, a dump that ends the job, and matplotlib missing.
 A real faulty job's timeline is checked in tests/test_worker_reboot.py
 (`test_no_replica_reloads_the_periodic_checkpoint`, via `check_timeline`)."""
@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from mindspeed_tft import report
-from mindspeed_tft.timeline import DPI, PLOT_HINT, Timeline
+from mindspeed_tft.tools import report
+from mindspeed_tft.tools.timeline import DPI, PLOT_HINT, Timeline
 
 T0 = 1_000_000.0
 
@@ -276,6 +276,6 @@ def test_missing_matplotlib_names_the_extra(tmp_path, monkeypatch, capsys):
 
 
 def test_the_report_and_timeline_modules_do_not_import_matplotlib():
-    code = ("import sys, mindspeed_tft.report, mindspeed_tft.timeline; "
+    code = ("import sys, mindspeed_tft.report, mindspeed_tft.tools.timeline; "
             "sys.exit(any(m.startswith('matplotlib') for m in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

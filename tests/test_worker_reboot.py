@@ -20,7 +20,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mindspeed_tft.report import goodput, incidents
+from mindspeed_tft.goodput import goodput, incidents
 from tests.jobs import (
     HA_ARGS,
     STANDARD,

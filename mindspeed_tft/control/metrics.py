@@ -20,7 +20,7 @@ only here, and this module is imported only when the port is set.
 | `tft_recovery_last_seconds`, `tft_recovery_median_seconds` | gauge | time to recover of the last recovery and the median of the last 1000 |
 | `tft_iterations_lost_total` | counter | completed iterations repairs went back on |
 | `tft_iteration` | gauge | the highest iteration a rank of the job reported |
-| `tft_goodput_ratio` | gauge | productive step time / wall time (`report.goodput`) |
+| `tft_goodput_ratio` | gauge | productive step time / wall time (`goodput.goodput`) |
 
 The time to recover runs from the incident's first `fault_detected` event to the event after
 which training resumed (`repaired`, `scale_in`, `scale_out`), by the clock of those events:
@@ -28,13 +28,13 @@ it equals that stretch of the events file; the delay from the fault itself to it
 is not in it (the controller cannot see it). The recovery metrics are absent before the first
 recovery.
 
-Goodput comes from the events file (`report.goodput` over what the process' events file
+Goodput comes from the events file (`goodput.goodput` over what the process' events file
 holds, read incrementally), not from the rank table: it is the fraction of wall time spent
 in steps whose results count, which needs where each step started and ended and which
 steps a rollback discarded. Heartbeats sample a rank's step only every interval and say
 nothing of the steps between; the `iteration` events carry each step's end, and the
 rollbacks (`repaired`, `scale_in`, `scale_out`) are there too. So it is the number
-`python -m mindspeed_tft.report` prints for the same file, and it is absent when this
+`tft-report` prints for the same file, and it is absent when this
 process has no events file (`--tft-events-file` / `TFT_EVENTS_FILE`) or no event yet. It is
 recomputed only when events were appended since the last scrape; the events are kept in
 memory (as `report` does), which a job writing millions of events pays for.
@@ -57,7 +57,7 @@ from typing import Any, Protocol
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from ..events import events_path
-from ..report import goodput
+from ..goodput import goodput
 from .config import METRICS_PORT_ENV, ControlConfig, ControlConfigError
 from .priority import leave_realtime
 from .ranktable import Health
@@ -165,7 +165,7 @@ class ControllerCollector:
         ratio = self.goodput.ratio()
         if ratio is not None:
             yield core.GaugeMetricFamily(
-                "tft_goodput_ratio", "Productive step time / wall time (report.goodput over "
+                "tft_goodput_ratio", "Productive step time / wall time (goodput.goodput over "
                 "the events file)", value=ratio)
 
 

@@ -1,11 +1,11 @@
 """The recovery timeline of a job as a picture, from its events file.
 
-    python -m mindspeed_tft.report events.jsonl --plot timeline.png [--compare fault-free.jsonl]
+    tft-report events.jsonl --plot timeline.png [--compare fault-free.jsonl]
 
 `build_timeline` draws one matplotlib `Figure` (Agg, no pyplot state) in three parts:
 
 - one panel per incident (at most `MAX_ZOOMS`), in seconds from the fault: the interrupted
-  step, the detection and each controller phase (`mindspeed_tft.report.phases`) as a bar
+  step, the detection and each controller phase (`mindspeed_tft.goodput.phases`) as a bar
   labelled with its duration, and below them what each rank did: fault injected (x),
   detected (v; hollow when withdrawn), process restarted (^), dump written (s), rolled back
   (|), left the job (>);
@@ -17,7 +17,7 @@
 
 Training is synchronous: every rank takes every step, and the last rank logs it (`iteration`
 event), so each lane shows the job's iterations while that rank was in it. The analysis (the
-incidents, their phases and costs) comes from `mindspeed_tft.report.goodput`; this module only
+incidents, their phases and costs) comes from `mindspeed_tft.goodput`; this module only
 draws it. matplotlib is an optional dependency: `pip install mindspeed-tft[plot]`.
 """
 
@@ -68,7 +68,7 @@ PLOT_HINT = "the timeline needs matplotlib: pip install mindspeed-tft[plot]"
 
 
 class PhaseLike(Protocol):
-    """A phase of an incident (`mindspeed_tft.report.Phase`)."""
+    """A phase of an incident (`mindspeed_tft.goodput.Phase`)."""
 
     @property
     def name(self) -> str: ...
@@ -79,7 +79,7 @@ class PhaseLike(Protocol):
 
 
 class IncidentLike(Protocol):
-    """What an incident cost (`mindspeed_tft.report.IncidentCost`)."""
+    """What an incident cost (`mindspeed_tft.goodput.IncidentCost`)."""
 
     @property
     def number(self) -> int: ...
@@ -98,7 +98,7 @@ class IncidentLike(Protocol):
 
 
 class RunLike(Protocol):
-    """A run's goodput (`mindspeed_tft.report.Goodput`)."""
+    """A run's goodput (`mindspeed_tft.goodput.Goodput`)."""
 
     @property
     def start(self) -> float: ...
@@ -155,7 +155,7 @@ def _matplotlib() -> tuple[Any, Any]:
 
 
 def build_timeline(events: Events, run: RunLike, compare: Events | None = None) -> Timeline:
-    """Draw the timeline of `events`, analysed as `run` (`mindspeed_tft.report.goodput`);
+    """Draw the timeline of `events`, analysed as `run` (`mindspeed_tft.goodput.goodput`);
     `compare`: a fault-free run's events, whose loss curve is overlaid."""
     figure_class, canvas_class = _matplotlib()
     ranks = _ranks(events)
