@@ -90,10 +90,13 @@ def test_parse_memory_refuses(text: str) -> None:
 
 
 def test_llama2_7b_preset_count(capsys: pytest.CaptureFixture[str]) -> None:
-    """Llama 2 7B: 6,738,415,616 parameters (the published count)."""
-    out = run_plan(["--preset", "llama2-7b", "--vocab-size", "32000",
-                    "--data-parallel-size", "2"], capsys)
+    """Llama 2 7B: 6,738,415,616 parameters (the published count); the preset carries
+    Llama-2's vocabulary (32,000), and a --vocab-size given overrides it."""
+    out = run_plan(["--preset", "llama2-7b", "--data-parallel-size", "2"], capsys)
     assert out["params"] == 6_738_415_616
+    out = run_plan(["--preset", "llama2-7b", "--vocab-size", "32001",
+                    "--data-parallel-size", "2"], capsys)
+    assert out["params"] == 6_738_415_616 + 2 * 4096  # one more row: embedding and output
 
 
 def test_gpt2_small_count(capsys: pytest.CaptureFixture[str]) -> None:

@@ -24,7 +24,7 @@ def _events(path: Path) -> Path:
 
 
 @pytest.mark.parametrize(("name", "argv", "code"), [
-    ("plan", ["--params", "7B", "--data-parallel-size", "8", "--json"], 0),
+    ("plan", ["--preset", "llama2-7b", "--data-parallel-size", "8", "--json"], 0),
     ("report", ["EVENTS"], 0),
     ("drill", ["--faults", "bogus", "--", "true"], 2),
 ])
