@@ -19,20 +19,28 @@ TINY_SCRIPT = REPO / "scripts" / "pretrain_tiny_cpu.sh"
 MEGATRON_LM_SCRIPT = REPO / "scripts" / "pretrain_megatron_lm_cpu.sh"
 HOSTS = ("reference", "megatron-lm")
 
-#: Environment variables that would change what a benchmark job does behind its flags.
-_SCRUBBED_ENV = ("HIGH_AVAILABILITY", "TFT_INJECT", "TFT_EVENTS_FILE", "TTP_PORT", "TTP_LOG_PATH")
-
+#: the folder of the interpreter running the benchmark (a venv's bin/), first on every job's
+#: PATH: the jobs' scripts run `python`, `torchrun` and `tft-run`, and Megatron-LM compiles its
+#: dataset helpers with the `python3` it finds there, which must import pybind11
+BIN = Path(sys.executable).parent
 
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+from mindspeed_tft.events import EVENTS_FILE_ENV  # noqa: E402
 from tests.jobs import free_port  # noqa: E402  (one port policy for tests and benchmarks)
+
+#: Environment variables that would change what a benchmark job does behind its flags.
+_SCRUBBED_ENV = ("HIGH_AVAILABILITY", "TFT_INJECT", EVENTS_FILE_ENV, "TTP_PORT", "TTP_LOG_PATH")
 
 
 def bench_env(log_dir: Path, **extra: str) -> dict[str, str]:
     """The environment of a benchmark job: one OpenMP thread per rank, no injected faults,
-    no HIGH_AVAILABILITY override, the repo importable, the high-availability controller on
-    a free port and its log (TTP_LOG_PATH) in `log_dir` rather than ./logs."""
+    no HIGH_AVAILABILITY override, the repo importable, this interpreter's folder first on
+    PATH (`BIN`: the bench run with a venv's python needs no activated venv), the
+    high-availability controller on a free port and its log (TTP_LOG_PATH) in `log_dir`
+    rather than ./logs."""
     env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED_ENV}
+    env["PATH"] = os.pathsep.join(p for p in (str(BIN), env.get("PATH")) if p)
     env["OMP_NUM_THREADS"] = "1"
     env["TTP_PORT"] = str(free_port())
     env["TTP_LOG_PATH"] = str(log_dir)

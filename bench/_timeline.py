@@ -13,7 +13,6 @@ All stamps come from the same machine clock, so they are comparable to each othe
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import statistics
@@ -26,8 +25,6 @@ from typing import Any
 from _jobs import Host, bench_env, free_port, run_job, tail
 
 from mindspeed_tft.events import read_events_if_any
-
-BIN = Path(sys.executable).parent
 
 _TTP_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \w+ \[pid \d+ [^\]]*\] [\w.]+: (.*)$")
 _TORCHRUN_LINE = re.compile(r"^[IWEF](\d\d)(\d\d) (\d\d:\d\d:\d\d\.\d+) +\d+ \S+\] (.*)$")
@@ -202,7 +199,6 @@ def run_spec(spec: JobSpec, work: Path, timeout_s: float, host: Host | None = No
         MASTER_PORT=str(free_port()),
         TFT_INJECT_STATE_DIR=str(run_dir / "inject-state"),
         PYTHONUNBUFFERED="1",
-        PATH=os.pathsep.join(p for p in (str(BIN), os.environ.get("PATH")) if p),
     )
     for name in _INHERITED_KNOBS:  # the job is what the spec says, whatever the shell has
         env.pop(name, None)
