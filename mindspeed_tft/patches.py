@@ -180,7 +180,8 @@ TABLE: tuple[Moment, ...] = (
           for module in ("megatron.training.arguments", "megatron.training.initialize")),
         _p("megatron.training.initialize:validate_args",
            "validate the flags against Megatron-LM's arguments, refuse what the plugin "
-           "cannot serve, set the replica engine's instance count", MLM),
+           "cannot serve, set the replica engine's instance count; refuse a start whose "
+           "dataset-helper build would fail, naming the fix", MLM),
         _p("megatron.training.initialize:_initialize_distributed",
            "join the control plane before torch.distributed starts; a restarted worker "
            "joins the rebuilt process groups of the running job instead", MLM),

@@ -48,6 +48,19 @@ def _python_env(megatron_lm) -> dict[str, str]:
     return env
 
 
+def _start_up(tree: Path, env: dict[str, str], save: Path, *extra: str):
+    """Rank 0 of 4 of a tiny Megatron-LM job with high availability, up to its refusal."""
+    env = {**env, "WORLD_SIZE": "4", "RANK": "0", "TTP_PORT": str(free_port())}
+    args = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
+            "--max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 16 "
+            "--train-iters 4 --lr 1e-3 --bf16 --use-distributed-optimizer --mock-data "
+            "--tokenizer-type NullTokenizer --vocab-size 4096 --transformer-impl local "
+            f"--enable-high-availability --save {save} --save-interval 4").split()
+    return subprocess.run([sys.executable, "-m", "mindspeed_tft.megatron", "pretrain_gpt.py",
+                           *args, *extra], cwd=tree, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
 def test_help_lists_the_flags_without_any_change_to_the_script(megatron_lm):
     """`tft-run` runs the unchanged script through the adaptor (the `-m` route and the
     one-line import train in the tests below: dp4 and tp2dp2 of ROUTES)."""
@@ -79,19 +92,48 @@ def test_a_flag_the_plugin_cannot_serve_stops_at_start_up(megatron_lm, extra, me
                                                            tmp_path):
     """Refused after Megatron-LM's own validation, before torch.distributed starts: a clear
     error naming the flag and the fix, exit code 2, no traceback."""
-    env = {**_python_env(megatron_lm), "WORLD_SIZE": "4", "RANK": "0",
-           "TTP_PORT": str(free_port())}
-    args = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
-            "--max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 16 "
-            "--train-iters 4 --lr 1e-3 --bf16 --use-distributed-optimizer --mock-data "
-            "--tokenizer-type NullTokenizer --vocab-size 4096 --transformer-impl local "
-            f"--enable-high-availability --save {tmp_path / 'ckpt'} --save-interval 4").split()
-    done = subprocess.run([sys.executable, "-m", "mindspeed_tft.megatron", "pretrain_gpt.py",
-                           *args, *extra], cwd=megatron_lm, env=env, capture_output=True,
-                          text=True, timeout=120)
+    done = _start_up(megatron_lm, _python_env(megatron_lm), tmp_path / "ckpt", *extra)
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
     assert f"[mindspeed-tft] error: {message}" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("lacking", ["the venv", "a compiler"])
+def test_dataset_helpers_that_cannot_be_built_stop_the_start_naming_the_fix(megatron_lm, lacking,
+                                                                           tmp_path):
+    """Megatron-LM builds its dataset helpers on rank 0 at start-up (make, g++ and `python3 -m
+    pybind11`, from PATH). Run with the venv's python but without the venv on PATH (a bare
+    venv's python3 first, no pybind11), or without a C++ compiler on PATH: rank 0 stops
+    before Megatron-LM tries, with one line naming the fix, exit 2 (a build left to fail ends
+    rank 0 and shows the other ranks' closed gloo connections)."""
+    tree = tmp_path / "Megatron-LM"  # nothing built yet: make would compile
+    shutil.copytree(megatron_lm, tree,
+                    ignore=shutil.ignore_patterns("helpers_cpp*", "__pycache__"))
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    (tools / "make").symlink_to(shutil.which("make"))
+    venv_bin = Path(sys.executable).parent
+    if lacking == "the venv":
+        (tools / "g++").symlink_to(shutil.which("g++"))
+        bare = tmp_path / "bare"
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True,
+                       timeout=60)
+        path = f"{tools}{os.pathsep}{bare / 'bin'}"
+        want = (f"the python3 on PATH ({bare / 'bin' / 'python3'}) cannot import pybind11; fix: "
+                f"put this Python's folder first on PATH (export PATH={venv_bin}:$PATH)")
+    else:
+        path = f"{tools}{os.pathsep}{venv_bin}"
+        want = ("no C++ compiler on PATH (make runs g++; CXX is unset); fix: install one "
+                "(e.g. apt-get install g++) or set CXX to one")
+    env = {**_python_env(tree), "PATH": path}
+    env.pop("CXX", None)
+    done = _start_up(tree, env, tmp_path / "ckpt")
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    source = tree / "megatron" / "core" / "datasets" / "helpers.cpp"
+    assert (f"[mindspeed-tft] error: Megatron-LM cannot build its dataset helpers ({source}, "
+            f"compiled by rank 0 at start-up): {want}") in done.stderr.splitlines()
+    assert "Traceback" not in done.stderr
+    assert "compiling dataset index builder" not in done.stdout  # Megatron-LM never tried
 
 
 @pytest.mark.parametrize("route", sorted(ROUTES))

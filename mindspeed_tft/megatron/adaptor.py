@@ -10,7 +10,8 @@ Nothing of Megatron-LM is copied or edited; the functions below wrap Megatron-LM
   validation, `validate_tft_args` and the combinations this host cannot serve
   (`HOST_REFUSALS`: each refused with the flag and the fix). With high availability the
   checkpoint format is Megatron-LM's ``torch`` (the dump is written in it), chosen for the
-  user when `--ckpt-format` is not given.
+  user when `--ckpt-format` is not given. Then, on rank 0, whether Megatron-LM can build its
+  dataset helpers (`helpers.build_problem`): if not, one line naming the fix, exit 2.
 - `_initialize_distributed`: the control plane is joined before torch.distributed starts;
   a restarted worker (worker reboot) joins the rebuilt process groups of the running job
   instead, then rebuilds model, optimizer and data exactly as at start-up while its
@@ -58,6 +59,7 @@ import torch.distributed as dist
 
 from mindspeed_tft.arguments import TFTArgumentError, add_tft_args, validate_tft_args
 from mindspeed_tft.events import iteration_log
+from mindspeed_tft.megatron.helpers import build_problem
 from mindspeed_tft.plugin import SETUP_IMPORTS, TFTPlugin, exit_without_teardown
 from mindspeed_tft.plugin.hooks import (
     TrainerHooks,
@@ -273,6 +275,11 @@ def wrap_validate_args(original: Callable[..., Any]) -> Callable[..., Any]:
                 print(f"[mindspeed-tft] error: {error}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
         if args.rank == 0:
+            # rank 0 builds Megatron-LM's dataset helpers: what it lacks, before it tries
+            problem = build_problem()
+            if problem is not None:
+                print(f"[mindspeed-tft] error: {problem}", file=sys.stderr, flush=True)
+                raise SystemExit(2)
             print(f"[mindspeed-tft] {args.tft_features.describe()}", flush=True)
         return result
 
