@@ -208,7 +208,7 @@ def main() -> None:
         "rank": rank,
         "world_size": torch.distributed.get_world_size(),
         "data_parallel_size": dp_size,
-        "replica_num": getattr(args, "optimizer_replica_num_effective", 1),
+        "replica_num": args.tft_features.replica_num,
         "instances": getattr(args, "num_distributed_optimizer_instances", 1),
         "high_availability": bool(args.enable_high_availability),
         "steps": per_step,

@@ -29,17 +29,20 @@ Megatron's own validation (it needs ``data_parallel_size`` and friends) and:
    ``--save`` folder (or one this process cannot write) for the dump, which elastic training
    goes through too; worker reboot under a launcher that never restarts a worker (anything
    but ``tft-run`` or a torchrun with the hook: `launched_by_tft`);
-5. records the result on ``args``:
+5. records the result on ``args`` (`apply_features`, the one writer of what Megatron reads
+   from ``args`` that the features decide):
 
-   - ``args.optimizer_replica_num_effective``: how many copies of each optimizer-state shard
-     exist across the data-parallel (x context-parallel) group. With high availability on:
-     1 with ``--distributed-optimizer-no-replica``, ``--optimizer-replica-num`` N with the
+   - ``args.tft_features``: a frozen `Features`, the one summary the rest of the plugin
+     reads (``describe()`` gives the startup log line), with the parallel sizes and
+     ``replica_num``: how many copies of each optimizer-state shard exist across the
+     data-parallel (x context-parallel) group. With high availability on: 1 with
+     ``--distributed-optimizer-no-replica``, ``--optimizer-replica-num`` N with the
      distributed optimizer (a divisor of d, 1 <= N <= d; N = d: every rank holds the whole
      optimizer state, as with the non-distributed optimizer), d (every rank holds a full
      copy) with the non-distributed fp16/bf16 optimizer. With it off no replica groups are
      built: 1 with the distributed optimizer, d without it.
-   - ``args.tft_features``: a frozen `Features`, the one summary the rest of the plugin
-     reads; ``describe()`` gives the startup log line.
+   - ``args.num_distributed_optimizer_instances``: megatron-core's replica engine (SPEC 2),
+     N with high availability and the distributed optimizer, else 1.
 
 6. writes ``--tft-metrics-port P`` to ``TFT_METRICS_PORT`` in the environment
    (`export_metrics_port`; the flag wins over the variable): the control plane reads its
@@ -223,8 +226,9 @@ def validate_tft_args(
     """Check the mindspeed-tft settings in ``args`` and record the outcome on it.
 
     Call after Megatron's own argument validation. ``environ`` defaults to ``os.environ``
-    (with high availability, ``--tft-metrics-port`` is written to it). Raises `TFTArgumentError`; returns ``args`` with ``optimizer_replica_num_effective`` and
-    ``tft_features`` set.
+    (with high availability, ``--tft-metrics-port`` is written to it). Raises
+    `TFTArgumentError`; returns ``args`` with ``tft_features`` and
+    ``num_distributed_optimizer_instances`` set (`apply_features`).
     """
     environ = os.environ if environ is None else environ
     _ensure_defaults(args)
@@ -263,23 +267,33 @@ def validate_tft_args(
                 f"allowed: add --enable-high-availability (or set {HIGH_AVAILABILITY_ENV}="
                 f"{_MODE_NAMES.replace(', ', '|')}) or remove {pronoun}"
             )
-        dp = _dp_size(args)
-        args.optimizer_replica_num_effective = 1 if args.use_distributed_optimizer else dp
+        replica_num = 1 if args.use_distributed_optimizer else _dp_size(args)
     else:
-        args.optimizer_replica_num_effective = _validate_high_availability(args)
-
-    # The replica engine is megatron-core's partial distributed optimizer (SPEC 2): one
-    # optimizer instance per replica, each sharding the state over d/N ranks.
-    replicated = args.enable_high_availability and getattr(args, "use_distributed_optimizer", False)
-    args.num_distributed_optimizer_instances = (
-        args.optimizer_replica_num_effective if replicated else 1
-    )
-    args.tft_features = Features.from_args(args)
+        replica_num = _validate_high_availability(args)
+    apply_features(args, Features.from_args(args, replica_num))
     if args.enable_high_availability:
         check_first_fault_can_succeed(args, environ)
         export_metrics_port(args, environ)
     check_environment(args, environ)
     return args
+
+
+def apply_features(args: argparse.Namespace, features: Features) -> None:
+    """Write what Megatron reads from ``args`` that ``features`` decide: ``tft_features``
+    itself and megatron-core's ``num_distributed_optimizer_instances`` (the replica engine,
+    SPEC 2: one distributed-optimizer instance per replica, each sharding the state over d/N
+    ranks; `Features.optimizer_instances`)."""
+    args.tft_features = features
+    args.num_distributed_optimizer_instances = features.optimizer_instances
+
+
+def apply_scale(args: argparse.Namespace, features: Features, rank: int) -> None:
+    """A scale change (elastic training): ``features`` of the new world (`apply_features`)
+    and the world Megatron sees, ``world_size`` and ``data_parallel_size`` from them, with
+    this process's new ``rank``."""
+    apply_features(args, features)
+    args.rank = rank
+    args.world_size, args.data_parallel_size = features.parallel.world_size, features.parallel.data
 
 
 def launched_by_tft(environ: Mapping[str, str]) -> bool:

@@ -16,6 +16,7 @@ from mindspeed_tft.arguments import (
     parse_high_availability_env,
     validate_tft_args,
 )
+from mindspeed_tft.features import ParallelSizes
 from tests.jobs import free_port
 
 # A Megatron-like layout: 8 ranks = tensor 2 x pipeline 1 x context 1 x data 4, bf16,
@@ -31,6 +32,8 @@ LAYOUT = dict(
     fp16=False,
     save=tempfile.gettempdir(),  # where the dump goes (high availability needs it)
 )
+#: the parallel sizes of LAYOUT, as the features record them
+SIZES = ParallelSizes(world_size=8, tensor=2, expert_tensor=2)
 #: the environment `tft-run` gives its workers: a launcher that restarts failed workers
 LAUNCHED = {"TFT_CONTROLLER_IN_LAUNCHER": "1"}
 
@@ -41,6 +44,12 @@ def make_args(argv: list[str], **layout: object) -> argparse.Namespace:
     for name, value in {**LAYOUT, **layout}.items():
         setattr(args, name, value)
     return args
+
+
+def on_layout(*switches: object, parallel: ParallelSizes = SIZES, **features: object) -> Features:
+    """The features `validate_tft_args` records for LAYOUT (its sizes, the distributed
+    optimizer) with these switches."""
+    return Features(*switches, parallel=parallel, distributed_optimizer=True, **features)
 
 
 def validate(argv: list[str], env: dict[str, str] | None = None, **layout: object):
@@ -115,20 +124,20 @@ def test_help_says_sub_flags_need_high_availability():
 
 def test_high_availability_off_records_plain_features():
     args = validate([])
-    assert args.optimizer_replica_num_effective == 1
-    assert args.tft_features == Features()
+    assert args.tft_features.replica_num == 1
+    assert args.tft_features == on_layout()
     assert args.tft_features.describe() == "mindspeed-tft: high availability off"
 
 
 def test_high_availability_off_non_distributed_counts_every_copy():
     args = validate([], use_distributed_optimizer=False, bf16=False)
-    assert args.optimizer_replica_num_effective == 4
+    assert args.tft_features.replica_num == 4
 
 
 def test_default_two_replicas():
     args = validate(HA)
-    assert args.optimizer_replica_num_effective == 2
-    assert args.tft_features == Features(True, False, False, False, 2, "command line")
+    assert args.tft_features.replica_num == 2
+    assert args.tft_features == on_layout(True, False, False, False, 2, "command line")
     assert args.tft_features.describe() == (
         "mindspeed-tft: high availability on (dying-gasp checkpoint), hbmfault repair off, "
         "worker reboot off, optimizer replicas 2; set by command line"
@@ -137,8 +146,8 @@ def test_default_two_replicas():
 
 def test_no_replica_means_one():
     args = validate(HA + ["--distributed-optimizer-no-replica", "--enable-worker-reboot"])
-    assert args.optimizer_replica_num_effective == 1
-    assert args.tft_features == Features(True, False, True, True, 1, "command line")
+    assert args.tft_features.replica_num == 1
+    assert args.tft_features == on_layout(True, False, True, True, 1, "command line")
     assert args.tft_features.describe() == (
         "mindspeed-tft: high availability on (dying-gasp checkpoint), hbmfault repair off, "
         "worker reboot on, optimizer replicas 1 (no-replica: repair from the last checkpoint); "
@@ -148,36 +157,36 @@ def test_no_replica_means_one():
 
 def test_no_replica_with_explicit_one_is_accepted():
     args = validate(HA + ["--distributed-optimizer-no-replica", "--optimizer-replica-num", "1"])
-    assert args.optimizer_replica_num_effective == 1
+    assert args.tft_features.replica_num == 1
 
 
 def test_replica_num_divisor_of_dp_cp():
     args = validate(HA + ["--optimizer-replica-num", "4"], data_parallel_size=4,
                     context_parallel_size=2, world_size=16)
-    assert args.optimizer_replica_num_effective == 4
+    assert args.tft_features.replica_num == 4
 
 
 def test_non_distributed_half_optimizer_every_rank_is_a_replica():
     args = validate(HA, use_distributed_optimizer=False, fp16=True, bf16=False)
-    assert args.optimizer_replica_num_effective == 4
+    assert args.tft_features.replica_num == 4
     assert args.tft_features.replica_num == 4
 
 
 def test_replica_num_ignored_by_non_distributed_optimizer():
     args = validate(HA + ["--optimizer-replica-num", "3"], use_distributed_optimizer=False)
-    assert args.optimizer_replica_num_effective == 4
+    assert args.tft_features.replica_num == 4
 
 
 def test_from_args_without_validation_reads_attributes():
     args = make_args(HA + ["--enable-hbmfault-repair", "--optimizer-replica-num", "4"])
-    assert Features.from_args(args) == Features(True, True, False, False, 4, "command line")
+    assert Features.from_args(args) == on_layout(True, True, False, False, 4, "command line")
     assert Features.from_args(argparse.Namespace()) == Features()
 
 
 def test_namespace_without_tft_flags_is_accepted():
     args = argparse.Namespace(**LAYOUT)
     validate_tft_args(args, environ={})
-    assert args.tft_features == Features()
+    assert args.tft_features == on_layout()
     assert args.optimizer_replica_num == 2
 
 
@@ -217,13 +226,13 @@ def test_high_availability_env_wins_over_command_line(caplog):
 
 def test_high_availability_env_enables_sub_flags_given_without_master_switch():
     args = validate(["--distributed-optimizer-no-replica"], env={"HIGH_AVAILABILITY": "dump"})
-    assert args.tft_features == Features(True, False, False, True, 1, "HIGH_AVAILABILITY=dump")
+    assert args.tft_features == on_layout(True, False, False, True, 1, "HIGH_AVAILABILITY=dump")
 
 
 @pytest.mark.parametrize("value", ["", "   "])
 def test_blank_high_availability_env_is_unset(value):
     assert parse_high_availability_env(value) == ()
-    assert validate([], env={"HIGH_AVAILABILITY": value}).tft_features == Features()
+    assert validate([], env={"HIGH_AVAILABILITY": value}).tft_features == on_layout()
 
 
 @pytest.mark.parametrize(
@@ -290,7 +299,7 @@ def test_fp32_non_distributed_optimizer_refused():
 
 def test_fp32_distributed_optimizer_accepted():
     args = validate(HA, bf16=False)
-    assert args.optimizer_replica_num_effective == 2
+    assert args.tft_features.replica_num == 2
 
 
 def test_no_replica_needs_distributed_optimizer():
@@ -333,7 +342,7 @@ def test_mindspeed_disable_gloo_group_refused():
 def test_refusals_do_not_apply_without_high_availability():
     args = validate([], swap_optimizer=True, enable_gloo_process_groups=False,
                     use_distributed_optimizer=False, bf16=False, data_parallel_size=1)
-    assert args.tft_features == Features(replica_num=1)
+    assert args.tft_features == Features(replica_num=1, parallel=SIZES)
 
 
 def test_data_parallel_size_one_refused():
@@ -348,7 +357,7 @@ def test_data_parallel_size_one_refused():
 def test_context_parallel_counts_toward_d():
     args = validate(HA + ["--distributed-optimizer-no-replica"], data_parallel_size=1,
                     context_parallel_size=2, world_size=4)
-    assert args.optimizer_replica_num_effective == 1
+    assert args.tft_features.replica_num == 1
 
 
 def test_replica_num_does_not_divide_d():
@@ -361,7 +370,7 @@ def test_replica_num_does_not_divide_d():
 @pytest.mark.parametrize("replica_num", [1, 2, 4])
 def test_every_divisor_of_d_is_accepted(replica_num):
     args = validate(HA + ["--optimizer-replica-num", str(replica_num)])
-    assert args.optimizer_replica_num_effective == replica_num
+    assert args.tft_features.replica_num == replica_num
     assert args.num_distributed_optimizer_instances == replica_num
     assert args.tft_features.replica_num == replica_num
 
@@ -369,18 +378,19 @@ def test_every_divisor_of_d_is_accepted(replica_num):
 def test_replica_num_equal_to_d_every_rank_holds_the_whole_state():
     # N = d: d optimizer instances of one rank each (the non-distributed optimizer's memory)
     args = validate(HA + ["--optimizer-replica-num", "4"])
-    assert args.optimizer_replica_num_effective == 4
+    assert args.tft_features.replica_num == 4
     assert args.num_distributed_optimizer_instances == 4
-    assert args.tft_features == Features(True, False, False, False, 4, "command line")
+    assert args.tft_features == on_layout(True, False, False, False, 4, "command line")
 
 
 def test_default_replica_num_equals_d_two():
     # TP2 x PP2 x DP2: the defaults (N = 2 = d) are accepted
     args = validate(HA + ["--enable-worker-reboot"], world_size=8, tensor_model_parallel_size=2,
                     pipeline_model_parallel_size=2, data_parallel_size=2)
-    assert args.optimizer_replica_num_effective == 2
+    assert args.tft_features.replica_num == 2
     assert args.num_distributed_optimizer_instances == 2
-    assert args.tft_features == Features(True, False, True, False, 2, "command line")
+    assert args.tft_features == on_layout(True, False, True, False, 2, "command line",
+                                          parallel=ParallelSizes(8, 2, 2, expert_tensor=2))
 
 
 def test_replica_num_larger_than_d():
@@ -408,7 +418,7 @@ def test_replica_num_larger_than_d_and_not_a_multiple():
 def test_default_replica_num_with_d_two_context_parallel():
     # d = data 1 x context 2 = 2: N = 2 = d
     args = validate(HA, data_parallel_size=1, context_parallel_size=2, world_size=4)
-    assert args.optimizer_replica_num_effective == 2
+    assert args.tft_features.replica_num == 2
     assert args.num_distributed_optimizer_instances == 2
 
 
@@ -423,7 +433,7 @@ def test_replica_num_checked_against_d_times_cp():
 def test_replica_num_equal_to_d_times_cp():
     args = validate(HA + ["--optimizer-replica-num", "8"], data_parallel_size=2,
                     context_parallel_size=4, world_size=16)
-    assert args.optimizer_replica_num_effective == 8
+    assert args.tft_features.replica_num == 8
     assert args.num_distributed_optimizer_instances == 8
 
 
@@ -473,7 +483,7 @@ def test_moe_expert_parallel_replicas_refused():
 def test_moe_no_replica_needs_only_expert_dp_two():
     args = validate(HA + ["--distributed-optimizer-no-replica"], expert_model_parallel_size=2,
                     expert_tensor_parallel_size=2, num_experts=4)
-    assert args.optimizer_replica_num_effective == 1
+    assert args.tft_features.replica_num == 1
 
 
 # --- elastic training ------------------------------------------------------------------------
@@ -481,8 +491,8 @@ def test_moe_no_replica_needs_only_expert_dp_two():
 
 def test_elastic_training_env_is_worker_reboot_that_shrinks():
     args = validate([], env={"HIGH_AVAILABILITY": "elastic-training"})
-    assert args.tft_features == Features(True, False, True, False, 2,
-                                         "HIGH_AVAILABILITY=elastic-training", elastic=True)
+    assert args.tft_features == on_layout(True, False, True, False, 2,
+                                          "HIGH_AVAILABILITY=elastic-training", elastic=True)
     assert "worker reboot on, elastic training on," in args.tft_features.describe()
 
 
@@ -495,6 +505,37 @@ def test_elastic_training_flag_needs_worker_reboot_and_the_distributed_optimizer
         "remove --enable-elastic-training")
     assert error_of(["--enable-elastic-training"]).startswith(
         "--enable-elastic-training takes effect only with --enable-high-availability")
+
+
+def test_a_scale_change_replaces_the_features_and_megatrons_args_come_from_them():
+    """DP4 (TP2, 8 ranks) with N = 4 shrinks to DP3 (N' = 3, the largest divisor <= 4) and
+    grows back: the launch N comes back, and Megatron's sizes and instance count follow."""
+    from mindspeed_tft.arguments import apply_scale
+    from mindspeed_tft.recovery.elastic import replica_num_for
+
+    args = validate(HA + ["--enable-worker-reboot", "--optimizer-replica-num", "4"])
+    launched = args.tft_features
+    shrunk = launched.scaled(6, replica_num_for(3, launched.launch_replica_num))
+    apply_scale(args, shrunk, rank=5)
+    assert args.tft_features is shrunk
+    assert (args.rank, args.world_size, args.data_parallel_size) == (5, 6, 3)
+    assert (shrunk.replica_num, shrunk.launch_replica_num) == (3, 4)
+    assert args.num_distributed_optimizer_instances == 3
+    assert shrunk.parallel == ParallelSizes(world_size=6, tensor=2, expert_tensor=2)
+    grown = shrunk.scaled(8, replica_num_for(4, shrunk.launch_replica_num))
+    apply_scale(args, grown, rank=7)
+    assert grown == launched and args.num_distributed_optimizer_instances == 4
+    assert (args.world_size, args.data_parallel_size) == (8, 4)
+
+
+def test_features_cross_the_network_whole_and_checked():
+    """What a backup controller receives (`to_dict`, msgpack-able plain data) and reads back."""
+    features = on_layout(True, True, False, False, 2, "command line").scaled(6, 1)
+    assert Features.from_dict(features.to_dict()) == features
+    with pytest.raises(ValueError, match="parallel size world_size=0 is not a positive int"):
+        Features.from_dict({"parallel": {"world_size": 0}})
+    with pytest.raises(ValueError, match="feature parallel=8 is not a map of sizes"):
+        Features.from_dict({"parallel": 8})
 
 
 # --- set-ups whose first fault could only fail -----------------------------------------------

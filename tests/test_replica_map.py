@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from mindspeed_tft.features import Features, ParallelSizes
 from mindspeed_tft.replica.groups import ReplicaLayout
 from mindspeed_tft.replica.replica_map import ReplicaMap, ShardId
 
@@ -27,9 +28,9 @@ def test_d8_n4_holders_in_dp_index_order():
 
 
 def test_tp2_dp4_layout_from_megatron_rank_order():
-    layout = ReplicaLayout(world_size=8, tensor_parallel=2, pipeline_parallel=1,
-                           context_parallel=1, expert_parallel=1, expert_tensor_parallel=2,
-                           replica_num=2, distributed_optimizer=True)
+    layout = ReplicaLayout(Features(replica_num=2, distributed_optimizer=True,
+                                    parallel=ParallelSizes(world_size=8, tensor=2,
+                                                           expert_tensor=2)))
     m = layout.dense_map()
     # megatron-core's default order tp-cp-ep-dp-pp: DP groups stride over the TP ranks.
     assert m.dp_groups == ((0, 2, 4, 6), (1, 3, 5, 7))
@@ -39,9 +40,9 @@ def test_tp2_dp4_layout_from_megatron_rank_order():
 
 
 def test_non_distributed_optimizer_is_its_own_replica():
-    layout = ReplicaLayout(world_size=4, tensor_parallel=2, pipeline_parallel=1,
-                           context_parallel=1, expert_parallel=1, expert_tensor_parallel=2,
-                           replica_num=2, distributed_optimizer=False)
+    layout = ReplicaLayout(Features(replica_num=2, distributed_optimizer=False,
+                                    parallel=ParallelSizes(world_size=4, tensor=2,
+                                                           expert_tensor=2)))
     m = layout.dense_map()
     assert m.replica_num == 2 and m.chunk_size == 1
     assert m.holders_of_rank(0) == [0, 2]
@@ -49,9 +50,8 @@ def test_non_distributed_optimizer_is_its_own_replica():
 
 
 def test_expert_map_with_expert_parallelism():
-    layout = ReplicaLayout(world_size=8, tensor_parallel=1, pipeline_parallel=1,
-                           context_parallel=1, expert_parallel=2, expert_tensor_parallel=1,
-                           replica_num=2, distributed_optimizer=True)
+    layout = ReplicaLayout(Features(replica_num=2, distributed_optimizer=True,
+                                    parallel=ParallelSizes(world_size=8, expert=2)))
     expert = layout.expert_map()
     assert expert is not None and expert.dp_size == 4
     assert expert.dp_groups == ((0, 2, 4, 6), (1, 3, 5, 7))

@@ -239,7 +239,7 @@ class TFTPlugin:
         self.control_config = config
         if self.args.distributed_backend == "gloo":
             patches.install("gloo-collectives")
-        rank, world_size = self.args.rank, self.args.world_size
+        rank, world_size = self.args.rank, self.features.parallel.world_size
         if rank == 0 and not launched_by_tft(os.environ):  # tft-run's is in its launcher
             self.controller = Controller(world_size, config, features=self.features)
             try:
@@ -247,7 +247,7 @@ class TFTPlugin:
             except ControlConfigError as error:  # its port taken since the start-up check
                 print(f"[mindspeed-tft] error: {error}", file=sys.stderr, flush=True)
                 exit_without_teardown(2)
-        dense_map = ReplicaLayout.from_args(self.args).dense_map()
+        dense_map = ReplicaLayout(self.features).dense_map()
         keep_ports = [config.port, *(port for _, port in config.backups)]
         if os.environ.get("MASTER_PORT"):
             keep_ports.append(int(os.environ["MASTER_PORT"]))
@@ -276,7 +276,7 @@ class TFTPlugin:
     def setup(self) -> None:
         """Build what needs torch.distributed (call after the parallel state exists)."""
         if self.high_availability or getattr(self.args, "tft_check_replicas_interval", 0):
-            self.replica_groups = ReplicaGroups(ReplicaLayout.from_args(self.args))
+            self.replica_groups = ReplicaGroups(ReplicaLayout(self.features))
             self.replica_groups.build()
             use_replica_groups(self.replica_groups)
             emit("replica_layout", dist.get_rank(), pid=os.getpid(),
@@ -355,21 +355,24 @@ class TFTPlugin:
             reconfigure_num_microbatches_calculator,
         )
 
+        from mindspeed_tft.arguments import apply_scale
         from mindspeed_tft.recovery.elastic import replica_num_for
         from mindspeed_tft.recovery.rebuild import release_retired_groups
 
-        args, me = self.args, self.actions.rank
-        old_dp = args.data_parallel_size
-        replica_num = replica_num_for(dp_size, self.features.replica_num)
-        if replica_num != self.features.replica_num and world.index(me) == 0:
+        args, me, launched = self.args, self.actions.rank, self.features.launch_replica_num
+        old_dp = self.features.parallel.data
+        replica_num = replica_num_for(dp_size, launched)
+        if replica_num != launched and world.index(me) == 0:
             what = ("one copy of the optimizer state (a further fault ends in a dump, not a "
                     "repair)" if replica_num == 1 else f"{replica_num} optimizer replicas")
             print(f"[mindspeed-tft] elastic training: --optimizer-replica-num "
-                  f"{self.features.replica_num} does not divide the new DP size {dp_size}: the "
+                  f"{launched} does not divide the new DP size {dp_size}: the "
                   f"job continues with {what}", flush=True)
-        args.rank, args.world_size, args.data_parallel_size = world.index(me), len(world), dp_size
-        args.optimizer_replica_num_effective = replica_num
-        args.num_distributed_optimizer_instances = replica_num
+        # the new world's features replace the old (the replica layout and Megatron's args
+        # are built from them)
+        self.features = self.features.scaled(len(world), replica_num)
+        assert self.features.parallel.data == dp_size, (self.features.parallel, dp_size)
+        apply_scale(args, self.features, world.index(me))
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(args.rank), str(args.world_size)
         member = self.state is not None
         if member:

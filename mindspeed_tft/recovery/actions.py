@@ -351,12 +351,9 @@ class RecoveryActions:
     # -- rename ---------------------------------------------------------------------------
     def rename(self, payload: dict[str, Any]) -> dict[str, Any]:
         lock_step = int(payload["lock_step"])
-        args = self._training_state().args
-        expected = [
-            model_parallel_dir_name(tp, pp, args.pipeline_model_parallel_size)
-            for tp in range(args.tensor_model_parallel_size)
-            for pp in range(args.pipeline_model_parallel_size)
-        ]
+        sizes = self._training_state().args.tft_features.parallel
+        expected = [model_parallel_dir_name(tp, pp, sizes.pipeline)
+                    for tp in range(sizes.tensor) for pp in range(sizes.pipeline)]
         path = publish(self._checkpoint_root(), lock_step, expected)
         emit("dump_saved", self.rank, iteration=lock_step, path=path)
         log.warning("rank %d: dying-gasp checkpoint of iteration %d published at %s",

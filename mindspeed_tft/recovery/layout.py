@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from mindspeed_tft.faults import fire_publish_point
-from mindspeed_tft.features import Features
+from mindspeed_tft.features import Features, ParallelSizes
 
 CHECKPOINT_VERSION = 3.0
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
@@ -237,11 +237,12 @@ def resolve_checkpoint(root: str) -> tuple[int, str] | None:
 
 
 #: What `model_optim_rng.pt` holds beyond tensors, containers and numbers: Megatron-LM's
-#: `args` (an argparse.Namespace; the reference trainer's carries its `Features`) and the
-#: numpy RNG state (an ndarray of uint32).
+#: `args` (an argparse.Namespace; the reference trainer's carries its `Features`, with their
+#: `ParallelSizes`) and the numpy RNG state (an ndarray of uint32).
 CHECKPOINT_SAFE_GLOBALS: tuple[Any, ...] = (
     argparse.Namespace,
     Features,
+    ParallelSizes,
     np.ndarray,
     np.dtype,
     type(np.dtype(np.uint32)),

@@ -6,8 +6,9 @@ split into N contiguous chunks ("intra partial" groups: the optimizer is sharded
 params are all-gathered in it) and the ranks holding the same shard form an "inter partial"
 group (gradients are all-reduced across it). `ReplicaGroups` adds what megatron-core lacks:
 
-- the replica maps (`ReplicaMap`) of the whole job, dense and expert, computed with
-  megatron-core's own `RankGenerator` and checked against the groups it actually built;
+- the replica maps (`ReplicaMap`) of the whole job, dense and expert, computed from the job's
+  `Features` (parallel sizes, replica number) with megatron-core's own `RankGenerator` and
+  checked against the groups it actually built;
 - the grad-statistics group of each replica instance (every model-parallel rank of one
   chunk index): grad norm and zero counts must sum each shard once, not N times (with a
   single DP group that is megatron-core's own optimizer chunk group, reused);
@@ -16,11 +17,11 @@ group (gradients are all-reduced across it). `ReplicaGroups` adds what megatron-
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from mindspeed_tft.features import Features
 from mindspeed_tft.replica.replica_map import ReplicaMap
 
 DENSE = "dense"
@@ -29,75 +30,47 @@ EXPERT = "expert"
 _ORDER = "tp-cp-ep-dp-pp"  # megatron-core's default rank order
 
 
-@dataclass
+@dataclass(frozen=True)
 class ReplicaLayout:
-    """The parallel sizes the replica layout derives from."""
+    """The replica layout of a job, built from its features: their parallel sizes, replica
+    number and optimizer kind (`Features`, the one home of these values)."""
 
-    world_size: int
-    tensor_parallel: int
-    pipeline_parallel: int
-    context_parallel: int
-    expert_parallel: int
-    expert_tensor_parallel: int
-    replica_num: int
-    distributed_optimizer: bool
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> ReplicaLayout:
-        return cls(
-            world_size=args.world_size,
-            tensor_parallel=args.tensor_model_parallel_size,
-            pipeline_parallel=args.pipeline_model_parallel_size,
-            context_parallel=args.context_parallel_size,
-            expert_parallel=getattr(args, "expert_model_parallel_size", 1),
-            expert_tensor_parallel=getattr(args, "expert_tensor_parallel_size", None)
-            or args.tensor_model_parallel_size,
-            replica_num=args.optimizer_replica_num_effective,
-            distributed_optimizer=args.use_distributed_optimizer,
-        )
-
-    @property
-    def data_parallel(self) -> int:
-        return self.world_size // (
-            self.tensor_parallel * self.pipeline_parallel * self.context_parallel
-        )
+    features: Features
 
     def dense_dp_groups(self) -> list[list[int]]:
         """Every DP x CP group's global ranks, in DP-index order."""
         from megatron.core.parallel_state import RankGenerator
 
-        generator = RankGenerator(
-            tp=self.tensor_parallel, ep=1, dp=self.data_parallel, pp=self.pipeline_parallel,
-            cp=self.context_parallel, order=_ORDER,
-        )
+        sizes = self.features.parallel
+        generator = RankGenerator(tp=sizes.tensor, ep=1, dp=sizes.data, pp=sizes.pipeline,
+                                  cp=sizes.context, order=_ORDER)
         return generator.get_ranks("dp-cp")
 
     def expert_dp_groups(self) -> list[list[int]]:
         """Every expert-DP group's global ranks (MoE), in DP-index order."""
         from megatron.core.parallel_state import RankGenerator
 
-        expert_dp = self.world_size // (
-            self.expert_tensor_parallel * self.expert_parallel * self.pipeline_parallel
-        )
-        generator = RankGenerator(
-            tp=self.expert_tensor_parallel, ep=self.expert_parallel, dp=expert_dp,
-            pp=self.pipeline_parallel, cp=1, order=_ORDER,
-        )
+        sizes = self.features.parallel
+        expert_dp = sizes.world_size // (sizes.expert_tensor * sizes.expert * sizes.pipeline)
+        generator = RankGenerator(tp=sizes.expert_tensor, ep=sizes.expert, dp=expert_dp,
+                                  pp=sizes.pipeline, cp=1, order=_ORDER)
         return generator.get_ranks("dp")
+
+    def _replica_num(self, groups: list[list[int]]) -> int:
+        """N, or d (every rank a whole copy) without the distributed optimizer."""
+        return self.features.replica_num if self.features.distributed_optimizer else len(groups[0])
 
     def dense_map(self) -> ReplicaMap:
         """Replica map of the dense optimizer (N = d for the non-distributed optimizer)."""
         groups = self.dense_dp_groups()
-        n = self.replica_num if self.distributed_optimizer else len(groups[0])
-        return ReplicaMap.build(DENSE, groups, n)
+        return ReplicaMap.build(DENSE, groups, self._replica_num(groups))
 
     def expert_map(self) -> ReplicaMap | None:
         """Replica map of the expert optimizer, or None without expert parallelism."""
-        if self.expert_parallel == 1:
+        if self.features.parallel.expert == 1:
             return None
         groups = self.expert_dp_groups()
-        n = self.replica_num if self.distributed_optimizer else len(groups[0])
-        return ReplicaMap.build(EXPERT, groups, n)
+        return ReplicaMap.build(EXPERT, groups, self._replica_num(groups))
 
 
 class ReplicaGroups:
@@ -119,7 +92,7 @@ class ReplicaGroups:
     @property
     def sharded(self) -> bool:
         """True when the distributed optimizer keeps N > 1 replicas (1 < N <= d)."""
-        return self.layout.distributed_optimizer and self.dense.replica_num > 1
+        return self.layout.features.distributed_optimizer and self.dense.replica_num > 1
 
     def build(self) -> None:
         """Create the grad-statistics group of every replica instance (collective, all ranks)
