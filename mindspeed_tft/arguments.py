@@ -157,6 +157,12 @@ def add_tft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "N = d: every data-parallel rank holds the whole optimizer state). "
         "Takes effect only with --enable-high-availability and the distributed optimizer.",
     )
+    _add_observability_args(group)
+    return parser
+
+
+def _add_observability_args(group: argparse._ArgumentGroup) -> None:
+    """The events file, the replica check and the metrics endpoint (`add_tft_args`)."""
     group.add_argument(
         "--tft-events-file",
         default=events_file_from_env(),
@@ -185,7 +191,6 @@ def add_tft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "(the flag wins over it); 0: off. Needs --enable-high-availability and "
         "pip install mindspeed-tft[metrics].",
     )
-    return parser
 
 
 def export_metrics_port(args: argparse.Namespace, environ: MutableMapping[str, str]) -> None:
@@ -464,6 +469,51 @@ def _expert_dp_size(args: argparse.Namespace) -> tuple[int, str] | None:
     return world // (pp * ep * etp), how
 
 
+def _refuse_with_high_availability(args: argparse.Namespace) -> None:
+    """The flags high availability cannot be combined with (SPEC 10)."""
+    if getattr(args, "swap_optimizer", False):
+        raise TFTArgumentError(
+            "--enable-high-availability cannot be combined with --swap-optimizer (it moves "
+            "optimizer state off the device); allowed: remove one of the two"
+        )
+    if getattr(args, "enable_gloo_process_groups", True) is False:
+        raise TFTArgumentError(
+            "--enable-high-availability cannot be combined with --disable-gloo-process-groups "
+            "(recovery needs the gloo process groups); allowed: remove one of the two"
+        )
+    if getattr(args, "disable_gloo_group", False):
+        raise TFTArgumentError(
+            "--enable-high-availability cannot be combined with --disable-gloo-group "
+            "(recovery needs the gloo process groups); allowed: remove one of the two"
+        )
+
+
+def _checked_data_parallel(args: argparse.Namespace) -> tuple[int, str, tuple[int, str] | None]:
+    """(d, its name, the expert-DP size and how it was derived or None), each at least 2
+    (SPEC 10) or a `TFTArgumentError`."""
+    dp = _dp_size(args)
+    label = _dp_label(args)
+    if dp < 2:
+        tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+        pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+        cp = int(getattr(args, "context_parallel_size", 1) or 1)
+        world = getattr(args, "world_size", None)
+        world = dp * tp * pp if world is None else int(world)
+        raise TFTArgumentError(
+            f"--enable-high-availability needs a {label} >= 2, got {dp} (world size {world} = "
+            f"tensor {tp} x pipeline {pp} x context {cp} x data {args.data_parallel_size}); "
+            f"allowed: a parallel layout with {label} >= 2"
+        )
+    expert = _expert_dp_size(args)
+    if expert is not None and expert[0] < 2:
+        raise TFTArgumentError(
+            "--enable-high-availability needs an expert-data-parallel size >= 2 for MoE, got "
+            f"{expert[0]} ({expert[1]}); allowed: a parallel layout with expert-data-parallel "
+            "size >= 2"
+        )
+    return dp, label, expert
+
+
 def _validate_high_availability(args: argparse.Namespace) -> int:
     """SPEC 10 with HA on; returns the effective replica number."""
     distributed = bool(getattr(args, "use_distributed_optimizer", False))
@@ -496,42 +546,8 @@ def _validate_high_availability(args: argparse.Namespace) -> int:
             "reboot without a replacement, and re-shards the distributed optimizer); allowed: "
             f"add {' and '.join(missing)} or remove --enable-elastic-training"
         )
-    if getattr(args, "swap_optimizer", False):
-        raise TFTArgumentError(
-            "--enable-high-availability cannot be combined with --swap-optimizer (it moves "
-            "optimizer state off the device); allowed: remove one of the two"
-        )
-    if getattr(args, "enable_gloo_process_groups", True) is False:
-        raise TFTArgumentError(
-            "--enable-high-availability cannot be combined with --disable-gloo-process-groups "
-            "(recovery needs the gloo process groups); allowed: remove one of the two"
-        )
-    if getattr(args, "disable_gloo_group", False):
-        raise TFTArgumentError(
-            "--enable-high-availability cannot be combined with --disable-gloo-group "
-            "(recovery needs the gloo process groups); allowed: remove one of the two"
-        )
-
-    dp = _dp_size(args)
-    label = _dp_label(args)
-    if dp < 2:
-        tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
-        pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
-        cp = int(getattr(args, "context_parallel_size", 1) or 1)
-        world = getattr(args, "world_size", None)
-        world = dp * tp * pp if world is None else int(world)
-        raise TFTArgumentError(
-            f"--enable-high-availability needs a {label} >= 2, got {dp} (world size {world} = "
-            f"tensor {tp} x pipeline {pp} x context {cp} x data {args.data_parallel_size}); "
-            f"allowed: a parallel layout with {label} >= 2"
-        )
-    expert = _expert_dp_size(args)
-    if expert is not None and expert[0] < 2:
-        raise TFTArgumentError(
-            "--enable-high-availability needs an expert-data-parallel size >= 2 for MoE, got "
-            f"{expert[0]} ({expert[1]}); allowed: a parallel layout with expert-data-parallel "
-            "size >= 2"
-        )
+    _refuse_with_high_availability(args)
+    dp, label, expert = _checked_data_parallel(args)
 
     if not distributed:
         return dp
