@@ -151,10 +151,11 @@ def test_metrics_settings() -> None:
     assert any("INSECURE: the metrics endpoint" in w for w in insecure.warnings)
 
 
-def test_the_flag_reaches_the_config_through_the_environment() -> None:
+def test_the_flag_reaches_the_config_through_the_environment(tmp_path: Path) -> None:
     def launch(*script_args: str) -> dict[str, str]:
         env = {"TFT_METRICS_PORT": "9000"}
-        launch_options(argparse.Namespace(training_script_args=list(script_args)), env)
+        args = [*script_args, "--save", str(tmp_path)]  # high availability needs one
+        launch_options(argparse.Namespace(training_script_args=args), env)
         return env
 
     env = launch("--enable-high-availability", "--tft-metrics-port", "9100")
