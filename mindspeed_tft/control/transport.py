@@ -77,9 +77,10 @@ def bound_port(sock: zmq.Socket) -> int:
     return int(last.rsplit(":", 1)[1])
 
 
-def raise_fd_limit(needed: int) -> int:
-    """Raise this process's open-files soft limit towards `needed` (a controller holds one
-    TCP connection per rank); returns the soft limit now in force."""
+def raise_fd_limit(needed: int, warn_below: int | None = None) -> int:
+    """Raise this process's open-files soft limit towards `needed` (at most to the hard
+    limit; a controller holds one TCP connection per rank); returns the soft limit now in
+    force, and warns when it is below `warn_below` (default `needed`)."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -91,8 +92,10 @@ def raise_fd_limit(needed: int) -> int:
         soft = target
     except (ValueError, OSError) as e:
         log.warning("cannot raise the open-files limit to %d: %s", target, e)
-    if soft < needed:
-        log.warning("open-files limit %d is below the %d this controller may need", soft, needed)
+    floor = needed if warn_below is None else warn_below
+    if soft < floor:
+        log.warning("open-files limit %d (hard limit %s) is below the %d this process needs",
+                    soft, hard, floor)
     return soft
 
 
@@ -247,60 +250,16 @@ class _KeyCheck:
         return ok
 
 
-class ConnectionCap:
-    """The TCP connections a controller's ROUTER holds, and the most it lets complete the
-    handshake.
-
-    The controller's loop feeds it the ROUTER's monitor events (`on_event`: accepted and
-    disconnected, each carrying the connection's file descriptor); the ZAP handler asks
-    `admit` during every handshake and refuses a connection while more than `limit` are
-    open, so libzmq closes it (the peer sees an authentication failure and may retry).
-    Connections still in the handshake count too: they last at most the handshake
-    interval."""
-
-    def __init__(self, limit: int) -> None:
-        if limit < 1:
-            raise ValueError(f"limit={limit} must be >= 1")
-        self.limit = limit
-        self.open: set[int] = set()
-        #: handshakes refused because the cap was reached
-        self.refused = 0
-
-    def on_event(self, event: int, value: int) -> None:
-        if event == zmq.EVENT_ACCEPTED:
-            self.open.add(value)
-        elif event == zmq.EVENT_DISCONNECTED:
-            self.open.discard(value)
-
-    def admit(self) -> bool:
-        if len(self.open) <= self.limit:
-            return True
-        self.refused += 1
-        if self.refused <= 10 or self.refused % 1000 == 0:
-            log.warning("refused connection #%d: %d open, at most %d", self.refused,
-                        len(self.open), self.limit)
-        return False
-
-
-def start_authenticator(ctx: zmq.Context, keys: CurveKeys | None,
-                        cap: ConnectionCap | None = None) -> Any:
-    """Run a ZAP handler (a ThreadAuthenticator) checking client keys (CURVE; `keys` None:
-    NULL, no keys) and the connection cap; stop it on close. A ROUTER asks it only when it
-    has a ZAP domain (`bind_router(zap=True)`)."""
+def start_authenticator(ctx: zmq.Context, keys: CurveKeys) -> Any:
+    """Run a ZAP handler (pyzmq's ThreadAuthenticator) admitting only the authorized CURVE
+    client keys; stop it on close. Only CURVE needs one: without it a connection shows
+    who it is by its REGISTER (the job's token), which `admission.Admission` watches."""
     from zmq.auth.thread import ThreadAuthenticator
 
-    class Capped(ThreadAuthenticator):
-        async def handle_zap_message(self, msg: list[bytes]) -> None:
-            if cap is not None and len(msg) >= 6 and not cap.admit():
-                self._send_zap_reply(msg[1], b"300", b"too many connections")
-                return
-            await super().handle_zap_message(msg)
-
-    auth = Capped(ctx, log=logging.getLogger("mindspeed_tft.control.zap"))
+    auth = ThreadAuthenticator(ctx, log=logging.getLogger("mindspeed_tft.control.zap"))
     auth.start()
-    if keys is not None:
-        auth.configure_curve_callback(domain=ZAP_DOMAIN,
-                                      credentials_provider=_KeyCheck(keys.authorized))
+    auth.configure_curve_callback(domain=ZAP_DOMAIN,
+                                  credentials_provider=_KeyCheck(keys.authorized))
     return auth
 
 
@@ -330,16 +289,14 @@ def _common(sock: zmq.Socket, addr: str, max_bytes: int, handshake_ms: int = HAN
 
 
 def bind_router(ctx: zmq.Context, addr: str, port: int, *, max_bytes: int,
-                curve: CurveKeys | None = None, zap: bool = False,
-                handshake_ms: int = HANDSHAKE_IVL_MS,
+                curve: CurveKeys | None = None, handshake_ms: int = HANDSHAKE_IVL_MS,
                 heartbeat_ms: tuple[int, int] = (ZMQ_HEARTBEAT_IVL_MS, ZMQ_HEARTBEAT_TIMEOUT_MS),
                 ) -> zmq.Socket:
     """A ROUTER bound to addr:port (port 0: any free port; see `bound_port`).
 
-    zap: ask the ZAP handler (`start_authenticator`) about every connection even without
-    CURVE (the connection cap); handshake_ms: a connection that has not completed the ZMTP
-    handshake by then is dropped; heartbeat_ms: (ZMTP PING interval, silence after which a
-    peer is dropped)."""
+    curve: the server keys (a ZAP handler, `start_authenticator`, checks the client keys);
+    handshake_ms: a connection that has not completed the ZMTP handshake by then is dropped;
+    heartbeat_ms: (ZMTP PING interval, silence after which a peer is dropped)."""
     sock = ctx.socket(zmq.ROUTER)
     _common(sock, addr, max_bytes, handshake_ms, heartbeat_ms)
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a processor's reconnect keeps its routing id
@@ -350,20 +307,34 @@ def bind_router(ctx: zmq.Context, addr: str, port: int, *, max_bytes: int,
         sock.setsockopt(zmq.CURVE_SERVER, 1)
         sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.server_public)
         sock.setsockopt(zmq.CURVE_SECRETKEY, curve.server_secret)
-    if curve is not None or zap:
         sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())
     sock.bind(endpoint(addr, port if port else "*"))
     return sock
 
 
-#: connection events a controller counts (accepted and disconnected: the connection cap)
-MONITOR_EVENTS = (zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+#: connection events a controller counts (accepted and disconnected carry the connection's
+#: file descriptor: `admission.Admission`)
+MONITOR_EVENTS = (zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPT_FAILED
                   | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
                   | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 MONITOR_NAMES = {zmq.EVENT_ACCEPTED: "accepted", zmq.EVENT_DISCONNECTED: "disconnected",
+                 zmq.EVENT_ACCEPT_FAILED: "accept_failed",
                  zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake_failed",
                  zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake_failed",
                  zmq.EVENT_HANDSHAKE_FAILED_AUTH: "auth_failed"}
+
+
+def monitor_socket(sock: zmq.Socket, events: int = MONITOR_EVENTS) -> zmq.Socket:
+    """A PAIR socket receiving `sock`'s monitor events, with no queue limit: libzmq drops
+    the events that do not fit (1,000 by default), and a registration storm of thousands
+    of connections makes several events each, which `admission.Admission` must all see."""
+    addr = f"inproc://monitor.{sock.underlying:x}"
+    sock.monitor(addr, events)
+    pair = sock.context.socket(zmq.PAIR)
+    pair.setsockopt(zmq.RCVHWM, 0)
+    pair.setsockopt(zmq.LINGER, 0)
+    pair.connect(addr)
+    return pair
 
 
 def connect_dealer(ctx: zmq.Context, addr: str, port: int, *, routing_id: bytes,
