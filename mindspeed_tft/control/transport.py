@@ -34,10 +34,12 @@ import hmac
 import ipaddress
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 import zmq
+from zmq.utils import z85
 
 from .config import ControlConfig, ControlConfigError
 
@@ -237,30 +239,87 @@ def check_bind(config: ControlConfig, addr: str, what: str) -> str | None:
             "who reaches it can read the job's state and end it")
 
 
-class _KeyCheck:
-    """ZAP credentials provider: admit only the authorized client public keys."""
+class ZapHandler:
+    """The ZAP handler (ZeroMQ RFC 27) of a controller process: admits a CURVE handshake
+    only for an authorized client public key, and sets the connection's User-Id to that
+    key (z85). A thread of its own answers every queued request at once, in microseconds
+    each: pyzmq's ThreadAuthenticator, on asyncio, took ~0.2 ms per request here, 3 s of
+    the controller's process during a start-up of 16,000 ranks. `stop` ends it."""
 
-    def __init__(self, keys: frozenset[bytes]) -> None:
-        self.keys = keys
+    ENDPOINT = "inproc://zeromq.zap.01"
 
-    def callback(self, domain: str, key: bytes) -> bool:
-        ok = key in self.keys
-        if not ok:
-            log.warning("CURVE: refused a client key (domain %s)", domain)
-        return ok
+    def __init__(self, ctx: zmq.Context, authorized: frozenset[bytes]) -> None:
+        self.ctx = ctx
+        self.authorized = authorized
+        #: handshakes admitted and refused
+        self.admitted = 0
+        self.refused = 0
+        self._running = True
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="tft-zap", daemon=True)
+
+    def start(self) -> ZapHandler:
+        self._thread.start()
+        self._ready.wait(10)
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def stop(self) -> None:
+        self._running = False
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        try:
+            sock = self.ctx.socket(zmq.ROUTER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind(self.ENDPOINT)
+        except zmq.ZMQError as e:
+            self._error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            while self._running:
+                if not sock.poll(100):
+                    continue
+                while True:
+                    try:
+                        request = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    reply = self.answer(request)
+                    if reply is not None:
+                        sock.send_multipart(reply)
+        finally:
+            sock.close(0)
+
+    def answer(self, request: list[bytes]) -> list[bytes] | None:
+        """The reply to one request ([routing id, b"", version, request id, domain, address,
+        identity, mechanism, credentials...]); None for a malformed one."""
+        if len(request) < 8 or request[1] != b"" or request[2] != b"1.0":
+            return None
+        head, request_id = request[:2], request[3]
+        domain, mechanism = request[4], request[7]
+        key = (z85.encode(request[8])
+               if mechanism == b"CURVE" and len(request) == 9 and len(request[8]) == 32
+               else None)
+        if domain == ZAP_DOMAIN.encode() and key is not None and key in self.authorized:
+            self.admitted += 1
+            return [*head, b"1.0", request_id, b"200", b"OK", key, b""]
+        self.refused += 1
+        if self.refused <= 10 or self.refused % 1000 == 0:
+            log.warning("CURVE: refused a client key (domain %s; refusal #%d)",
+                        domain.decode("ascii", "replace")[:32], self.refused)
+        return [*head, b"1.0", request_id, b"400", b"not an authorized key", b"", b""]
 
 
-def start_authenticator(ctx: zmq.Context, keys: CurveKeys) -> Any:
-    """Run a ZAP handler (pyzmq's ThreadAuthenticator) admitting only the authorized CURVE
-    client keys; stop it on close. Only CURVE needs one: without it a connection shows
-    who it is by its REGISTER (the job's token), which `admission.Admission` watches."""
-    from zmq.auth.thread import ThreadAuthenticator
-
-    auth = ThreadAuthenticator(ctx, log=logging.getLogger("mindspeed_tft.control.zap"))
-    auth.start()
-    auth.configure_curve_callback(domain=ZAP_DOMAIN,
-                                  credentials_provider=_KeyCheck(keys.authorized))
-    return auth
+def start_authenticator(ctx: zmq.Context, keys: CurveKeys) -> ZapHandler:
+    """Run the ZAP handler admitting only the authorized CURVE client keys; stop it on
+    close. Only CURVE needs one: without it a connection shows who it is by its REGISTER
+    (the job's token), which `admission.Admission` watches."""
+    return ZapHandler(ctx, keys.authorized).start()
 
 
 #: frames a controller's ROUTER queues per connection before libzmq stops reading that
