@@ -129,6 +129,8 @@ class Controller:
         #: this process' pid namespace: ranks registered from it are watched in /proc
         #: (`_watch_local_processes`); None: nobody is (a launcher reports its workers)
         self._pid_namespace = procfs.namespace() if watch_processes else None
+        #: the ranks whose processes run in it (their rows have `start`)
+        self._local: set[int] = set()
         self.sm = StateMachine(State.INIT, emit_events=False)  # INIT is announced on start
         self.sm.listeners.append(self._on_transition)
         self.drops = DropCounter(log)
@@ -532,12 +534,10 @@ class Controller:
             fd = part.get(zmq.SRCFD)
             if self.admission.is_pending(fd):
                 self.admission.admit(fd)
-        # CURVE: the sender's public key, the ZAP User-Id of its frame
-        key = user_id(part) if self._curve is not None else None
         if t == MsgType.HEARTBEAT:
             self._on_heartbeat(identity, msg)
         elif t == MsgType.REGISTER:
-            self._on_register(identity, msg, key, part)
+            self._on_register(identity, msg, self._key(part), part)
         elif t == MsgType.REPORT:
             self._on_report(identity, msg)
         elif t == MsgType.RESULT:
@@ -545,6 +545,7 @@ class Controller:
         elif t == MsgType.BYE:
             self._on_bye(identity, msg)
         elif t == MsgType.BACKUP and self.role == "active":
+            key = self._key(part)
             if token_ok(self.config, msg.payload.get("token")) and (
                     self._curve is None or key == self._curve.server_user_id):
                 self._admit(part)  # a backup controller: it holds the job's token
@@ -609,6 +610,10 @@ class Controller:
                 {"state": self.sm.state.value, "epoch": self.epoch, "role": self._role_name()})
         self.raw_send(identity, frame)
 
+    def _key(self, part: zmq.Frame) -> str | None:
+        """CURVE: the sender's public key, the ZAP User-Id of its frame (None without)."""
+        return user_id(part) if self._curve is not None else None
+
     def _admit(self, part: zmq.Frame) -> bool:
         """The connection `part` came by showed the job's token: admit it (False: the rank
         cap is reached)."""
@@ -627,14 +632,14 @@ class Controller:
             self.drops.drop("bad_token", f"register claiming rank {rank}")
             self._send(identity, MsgType.REJECT, REFUSED)
             return
-        if part is not None and not self._admit(part):
-            self.drops.drop("over_cap", f"register claiming rank {rank}")
-            self._send(identity, MsgType.REJECT, REFUSED_FOR_NOW)
-            return
         if not (0 <= rank < self.world_size) or p["world_size"] != self.world_size:
             self.drops.drop("bad_register", f"rank {rank} of world size {p['world_size']} "
                             f"(this job: {self.world_size})")
             self._send(identity, MsgType.REJECT, REFUSED)
+            return
+        if part is not None and not self._admit(part):
+            self.drops.drop("over_cap", f"register claiming rank {rank}")
+            self._send(identity, MsgType.REJECT, REFUSED_FOR_NOW)
             return
         bound = self.table.lookup(identity)
         if bound is not None and bound.rank != rank:
@@ -680,6 +685,8 @@ class Controller:
         info.last_seq = msg.seq
         info.fresh = fresh
         info.start = procfs.local_start(p.get("proc"), p["pid"], self._pid_namespace)
+        if info.start is not None:
+            self._local.add(rank)
         self.elasticity.note_registration(rank, p.get("replica"))
         if key is not None:
             self._rank_keys.setdefault(rank, key)
@@ -884,8 +891,12 @@ class Controller:
         would report it; one whose process ended otherwise or is already gone (reaped) is
         lost `_GONE_GRACE` later if it is still connected then (a clean exit's bye, sent
         before it ended, is read first)."""
-        for row in self.table.connected():
-            if row.start is None:
+        for rank in sorted(self._local):  # not every row: thousands of remote ranks, 4 x/s
+            row = self.table.get(rank)
+            if row is None or row.start is None:
+                self._local.discard(rank)
+                continue
+            if not row.connected:
                 continue
             running, code = procfs.process_state(row.pid, row.start)
             if running:

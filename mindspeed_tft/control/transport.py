@@ -9,8 +9,9 @@ itself make libzmq drop the sender's connection (ZMQ_MAXMSGSIZE) before any of o
 them, which the controller's socket monitor counts as a disconnect. Every socket also bounds
 what a peer can hold: a controller queues at most `ROUTER_RCVHWM` frames per connection
 (then libzmq stops reading that peer), a peer that never completes the ZMTP handshake is
-dropped after `HANDSHAKE_IVL_MS`, and ZMTP heartbeats drop a peer silent for
-`ZMQ_HEARTBEAT_TIMEOUT_MS` (a dead node leaves no half-open connection behind).
+dropped after `HANDSHAKE_IVL_MS`, and TCP keepalive with a retransmission bound drops the
+connection of a dead node (`TCP_KEEPALIVE`, `TCP_MAXRT_MS`: no half-open connection stays
+behind).
 
 CURVE (`ControlConfig.curve`): controllers and backups are CURVE servers with the server key
 pair; processors are CURVE clients with the client key pair and pin the server's PUBLIC key,
@@ -26,6 +27,7 @@ are ZeroMQ certificates (`python -m mindspeed_tft.control.keys DIR` writes one s
 
 Without CURVE a controller only binds loopback addresses unless `TTP_ALLOW_INSECURE=1`
 (`check_bind`); the per-job token (`TTP_JOB_TOKEN`) then authenticates registrations.
+Which connections a controller keeps, and for how long, is `admission.py`'s business.
 """
 
 from __future__ import annotations
@@ -325,39 +327,46 @@ def start_authenticator(ctx: zmq.Context, keys: CurveKeys) -> ZapHandler:
 #: frames a controller's ROUTER queues per connection before libzmq stops reading that
 #: connection (TCP back-pressure on that peer alone; a rank sends one heartbeat per interval)
 ROUTER_RCVHWM = 64
-#: ZMTP heartbeats (ms): a PING every IVL; a peer that sends nothing (not even a PONG) for
-#: TIMEOUT is dropped, so dead peers (a node gone without a FIN) do not keep connections open
-ZMQ_HEARTBEAT_IVL_MS = 2000
-ZMQ_HEARTBEAT_TIMEOUT_MS = 20000
+#: a peer gone without a FIN (a dead node) is found by the kernel: TCP keepalive probes a
+#: connection idle for IDLE s every INTVL s and drops it after CNT unanswered probes, and
+#: data left unacknowledged for TCP_MAXRT_MS drops it too (TCP_USER_TIMEOUT): ~20 s either
+#: way, at no cost to libzmq's I/O thread. ZMTP heartbeats did this before, but a PING and
+#: a PONG per connection per interval were two thirds of a controller's CPU at 4,000 ranks
+#: (0.15 of 0.18 cores measured here); liveness is the processors' own heartbeats, and
+#: connections that never show the job's token are closed by `admission.Admission`.
+TCP_KEEPALIVE = (10, 2, 5)  # (IDLE s, INTVL s, CNT)
+TCP_MAXRT_MS = 20000
 #: a connection that has not completed the ZMTP handshake within this is dropped
 HANDSHAKE_IVL_MS = 5000
 
 
 def _common(sock: zmq.Socket, addr: str, max_bytes: int, handshake_ms: int = HANDSHAKE_IVL_MS,
-            heartbeat_ms: tuple[int, int] = (ZMQ_HEARTBEAT_IVL_MS, ZMQ_HEARTBEAT_TIMEOUT_MS),
+            keepalive: tuple[int, int, int] = TCP_KEEPALIVE, maxrt_ms: int = TCP_MAXRT_MS,
             ) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     # libzmq cuts off a peer that sends a frame over the protocol limit before reading it
     sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
     sock.setsockopt(zmq.HANDSHAKE_IVL, handshake_ms)
-    sock.setsockopt(zmq.HEARTBEAT_IVL, heartbeat_ms[0])
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, heartbeat_ms[1])
-    sock.setsockopt(zmq.HEARTBEAT_TTL, heartbeat_ms[1])  # the peer's timeout of us
+    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, keepalive[0])
+    sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, keepalive[1])
+    sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, keepalive[2])
+    sock.setsockopt(zmq.TCP_MAXRT, maxrt_ms)
     if is_ipv6(addr):
         sock.setsockopt(zmq.IPV6, 1)
 
 
 def bind_router(ctx: zmq.Context, addr: str, port: int, *, max_bytes: int,
                 curve: CurveKeys | None = None, handshake_ms: int = HANDSHAKE_IVL_MS,
-                heartbeat_ms: tuple[int, int] = (ZMQ_HEARTBEAT_IVL_MS, ZMQ_HEARTBEAT_TIMEOUT_MS),
+                keepalive: tuple[int, int, int] = TCP_KEEPALIVE, maxrt_ms: int = TCP_MAXRT_MS,
                 ) -> zmq.Socket:
     """A ROUTER bound to addr:port (port 0: any free port; see `bound_port`).
 
     curve: the server keys (a ZAP handler, `start_authenticator`, checks the client keys);
     handshake_ms: a connection that has not completed the ZMTP handshake by then is dropped;
-    heartbeat_ms: (ZMTP PING interval, silence after which a peer is dropped)."""
+    keepalive, maxrt_ms: how the kernel finds a dead peer (`TCP_KEEPALIVE`, `TCP_MAXRT_MS`)."""
     sock = ctx.socket(zmq.ROUTER)
-    _common(sock, addr, max_bytes, handshake_ms, heartbeat_ms)
+    _common(sock, addr, max_bytes, handshake_ms, keepalive, maxrt_ms)
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a processor's reconnect keeps its routing id
     sock.setsockopt(zmq.BACKLOG, 4096)  # thousands of ranks connect at once (capped by somaxconn)
     sock.setsockopt(zmq.RCVHWM, ROUTER_RCVHWM)
