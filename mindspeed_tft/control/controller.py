@@ -330,7 +330,8 @@ class Controller:
             self._auth = start_authenticator(self._ctx, self._curve)
             self.backups.server_key = self._curve.server_user_id
         self._router = bind_router(self._ctx, self.bind_addr, self._port_wanted,
-                                   max_bytes=cfg.max_message_bytes, curve=self._curve)
+                                   max_bytes=cfg.max_message_bytes, curve=self._curve,
+                                   backlog=min(65535, max(4096, self.world_size)))
         self.port = bound_port(self._router)
         self._monitor = monitor_socket(self._router, MONITOR_EVENTS)
         self._started = self._now = time.monotonic()
@@ -621,25 +622,33 @@ class Controller:
             self._drain(self._monitor, self._on_monitor)
         return self.admission.admit(part.get(zmq.SRCFD))
 
+    def _refused(self, identity: bytes, msg: Message, part: zmq.Frame | None) -> bool:
+        """Refuse a registration without the job's token, for a rank or world size this
+        job does not have, or beyond the rank cap of admitted connections (True: refused).
+        A refusal says nothing about the job (no world size, no rank state): the details
+        go to this controller's log only."""
+        p, rank = msg.payload, msg.sender
+        if not token_ok(self.config, p.get("token")):
+            self.drops.drop("bad_token", f"register claiming rank {rank}")
+            self._send(identity, MsgType.REJECT, REFUSED)
+            return True
+        if not (0 <= rank < self.world_size) or p["world_size"] != self.world_size:
+            self.drops.drop("bad_register", f"rank {rank} of world size {p['world_size']} "
+                            f"(this job: {self.world_size})")
+            self._send(identity, MsgType.REJECT, REFUSED)
+            return True
+        if part is not None and not self._admit(part):  # its connection shows the token
+            self.drops.drop("over_cap", f"register claiming rank {rank}")
+            self._send(identity, MsgType.REJECT, REFUSED_FOR_NOW)
+            return True
+        return False
+
     def _on_register(self, identity: bytes, msg: Message, key: str | None = None,
                      part: zmq.Frame | None = None) -> None:
         """A rank registers; `key`: its CURVE public key (None without CURVE); `part`: the
         frame it came in (its connection is admitted once the token matches)."""
         p, rank, now = msg.payload, msg.sender, self._now
-        # a refusal says nothing about the job (no world size, no rank state): the details
-        # go to this controller's log only
-        if not token_ok(self.config, p.get("token")):
-            self.drops.drop("bad_token", f"register claiming rank {rank}")
-            self._send(identity, MsgType.REJECT, REFUSED)
-            return
-        if not (0 <= rank < self.world_size) or p["world_size"] != self.world_size:
-            self.drops.drop("bad_register", f"rank {rank} of world size {p['world_size']} "
-                            f"(this job: {self.world_size})")
-            self._send(identity, MsgType.REJECT, REFUSED)
-            return
-        if part is not None and not self._admit(part):
-            self.drops.drop("over_cap", f"register claiming rank {rank}")
-            self._send(identity, MsgType.REJECT, REFUSED_FOR_NOW)
+        if self._refused(identity, msg, part):
             return
         bound = self.table.lookup(identity)
         if bound is not None and bound.rank != rank:

@@ -359,16 +359,19 @@ def _common(sock: zmq.Socket, addr: str, max_bytes: int, handshake_ms: int = HAN
 def bind_router(ctx: zmq.Context, addr: str, port: int, *, max_bytes: int,
                 curve: CurveKeys | None = None, handshake_ms: int = HANDSHAKE_IVL_MS,
                 keepalive: tuple[int, int, int] = TCP_KEEPALIVE, maxrt_ms: int = TCP_MAXRT_MS,
-                ) -> zmq.Socket:
+                backlog: int = 4096) -> zmq.Socket:
     """A ROUTER bound to addr:port (port 0: any free port; see `bound_port`).
 
     curve: the server keys (a ZAP handler, `start_authenticator`, checks the client keys);
     handshake_ms: a connection that has not completed the ZMTP handshake by then is dropped;
-    keepalive, maxrt_ms: how the kernel finds a dead peer (`TCP_KEEPALIVE`, `TCP_MAXRT_MS`)."""
+    keepalive, maxrt_ms: how the kernel finds a dead peer (`TCP_KEEPALIVE`, `TCP_MAXRT_MS`);
+    backlog: connections the kernel queues until libzmq accepts them (a registration storm
+    of every rank at once; capped by net.core.somaxconn, whose overflow makes a client
+    retry its SYN a second later)."""
     sock = ctx.socket(zmq.ROUTER)
     _common(sock, addr, max_bytes, handshake_ms, keepalive, maxrt_ms)
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a processor's reconnect keeps its routing id
-    sock.setsockopt(zmq.BACKLOG, 4096)  # thousands of ranks connect at once (capped by somaxconn)
+    sock.setsockopt(zmq.BACKLOG, backlog)
     sock.setsockopt(zmq.RCVHWM, ROUTER_RCVHWM)
     sock.setsockopt(zmq.SNDHWM, 10_000)
     if curve is not None:
