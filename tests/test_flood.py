@@ -306,8 +306,10 @@ def test_hostile_connections_never_keep_a_restarted_worker_out(mode, reference_j
     hostile_n = sum(HOSTILE[mode].values())
     print(f"{mode}: repaired {seconds:.2f} s after the kill; connections to the controller "
           f"around it {min(held)}..{max(held)} (hostile peers: {HOSTILE[mode]})")
-    # the hostile peers held their connections through the fault (a few reconnecting)
-    assert held and min(held) >= 0.9 * hostile_n, held
+    # the hostile peers held their connections through the fault: those closed at their
+    # deadline come back within a tenth of a second (a cohort that connected together is
+    # closed together, so a sample may catch a dip)
+    assert held and sorted(held)[len(held) // 2] >= 0.9 * hostile_n, held
     assert seconds <= REPAIR_BOUND_S, seconds
 
 

@@ -331,6 +331,8 @@ class Controller:
             self.backups.server_key = self._curve.server_user_id
         self._router = bind_router(self._ctx, self.bind_addr, self._port_wanted,
                                    max_bytes=cfg.max_message_bytes, curve=self._curve,
+                                   # a backstop: admission closes a pending one first
+                                   handshake_ms=int(cfg.admit_deadline * 1000) + 1000,
                                    backlog=min(65535, max(4096, self.world_size)))
         self.port = bound_port(self._router)
         self._monitor = monitor_socket(self._router, MONITOR_EVENTS)

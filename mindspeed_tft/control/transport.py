@@ -336,8 +336,13 @@ ROUTER_RCVHWM = 64
 #: connections that never show the job's token are closed by `admission.Admission`.
 TCP_KEEPALIVE = (10, 2, 5)  # (IDLE s, INTVL s, CNT)
 TCP_MAXRT_MS = 20000
-#: a connection that has not completed the ZMTP handshake within this is dropped
+#: a connection that has not completed the ZMTP handshake within this is dropped (a
+#: controller gives its own `ControlConfig.admit_deadline`: in a registration storm of
+#: thousands of CURVE handshakes, ~0.5 ms of CPU each here, the last ones take seconds,
+#: and a handshake cut off by a timeout is work lost and a reconnect more)
 HANDSHAKE_IVL_MS = 5000
+#: the same on a processor's side: longer than any controller's
+DEALER_HANDSHAKE_IVL_MS = 30000
 
 
 def _common(sock: zmq.Socket, addr: str, max_bytes: int, handshake_ms: int = HANDSHAKE_IVL_MS,
@@ -412,7 +417,7 @@ def connect_dealer(ctx: zmq.Context, addr: str, port: int, *, routing_id: bytes,
                    max_bytes: int, curve: CurveKeys | None = None) -> zmq.Socket:
     """A DEALER connected to a controller, with a fixed routing id."""
     sock = ctx.socket(zmq.DEALER)
-    _common(sock, addr, max_bytes)
+    _common(sock, addr, max_bytes, DEALER_HANDSHAKE_IVL_MS)
     sock.setsockopt(zmq.ROUTING_ID, routing_id)
     sock.setsockopt(zmq.RECONNECT_IVL, 100)
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
