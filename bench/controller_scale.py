@@ -101,12 +101,15 @@ def _dealer(ctx: zmq.Context, port: int, source: str, curve: dict[str, bytes] | 
 class _Sim:
     """One simulator process' state: a DEALER per rank and what they heard."""
 
-    def __init__(self, conn: Any, ranks: list[int], socks: list[zmq.Socket],
+    def __init__(self, conn: Any, ranks: list[int], world: int, socks: list[zmq.Socket],
                  interval: float, misses: int) -> None:
         self.conn, self.ranks, self.socks = conn, ranks, socks
         self.n = len(ranks)
         self.interval = interval
-        self.seq = [1] * self.n
+        self.world = world
+        self.seq = [0] * self.n
+        self.registered = [False] * self.n
+        self.registered_at = [0.0] * self.n  # when its REGISTER was last sent
         self.silent: set[int] = set()
         self.last_sent = [0.0] * self.n  # a heartbeat or a result: the controller hears it
         self.heard = [0.0] * self.n  # like a Processor: ask for an ack when not heard a while
@@ -116,15 +119,31 @@ class _Sim:
         self.poller: zmq.Poller | None = None  # after the report: every rank answers holds
         self.index = {id(sock): i for i, sock in enumerate(socks)}
 
+    def register(self, i: int) -> None:
+        """Send rank i's REGISTER (queued until its connection is up)."""
+        self.seq[i] += 1
+        self.socks[i].send(encode(MsgType.REGISTER, self.ranks[i], self.seq[i], {
+            "world_size": self.world, "pid": os.getpid(), "host": "sim", "token": TOKEN}),
+            zmq.NOBLOCK)
+        self.registered_at[i] = time.monotonic()
+
     def heartbeat(self, i: int, now: float) -> None:
+        """Rank i's turn: a heartbeat, or, like a processor not registered yet, its
+        REGISTER again (once an interval)."""
         if self.poller is None and i not in self.watching:
             while True:  # throw the acks (and actions) away
                 try:
-                    self.socks[i].recv(zmq.NOBLOCK)
+                    frame = self.socks[i].recv(zmq.NOBLOCK)
                     self.heard[i] = now
+                    if not self.registered[i]:
+                        self.registered[i] = msgpack.unpackb(frame)[1] == MsgType.REGISTERED
                 except zmq.Again:
                     break
         if i in self.silent:
+            return
+        if not self.registered[i]:
+            if now - self.registered_at[i] >= self.interval:
+                self.register(i)
             return
         self.seq[i] += 1
         try:
@@ -213,12 +232,10 @@ def simulate(conn: Any, port: int, ranks: list[int], world: int, interval: float
     ctx = zmq.Context(io_threads=1)
     ctx.set(zmq.MAX_SOCKETS, n + 64)
     socks = [_dealer(ctx, port, source, curve) for _ in range(n)]
-    for i, r in enumerate(ranks):  # queued until the connection is up
-        socks[i].send(encode(MsgType.REGISTER, r, 1, {"world_size": world, "pid": os.getpid(),
-                                                      "host": "sim", "token": TOKEN}),
-                      zmq.NOBLOCK)
+    sim = _Sim(conn, ranks, world, socks, interval, misses)
+    for i in range(n):  # all at once
+        sim.register(i)
     conn.send(("connected", n))
-    sim = _Sim(conn, ranks, socks, interval, misses)
     start = time.monotonic()
     i = rnd = 0
     ready: list[tuple[Any, int]] | None = None

@@ -13,9 +13,12 @@ connection class:
   registration beyond it is refused for now. Only holders of the token can be admitted.
 - *pending*: everything else (in the ZMTP or CURVE handshake, or past it without a valid
   REGISTER: idle DEALERs, peers without the token, raw TCP). They have their own bound,
-  separate from the ranks': each is closed `deadline` seconds after it was accepted, and
-  beyond `pending_cap` the controller closes at once the oldest pending connection of the
-  source address holding the most. A newcomer is never refused, so a rank's (replacement)
+  separate from the ranks': each is closed `deadline` seconds after it was accepted, plus
+  `transport.STORM_ALLOWANCE_S` (1 ms) for every connection pending when it was (in a
+  registration storm every rank's handshake is queued at once, and a CURVE handshake costs
+  ~0.5 ms of the I/O thread here, so 16,000 of them take seconds); and beyond `pending_cap`
+  the controller closes at once the oldest pending connection of the source address
+  holding the most. A newcomer is never refused, so a rank's (replacement)
   process connecting while hostile peers hold the pending room is admitted as soon as its
   REGISTER is read (within milliseconds), which pushes only the hostile peers out.
 
@@ -37,6 +40,8 @@ from typing import NamedTuple
 
 import zmq
 
+from .transport import storm_allowance
+
 log = logging.getLogger("mindspeed_tft.control.admission")
 
 #: pending connections a controller keeps beyond one per rank (a registration storm is W
@@ -47,9 +52,10 @@ FD_RESERVE = 256
 
 
 class Peer(NamedTuple):
-    """One accepted connection: when, and from where."""
+    """One accepted connection: when, until when it may stay pending, and from where."""
 
     since: float
+    expires: float
     family: int
     addr: tuple[str, int] | None  # (ip, port); None if it could not be read
 
@@ -95,7 +101,8 @@ class Admission:
 
     rank_cap: the most admitted connections; pending_cap: the most pending ones, fewer when
     open files run short (`files`: what admitted ones leave of the process' open-files
-    limit); deadline: seconds a pending connection is kept."""
+    limit); deadline: seconds a pending connection is kept (plus the storm allowance for
+    the connections pending when it was accepted)."""
 
     def __init__(self, rank_cap: int, pending_cap: int, deadline: float) -> None:
         if rank_cap < 1 or pending_cap < 1:
@@ -109,6 +116,9 @@ class Admission:
         self.files: int | None = None
         #: fd -> peer, oldest first
         self.pending: OrderedDict[int, Peer] = OrderedDict()
+        #: (expires, since, fd) of the pending connections, soonest first (an entry whose
+        #: connection was admitted or closed since is skipped when it comes up)
+        self._expiry: list[tuple[float, float, int]] = []
         #: source ip -> its pending fds, oldest first
         self._by_source: dict[str, OrderedDict[int, None]] = {}
         self.admitted: dict[int, Peer] = {}
@@ -129,12 +139,23 @@ class Admission:
         """More pending connections than there is room for?"""
         return len(self.pending) > self.room()
 
+    def _next_expiry(self) -> tuple[float, float, int] | None:
+        """The soonest deadline of a connection still pending."""
+        heap = self._expiry
+        while heap:
+            _, since, fd = heap[0]
+            peer = self.pending.get(fd)
+            if peer is not None and peer.since == since:
+                return heap[0]
+            heapq.heappop(heap)
+        return None
+
     def due(self, now: float) -> bool:
         """Is a pending connection past its deadline, or are there too many?"""
         if not self.pending:
             return False
-        return (next(iter(self.pending.values())).since <= now - self.deadline
-                or len(self.pending) > self.room())
+        soonest = self._next_expiry()
+        return (soonest is not None and soonest[0] <= now) or len(self.pending) > self.room()
 
     # -- monitor events ----------------------------------------------------------------
     def on_event(self, event: int, fd: int, now: float) -> None:
@@ -142,7 +163,10 @@ class Admission:
         if event == zmq.EVENT_ACCEPTED:
             self._forget(fd)  # a descriptor reused after a disconnect we did not see
             family, addr = peer_of(fd)
-            self.pending[fd] = Peer(now, family, addr)
+            # the handshakes of the connections pending now may be queued ahead of its own
+            expires = now + self.deadline + storm_allowance(len(self.pending))
+            self.pending[fd] = Peer(now, expires, family, addr)
+            heapq.heappush(self._expiry, (expires, now, fd))
             self._by_source.setdefault(self._source(addr), OrderedDict())[fd] = None
         elif event == zmq.EVENT_DISCONNECTED:
             self._forget(fd)
@@ -189,12 +213,9 @@ class Admission:
         """Close the pending connections past their deadline, then the oldest of the
         biggest sources beyond `pending_cap`; returns how many were closed."""
         closed = 0
-        limit = now - self.deadline
-        while self.pending:
-            fd, peer = next(iter(self.pending.items()))
-            if peer.since > limit:
-                break
-            self._close(fd, peer)
+        while (soonest := self._next_expiry()) is not None and soonest[0] <= now:
+            fd = heapq.heappop(self._expiry)[2]
+            self._close(fd, self.pending[fd])
             self.expired += 1
             closed += 1
         room = self.room()

@@ -76,6 +76,7 @@ from .transport import (
     monitor_socket,
     raise_fd_limit,
     start_authenticator,
+    storm_allowance,
     token_ok,
     user_id,
 )
@@ -329,10 +330,11 @@ class Controller:
         if self._curve is not None:  # the ZAP handler admits the authorized client keys
             self._auth = start_authenticator(self._ctx, self._curve)
             self.backups.server_key = self._curve.server_user_id
+        # libzmq's handshake interval is a backstop: admission closes a pending one first
+        backstop = cfg.admit_deadline + 1 + storm_allowance(self.admission.pending_cap)
         self._router = bind_router(self._ctx, self.bind_addr, self._port_wanted,
                                    max_bytes=cfg.max_message_bytes, curve=self._curve,
-                                   # a backstop: admission closes a pending one first
-                                   handshake_ms=int(cfg.admit_deadline * 1000) + 1000,
+                                   handshake_ms=int(1000 * backstop),
                                    backlog=min(65535, max(4096, self.world_size)))
         self.port = bound_port(self._router)
         self._monitor = monitor_socket(self._router, MONITOR_EVENTS)

@@ -75,12 +75,27 @@ def test_pending_connections_close_at_their_deadline(conns: Conns) -> None:
     assert adm.admit(conns.servers["b"].fileno())
     assert adm.enforce(104.9) == 0 and not adm.due(104.9)
     assert adm.due(105.0) and adm.enforce(105.5) == 1  # "a" at 100 + 5
-    assert adm.enforce(107.0) == 1  # "c" at 102 + 5; "b" is admitted: kept
+    # "c" at 102 + 5, plus 1 ms for each of the two connections pending when it came (the
+    # handshakes that may have been queued ahead of it); "b" is admitted: kept
+    assert adm.enforce(107.0) == 0 and adm.enforce(107.002) == 1
     assert [conns.closed(n) for n in "abc"] == [True, False, True]
     assert adm.view() == {"admitted": 1, "pending": 0, "open": 1, "closed_at_deadline": 2,
                           "closed_for_room": 0, "refused_over_cap": 0}
     adm.on_event(zmq.EVENT_DISCONNECTED, conns.servers["b"].fileno(), now=107.0)
     assert adm.view()["open"] == 0
+
+
+def test_a_storm_of_connections_gets_time_for_its_handshakes(conns: Conns) -> None:
+    """A connection accepted while 2,000 others are pending gets 2 s more: every
+    handshake ahead of it may take that long in a registration storm."""
+    adm = Admission(rank_cap=8, pending_cap=4000, deadline=5.0)
+    for fd in range(100_000, 102_000):  # no such descriptors: nothing to shut down
+        adm.on_event(zmq.EVENT_ACCEPTED, fd, now=0.0)
+    adm.on_event(zmq.EVENT_ACCEPTED, conns.open("late"), now=1.0)
+    assert adm.enforce(5.0) == 1  # the first of the 2,000 (no one pending before it)
+    assert adm.enforce(7.99) == 1999  # each 1 ms later than the one before
+    assert adm.enforce(7.999) == 0 and not conns.closed("late")
+    assert adm.enforce(8.0) == 1 and conns.closed("late")
 
 
 def test_beyond_its_room_the_biggest_source_makes_room(conns: Conns) -> None:
