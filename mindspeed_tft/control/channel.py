@@ -35,7 +35,7 @@ from .config import ControlConfig, parse_hostport
 from .orders import Order, Orders
 from .priority import raise_priority
 from .protocol import CONTROLLER, DropCounter, MsgType, ProtocolError, decode, encode
-from .transport import CurveKeys, connect_dealer, new_routing_id
+from .transport import CurveKeys, connect_dealer, new_routing_id, storm_allowance
 
 # the processor's parts log as the processor
 log = logging.getLogger("mindspeed_tft.control.processor")
@@ -259,8 +259,13 @@ class Channel:
         """The address to switch to: asked for (redirect), or the next after a silence."""
         if self._switch_to is not None:
             return self._switch_to
-        # one interval more than a rank gets: acks come every other heartbeat or so
-        if now - self._last_heard > self.interval * (self.misses + 1):
+        # one interval more than a rank gets: acks come every other heartbeat or so; until
+        # it is registered there, as long again as every rank's handshake at once may take
+        # (a registration storm: a reconnect would throw its handshake's work away)
+        patience = self.interval * (self.misses + 1)
+        if not self._registered_here:
+            patience += storm_allowance(self.world_size)
+        if now - self._last_heard > patience:
             log.warning("rank %d: controller %s:%d silent for %.1fs; failing over", self.rank,
                         *self.addresses[self._addr_index], now - self._last_heard)
             return (self._addr_index + 1) % len(self.addresses)

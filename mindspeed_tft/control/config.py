@@ -257,6 +257,11 @@ class ControlConfig:
     #: a controller may bind a non-loopback address without CURVE (TTP_ALLOW_INSECURE=1)
     allow_insecure: bool = False
     max_message_bytes: int = 1 << 20
+    #: seconds a controller keeps a connection that has not shown the job's token (no valid
+    #: REGISTER or backup announcement yet, `admission.py`) before it closes it; longer than
+    #: the ZMTP handshake interval (5 s), since a CURVE handshake may take that long in a
+    #: registration storm
+    admit_deadline: float = 10.0
     #: seconds a processor waits for the controller's decision after reporting an error;
     #: None: derived from the action time limit (enough for every phase of an incident:
     #: hold, stop, clean, repair, rollback, dump, rename)
@@ -299,6 +304,8 @@ class ControlConfig:
             raise ControlConfigError(f"heartbeat_misses={self.heartbeat_misses} must be >= 1")
         if self.action_time_limit <= 0:
             raise ControlConfigError(f"action_time_limit={self.action_time_limit} must be > 0")
+        if not self.admit_deadline > 0:
+            raise ControlConfigError(f"admit_deadline={self.admit_deadline} must be > 0")
         self.controller_addr = parse_ip(self.controller_addr, "controller_addr")
         self.processor_addr = parse_ip(self.processor_addr, "processor_addr", allow_wildcard=False)
         self.port = parse_port(self.port, "port", allow_any=True)  # 0: a controller binds any port

@@ -41,6 +41,7 @@ from .. import procfs
 from ..events import CONTROLLER_RANK, configure_events, emit
 from ..features import Features
 from . import local
+from .admission import FD_RESERVE, PENDING_MARGIN, Admission
 from .backup import BackupSync
 from .classify import FaultKind
 from .config import ControlConfig, ControlConfigError, port_in_use, setup_logging
@@ -67,14 +68,15 @@ from .transport import (
     MONITOR_NAMES,
     REFUSED,
     REFUSED_FOR_NOW,
-    ConnectionCap,
     CurveKeys,
     bind_router,
     bound_port,
     check_bind,
     hostport,
+    monitor_socket,
     raise_fd_limit,
     start_authenticator,
+    storm_allowance,
     token_ok,
     user_id,
 )
@@ -128,14 +130,18 @@ class Controller:
         #: this process' pid namespace: ranks registered from it are watched in /proc
         #: (`_watch_local_processes`); None: nobody is (a launcher reports its workers)
         self._pid_namespace = procfs.namespace() if watch_processes else None
+        #: the ranks whose processes run in it (their rows have `start`)
+        self._local: set[int] = set()
         self.sm = StateMachine(State.INIT, emit_events=False)  # INIT is announced on start
         self.sm.listeners.append(self._on_transition)
         self.drops = DropCounter(log)
         #: per-type frame caps and msgpack limits for this world size (protocol.Limits)
         self.limits = Limits.for_world(world_size, self.config.max_message_bytes)
-        #: open connections; beyond a connection per rank twice over (replacements while
-        #: the old connection times out), two backups and a margin, handshakes are refused
-        self.connection_cap = ConnectionCap(2 * world_size + 64)
+        #: the ROUTER's connections by class: admitted (showed the job's token; at most a
+        #: connection per rank twice over, for replacements while the old connection times
+        #: out, two backups and a margin) and pending (their own bound and deadline)
+        self.admission = Admission(2 * world_size + 64, world_size + PENDING_MARGIN,
+                                   self.config.admit_deadline)
         self.epoch = 0
         self.flow: IncidentFlow | None = None
         self.incidents = 0
@@ -311,21 +317,26 @@ class Controller:
 
     def _setup(self) -> None:
         cfg = self.config
-        raise_fd_limit(self.world_size + 512)
+        # a connection per rank and pending room; warned about only below one per rank
+        files = raise_fd_limit(2 * self.world_size + PENDING_MARGIN + FD_RESERVE,
+                               warn_below=self.world_size + FD_RESERVE + 64)
+        self.admission.files = files
         what = f"{self.role} controller"
         warning = check_bind(cfg, self.bind_addr, what)  # no unauthenticated network bind
         if warning is not None:
             log.warning("%s", warning)
         self._ctx = zmq.Context()
         self._curve = CurveKeys.from_config(cfg, server=True)
-        # the ZAP handler checks CURVE keys and caps the connections (NULL mechanism too)
-        self._auth = start_authenticator(self._ctx, self._curve, self.connection_cap)
-        if self._curve is not None:
+        if self._curve is not None:  # the ZAP handler admits the authorized client keys
+            self._auth = start_authenticator(self._ctx, self._curve)
             self.backups.server_key = self._curve.server_user_id
+        # libzmq's handshake interval is a backstop: admission closes a pending one first
+        backstop = cfg.admit_deadline + 1 + storm_allowance(self.admission.pending_cap)
         try:
             self._router = bind_router(self._ctx, self.bind_addr, self._port_wanted,
                                        max_bytes=cfg.max_message_bytes, curve=self._curve,
-                                       zap=True)
+                                       handshake_ms=int(1000 * backstop),
+                                       backlog=min(65535, max(4096, self.world_size)))
         except zmq.ZMQError as error:  # one line naming the port and what sets it
             if error.errno != zmq.EADDRINUSE:
                 raise
@@ -334,7 +345,7 @@ class Controller:
                               "the controller" if active else what,
                               "TTP_PORT" if active else "TTP_BACKUP_ADDRS") from None
         self.port = bound_port(self._router)
-        self._monitor = self._router.get_monitor_socket(MONITOR_EVENTS)
+        self._monitor = monitor_socket(self._router, MONITOR_EVENTS)
         self._started = self._now = time.monotonic()
         if self.role == "backup":
             self.backups.connect(self._ctx, self._curve, self._now)
@@ -405,14 +416,14 @@ class Controller:
             if self._wake_r in events:
                 os.read(self._wake_r, 4096)
                 self._run_commands()
+            if self._monitor is not None and self._monitor in events:
+                self._drain(self._monitor, self._on_monitor)
             drained = 0
             if self._router in events:
-                drained = self._drain(self._router, self._on_frames)
+                drained = self._drain_router()
             if self.backups.upstream is not None and self.backups.upstream in events:
                 self._drain(self.backups.upstream,
                             lambda frames: self.backups.on_upstream(frames, self._now))
-            if self._monitor is not None and self._monitor in events:
-                self._drain(self._monitor, self._on_monitor)
             if self._now >= next_tick:
                 self._tick(self._now)
                 next_tick = self._now + tick
@@ -432,13 +443,34 @@ class Controller:
         deadline = time.monotonic() + budget
         for n in range(_DRAIN_BATCH):
             try:
-                # CURVE: the router's frames as zmq.Frame, which carry the peer's key
-                frames = sock.recv_multipart(
-                    zmq.NOBLOCK, copy=sock is not self._router or self._curve is None)
+                frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return n
             self._now = now = time.monotonic()
             handler(frames)
+            if now > deadline:
+                return n + 1
+        return _DRAIN_BATCH
+
+    def _drain_router(self, budget: float = _DRAIN_SLICE) -> int:
+        """`_drain` for what processors and backups sent: each message is the sender's
+        routing id, then its frame as a `zmq.Frame`, which names the connection it came by
+        (`zmq.SRCFD`: admission) and, under CURVE, the peer's key."""
+        sock = self._router
+        assert sock is not None
+        deadline = time.monotonic() + budget
+        for n in range(_DRAIN_BATCH):
+            try:
+                identity = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return n
+            part = sock.recv(zmq.NOBLOCK, copy=False)  # a ROUTER's message has one more part
+            extra = 0
+            while part.more:  # a message of several frames: read to its end, then drop it
+                part = sock.recv(zmq.NOBLOCK, copy=False)
+                extra += 1
+            self._now = now = time.monotonic()
+            self._on_frame(identity, part, extra)
             if now > deadline:
                 return n + 1
         return _DRAIN_BATCH
@@ -484,33 +516,41 @@ class Controller:
             self.backups.tick_active(now)
         else:
             self.backups.standby_tick(now)
+        if self._router is not None and self.admission.due(now):
+            self._drain_router(_LOST_DRAIN)  # a REGISTER already queued admits its connection
+            self.admission.enforce(now)
         self._write_snapshot()
 
     # -- frames from processors -------------------------------------------------------------
-    def _on_frames(self, frames: list[Any]) -> None:
-        key = None  # CURVE: the sender's public key, the ZAP User-Id of its zmq.Frame
-        if self._curve is not None:
-            key = user_id(frames[-1])
-            frames = [f.bytes for f in frames]
-        if len(frames) != 2:
-            self.drops.drop("frames", f"{len(frames) - 1} frames")
+    def _on_frame(self, identity: bytes, part: zmq.Frame, extra: int = 0) -> None:
+        """One message from the ROUTER: the sender's routing id and its frame (`extra`:
+        how many frames more it had)."""
+        if extra:
+            self.drops.drop("frames", f"{extra + 1} frames")
             return
-        identity, frame = frames
+        frame = part.bytes
+        bound = self.table.lookup(identity)
         try:
             # the type from the header, its size cap, and whether this connection may send
             # it at all, before anything is decoded: a refused frame costs microseconds
             t = peek(frame, self.limits, TO_CONTROLLER)
-            if t not in _UNBOUND_TYPES and self.table.lookup(identity) is None:
+            if t not in _UNBOUND_TYPES and bound is None:
                 raise ProtocolError("unregistered", t)
             msg = decode(frame, limits=self.limits, mtype=t)
         except ProtocolError as e:
             self.drops.drop(e.reason, e.detail)
             self._snapshot_dirty = True
             return
+        if bound is not None and self.admission.pending:
+            # a registered rank's process, maybe on a new connection (a reconnect keeps its
+            # routing id): that connection is admitted
+            fd = part.get(zmq.SRCFD)
+            if self.admission.is_pending(fd):
+                self.admission.admit(fd)
         if t == MsgType.HEARTBEAT:
             self._on_heartbeat(identity, msg)
         elif t == MsgType.REGISTER:
-            self._on_register(identity, msg, key)
+            self._on_register(identity, msg, self._key(part), part)
         elif t == MsgType.REPORT:
             self._on_report(identity, msg)
         elif t == MsgType.RESULT:
@@ -518,6 +558,10 @@ class Controller:
         elif t == MsgType.BYE:
             self._on_bye(identity, msg)
         elif t == MsgType.BACKUP and self.role == "active":
+            key = self._key(part)
+            if token_ok(self.config, msg.payload.get("token")) and (
+                    self._curve is None or key == self._curve.server_user_id):
+                self._admit(part)  # a backup controller: it holds the job's token
             self.backups.on_backup(identity, msg, self._now, key)
         else:
             self.drops.drop("unexpected_type", t)
@@ -579,19 +623,44 @@ class Controller:
                 {"state": self.sm.state.value, "epoch": self.epoch, "role": self._role_name()})
         self.raw_send(identity, frame)
 
-    def _on_register(self, identity: bytes, msg: Message, key: str | None = None) -> None:
-        """A rank registers; `key`: its CURVE public key (None without CURVE)."""
-        p, rank, now = msg.payload, msg.sender, self._now
-        # a refusal says nothing about the job (no world size, no rank state): the details
-        # go to this controller's log only
+    def _key(self, part: zmq.Frame) -> str | None:
+        """CURVE: the sender's public key, the ZAP User-Id of its frame (None without)."""
+        return user_id(part) if self._curve is not None else None
+
+    def _admit(self, part: zmq.Frame) -> bool:
+        """The connection `part` came by showed the job's token: admit it (False: the rank
+        cap is reached)."""
+        if self._monitor is not None:  # its accept was announced before the frame came
+            self._drain(self._monitor, self._on_monitor)
+        return self.admission.admit(part.get(zmq.SRCFD))
+
+    def _refused(self, identity: bytes, msg: Message, part: zmq.Frame | None) -> bool:
+        """Refuse a registration without the job's token, for a rank or world size this
+        job does not have, or beyond the rank cap of admitted connections (True: refused).
+        A refusal says nothing about the job (no world size, no rank state): the details
+        go to this controller's log only."""
+        p, rank = msg.payload, msg.sender
         if not token_ok(self.config, p.get("token")):
             self.drops.drop("bad_token", f"register claiming rank {rank}")
             self._send(identity, MsgType.REJECT, REFUSED)
-            return
+            return True
         if not (0 <= rank < self.world_size) or p["world_size"] != self.world_size:
             self.drops.drop("bad_register", f"rank {rank} of world size {p['world_size']} "
                             f"(this job: {self.world_size})")
             self._send(identity, MsgType.REJECT, REFUSED)
+            return True
+        if part is not None and not self._admit(part):  # its connection shows the token
+            self.drops.drop("over_cap", f"register claiming rank {rank}")
+            self._send(identity, MsgType.REJECT, REFUSED_FOR_NOW)
+            return True
+        return False
+
+    def _on_register(self, identity: bytes, msg: Message, key: str | None = None,
+                     part: zmq.Frame | None = None) -> None:
+        """A rank registers; `key`: its CURVE public key (None without CURVE); `part`: the
+        frame it came in (its connection is admitted once the token matches)."""
+        p, rank, now = msg.payload, msg.sender, self._now
+        if self._refused(identity, msg, part):
             return
         bound = self.table.lookup(identity)
         if bound is not None and bound.rank != rank:
@@ -641,6 +710,8 @@ class Controller:
         info.last_seq = msg.seq
         info.fresh = fresh
         info.start = procfs.local_start(p.get("proc"), p["pid"], self._pid_namespace)
+        if info.start is not None:
+            self._local.add(rank)
         self.elasticity.note_registration(rank, p.get("replica"))
         if key is not None:
             self._rank_keys.setdefault(rank, key)
@@ -781,12 +852,14 @@ class Controller:
         name = MONITOR_NAMES.get(event)
         if name is None:
             return
-        self.connection_cap.on_event(event, value)  # accepted/disconnected: which fds are open
+        self.admission.on_event(event, value, self._now)  # accepted/disconnected: by fd
         n = self.connections.get(name, 0) + 1
         self.connections[name] = n
         self._snapshot_dirty = True
         if name not in ("disconnected", "accepted") and (n <= 10 or n % 1000 == 0):
             log.warning("connection event #%d: %s", n, name)
+        if event == zmq.EVENT_ACCEPTED and self.admission.crowded():
+            self.admission.enforce(self._now)  # the oldest pending make room for the newest
 
     # -- faults -----------------------------------------------------------------------------
     def fault(self, rank: int, kind: FaultKind, message: str,
@@ -821,7 +894,7 @@ class Controller:
         overdue = self.table.overdue(now, self.config.lost_after)
         if overdue and self._router is not None:
             # their heartbeats may be queued behind other input: read it first (bounded)
-            self._drain(self._router, self._on_frames, _LOST_DRAIN)
+            self._drain_router(_LOST_DRAIN)
             overdue = self.table.overdue(now, self.config.lost_after)  # still silent
         for row in overdue:
             silent = now - row.last_seen
@@ -843,8 +916,12 @@ class Controller:
         would report it; one whose process ended otherwise or is already gone (reaped) is
         lost `_GONE_GRACE` later if it is still connected then (a clean exit's bye, sent
         before it ended, is read first)."""
-        for row in self.table.connected():
-            if row.start is None:
+        for rank in sorted(self._local):  # not every row: thousands of remote ranks, 4 x/s
+            row = self.table.get(rank)
+            if row is None or row.start is None:
+                self._local.discard(rank)
+                continue
+            if not row.connected:
                 continue
             running, code = procfs.process_state(row.pid, row.start)
             if running:
@@ -868,7 +945,7 @@ class Controller:
         """`rank`'s process `how` ("killed by signal 9", ...): lost, unless a bye or report
         it sent before it ended says otherwise."""
         if self._router is not None:  # a bye or report it sent before it ended comes first
-            self._drain(self._router, self._on_frames)
+            self._drain_router()
         row = self.table.get(rank)
         if row is None or not row.connected:
             log.info("rank %d: process %s, not connected (%s): nothing to do",
@@ -982,8 +1059,7 @@ class Controller:
             "ranks": {str(k): v for k, v in self.table.snapshot().items()},
             "dropped": dict(self.drops.counts),
             "dropped_total": self.drops.total,
-            "connections": {**self.connections, "open": len(self.connection_cap.open),
-                            "refused_over_cap": self.connection_cap.refused},
+            "connections": {**self.connections, **self.admission.view()},
             "backups": self.backups.joined(),
             "incident": None if self.flow is None else {
                 "id": self.flow.incident.id,

@@ -9,8 +9,9 @@ itself make libzmq drop the sender's connection (ZMQ_MAXMSGSIZE) before any of o
 them, which the controller's socket monitor counts as a disconnect. Every socket also bounds
 what a peer can hold: a controller queues at most `ROUTER_RCVHWM` frames per connection
 (then libzmq stops reading that peer), a peer that never completes the ZMTP handshake is
-dropped after `HANDSHAKE_IVL_MS`, and ZMTP heartbeats drop a peer silent for
-`ZMQ_HEARTBEAT_TIMEOUT_MS` (a dead node leaves no half-open connection behind).
+dropped after `HANDSHAKE_IVL_MS`, and TCP keepalive with a retransmission bound drops the
+connection of a dead node (`TCP_KEEPALIVE`, `TCP_MAXRT_MS`: no half-open connection stays
+behind).
 
 CURVE (`ControlConfig.curve`): controllers and backups are CURVE servers with the server key
 pair; processors are CURVE clients with the client key pair and pin the server's PUBLIC key,
@@ -26,6 +27,7 @@ are ZeroMQ certificates (`python -m mindspeed_tft.control.keys DIR` writes one s
 
 Without CURVE a controller only binds loopback addresses unless `TTP_ALLOW_INSECURE=1`
 (`check_bind`); the per-job token (`TTP_JOB_TOKEN`) then authenticates registrations.
+Which connections a controller keeps, and for how long, is `admission.py`'s business.
 """
 
 from __future__ import annotations
@@ -34,10 +36,12 @@ import hmac
 import ipaddress
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 import zmq
+from zmq.utils import z85
 
 from .config import ControlConfig, ControlConfigError
 
@@ -77,9 +81,10 @@ def bound_port(sock: zmq.Socket) -> int:
     return int(last.rsplit(":", 1)[1])
 
 
-def raise_fd_limit(needed: int) -> int:
-    """Raise this process's open-files soft limit towards `needed` (a controller holds one
-    TCP connection per rank); returns the soft limit now in force."""
+def raise_fd_limit(needed: int, warn_below: int | None = None) -> int:
+    """Raise this process's open-files soft limit towards `needed` (at most to the hard
+    limit; a controller holds one TCP connection per rank); returns the soft limit now in
+    force, and warns when it is below `warn_below` (default `needed`)."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -91,8 +96,10 @@ def raise_fd_limit(needed: int) -> int:
         soft = target
     except (ValueError, OSError) as e:
         log.warning("cannot raise the open-files limit to %d: %s", target, e)
-    if soft < needed:
-        log.warning("open-files limit %d is below the %d this controller may need", soft, needed)
+    floor = needed if warn_below is None else warn_below
+    if soft < floor:
+        log.warning("open-files limit %d (hard limit %s) is below the %d this process needs",
+                    soft, hard, floor)
     return soft
 
 
@@ -234,143 +241,193 @@ def check_bind(config: ControlConfig, addr: str, what: str) -> str | None:
             "who reaches it can read the job's state and end it")
 
 
-class _KeyCheck:
-    """ZAP credentials provider: admit only the authorized client public keys."""
+class ZapHandler:
+    """The ZAP handler (ZeroMQ RFC 27) of a controller process: admits a CURVE handshake
+    only for an authorized client public key, and sets the connection's User-Id to that
+    key (z85). A thread of its own answers every queued request at once, in microseconds
+    each: pyzmq's ThreadAuthenticator, on asyncio, took ~0.2 ms per request here, 3 s of
+    the controller's process during a start-up of 16,000 ranks. `stop` ends it."""
 
-    def __init__(self, keys: frozenset[bytes]) -> None:
-        self.keys = keys
+    ENDPOINT = "inproc://zeromq.zap.01"
 
-    def callback(self, domain: str, key: bytes) -> bool:
-        ok = key in self.keys
-        if not ok:
-            log.warning("CURVE: refused a client key (domain %s)", domain)
-        return ok
-
-
-class ConnectionCap:
-    """The TCP connections a controller's ROUTER holds, and the most it lets complete the
-    handshake.
-
-    The controller's loop feeds it the ROUTER's monitor events (`on_event`: accepted and
-    disconnected, each carrying the connection's file descriptor); the ZAP handler asks
-    `admit` during every handshake and refuses a connection while more than `limit` are
-    open, so libzmq closes it (the peer sees an authentication failure and may retry).
-    Connections still in the handshake count too: they last at most the handshake
-    interval."""
-
-    def __init__(self, limit: int) -> None:
-        if limit < 1:
-            raise ValueError(f"limit={limit} must be >= 1")
-        self.limit = limit
-        self.open: set[int] = set()
-        #: handshakes refused because the cap was reached
+    def __init__(self, ctx: zmq.Context, authorized: frozenset[bytes]) -> None:
+        self.ctx = ctx
+        self.authorized = authorized
+        #: handshakes admitted and refused
+        self.admitted = 0
         self.refused = 0
+        self._running = True
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="tft-zap", daemon=True)
 
-    def on_event(self, event: int, value: int) -> None:
-        if event == zmq.EVENT_ACCEPTED:
-            self.open.add(value)
-        elif event == zmq.EVENT_DISCONNECTED:
-            self.open.discard(value)
+    def start(self) -> ZapHandler:
+        self._thread.start()
+        self._ready.wait(10)
+        if self._error is not None:
+            raise self._error
+        return self
 
-    def admit(self) -> bool:
-        if len(self.open) <= self.limit:
-            return True
+    def stop(self) -> None:
+        self._running = False
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        try:
+            sock = self.ctx.socket(zmq.ROUTER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind(self.ENDPOINT)
+        except zmq.ZMQError as e:
+            self._error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            while self._running:
+                if not sock.poll(100):
+                    continue
+                while True:
+                    try:
+                        request = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    reply = self.answer(request)
+                    if reply is not None:
+                        sock.send_multipart(reply)
+        finally:
+            sock.close(0)
+
+    def answer(self, request: list[bytes]) -> list[bytes] | None:
+        """The reply to one request ([routing id, b"", version, request id, domain, address,
+        identity, mechanism, credentials...]); None for a malformed one."""
+        if len(request) < 8 or request[1] != b"" or request[2] != b"1.0":
+            return None
+        head, request_id = request[:2], request[3]
+        domain, mechanism = request[4], request[7]
+        key = (z85.encode(request[8])
+               if mechanism == b"CURVE" and len(request) == 9 and len(request[8]) == 32
+               else None)
+        if domain == ZAP_DOMAIN.encode() and key is not None and key in self.authorized:
+            self.admitted += 1
+            return [*head, b"1.0", request_id, b"200", b"OK", key, b""]
         self.refused += 1
         if self.refused <= 10 or self.refused % 1000 == 0:
-            log.warning("refused connection #%d: %d open, at most %d", self.refused,
-                        len(self.open), self.limit)
-        return False
+            log.warning("CURVE: refused a client key (domain %s; refusal #%d)",
+                        domain.decode("ascii", "replace")[:32], self.refused)
+        return [*head, b"1.0", request_id, b"400", b"not an authorized key", b"", b""]
 
 
-def start_authenticator(ctx: zmq.Context, keys: CurveKeys | None,
-                        cap: ConnectionCap | None = None) -> Any:
-    """Run a ZAP handler (a ThreadAuthenticator) checking client keys (CURVE; `keys` None:
-    NULL, no keys) and the connection cap; stop it on close. A ROUTER asks it only when it
-    has a ZAP domain (`bind_router(zap=True)`)."""
-    from zmq.auth.thread import ThreadAuthenticator
-
-    class Capped(ThreadAuthenticator):
-        async def handle_zap_message(self, msg: list[bytes]) -> None:
-            if cap is not None and len(msg) >= 6 and not cap.admit():
-                self._send_zap_reply(msg[1], b"300", b"too many connections")
-                return
-            await super().handle_zap_message(msg)
-
-    auth = Capped(ctx, log=logging.getLogger("mindspeed_tft.control.zap"))
-    auth.start()
-    if keys is not None:
-        auth.configure_curve_callback(domain=ZAP_DOMAIN,
-                                      credentials_provider=_KeyCheck(keys.authorized))
-    return auth
+def start_authenticator(ctx: zmq.Context, keys: CurveKeys) -> ZapHandler:
+    """Run the ZAP handler admitting only the authorized CURVE client keys; stop it on
+    close. Only CURVE needs one: without it a connection shows who it is by its REGISTER
+    (the job's token), which `admission.Admission` watches."""
+    return ZapHandler(ctx, keys.authorized).start()
 
 
 #: frames a controller's ROUTER queues per connection before libzmq stops reading that
 #: connection (TCP back-pressure on that peer alone; a rank sends one heartbeat per interval)
 ROUTER_RCVHWM = 64
-#: ZMTP heartbeats (ms): a PING every IVL; a peer that sends nothing (not even a PONG) for
-#: TIMEOUT is dropped, so dead peers (a node gone without a FIN) do not keep connections open
-ZMQ_HEARTBEAT_IVL_MS = 2000
-ZMQ_HEARTBEAT_TIMEOUT_MS = 20000
-#: a connection that has not completed the ZMTP handshake within this is dropped
+#: a peer gone without a FIN (a dead node) is found by the kernel: TCP keepalive probes a
+#: connection idle for IDLE s every INTVL s and drops it after CNT unanswered probes, and
+#: data left unacknowledged for TCP_MAXRT_MS drops it too (TCP_USER_TIMEOUT): ~20 s either
+#: way, at no cost to libzmq's I/O thread. ZMTP heartbeats did this before, but a PING and
+#: a PONG per connection per interval were two thirds of a controller's CPU at 4,000 ranks
+#: (0.15 of 0.18 cores measured here); liveness is the processors' own heartbeats, and
+#: connections that never show the job's token are closed by `admission.Admission`.
+TCP_KEEPALIVE = (10, 2, 5)  # (IDLE s, INTVL s, CNT)
+TCP_MAXRT_MS = 20000
+#: a connection that has not completed the ZMTP handshake within this is dropped (a
+#: controller gives its own `ControlConfig.admit_deadline`: in a registration storm of
+#: thousands of CURVE handshakes, ~0.5 ms of CPU each here, the last ones take seconds,
+#: and a handshake cut off by a timeout is work lost and a reconnect more)
 HANDSHAKE_IVL_MS = 5000
+#: the same on a processor's side: longer than any controller's
+DEALER_HANDSHAKE_IVL_MS = 30000
+#: seconds of handshake (and registration) work each connection made at the same time may
+#: queue ahead of another: a CURVE handshake costs ~0.5 ms of a controller's I/O thread
+#: here (3/4 of it libsodium's guarded memory for the keys), a NULL one 0.07 ms. Waits
+#: that may cover a registration storm grow by this per rank or pending connection.
+STORM_ALLOWANCE_S = 0.001
+
+
+def storm_allowance(connections: int) -> float:
+    """Seconds `connections` handshakes made at once may take beyond the usual."""
+    return STORM_ALLOWANCE_S * connections
 
 
 def _common(sock: zmq.Socket, addr: str, max_bytes: int, handshake_ms: int = HANDSHAKE_IVL_MS,
-            heartbeat_ms: tuple[int, int] = (ZMQ_HEARTBEAT_IVL_MS, ZMQ_HEARTBEAT_TIMEOUT_MS),
+            keepalive: tuple[int, int, int] = TCP_KEEPALIVE, maxrt_ms: int = TCP_MAXRT_MS,
             ) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     # libzmq cuts off a peer that sends a frame over the protocol limit before reading it
     sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
     sock.setsockopt(zmq.HANDSHAKE_IVL, handshake_ms)
-    sock.setsockopt(zmq.HEARTBEAT_IVL, heartbeat_ms[0])
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, heartbeat_ms[1])
-    sock.setsockopt(zmq.HEARTBEAT_TTL, heartbeat_ms[1])  # the peer's timeout of us
+    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, keepalive[0])
+    sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, keepalive[1])
+    sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, keepalive[2])
+    sock.setsockopt(zmq.TCP_MAXRT, maxrt_ms)
     if is_ipv6(addr):
         sock.setsockopt(zmq.IPV6, 1)
 
 
 def bind_router(ctx: zmq.Context, addr: str, port: int, *, max_bytes: int,
-                curve: CurveKeys | None = None, zap: bool = False,
-                handshake_ms: int = HANDSHAKE_IVL_MS,
-                heartbeat_ms: tuple[int, int] = (ZMQ_HEARTBEAT_IVL_MS, ZMQ_HEARTBEAT_TIMEOUT_MS),
-                ) -> zmq.Socket:
+                curve: CurveKeys | None = None, handshake_ms: int = HANDSHAKE_IVL_MS,
+                keepalive: tuple[int, int, int] = TCP_KEEPALIVE, maxrt_ms: int = TCP_MAXRT_MS,
+                backlog: int = 4096) -> zmq.Socket:
     """A ROUTER bound to addr:port (port 0: any free port; see `bound_port`).
 
-    zap: ask the ZAP handler (`start_authenticator`) about every connection even without
-    CURVE (the connection cap); handshake_ms: a connection that has not completed the ZMTP
-    handshake by then is dropped; heartbeat_ms: (ZMTP PING interval, silence after which a
-    peer is dropped)."""
+    curve: the server keys (a ZAP handler, `start_authenticator`, checks the client keys);
+    handshake_ms: a connection that has not completed the ZMTP handshake by then is dropped;
+    keepalive, maxrt_ms: how the kernel finds a dead peer (`TCP_KEEPALIVE`, `TCP_MAXRT_MS`);
+    backlog: connections the kernel queues until libzmq accepts them (a registration storm
+    of every rank at once; capped by net.core.somaxconn, whose overflow makes a client
+    retry its SYN a second later)."""
     sock = ctx.socket(zmq.ROUTER)
-    _common(sock, addr, max_bytes, handshake_ms, heartbeat_ms)
+    _common(sock, addr, max_bytes, handshake_ms, keepalive, maxrt_ms)
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a processor's reconnect keeps its routing id
-    sock.setsockopt(zmq.BACKLOG, 4096)  # thousands of ranks connect at once (capped by somaxconn)
+    sock.setsockopt(zmq.BACKLOG, backlog)
     sock.setsockopt(zmq.RCVHWM, ROUTER_RCVHWM)
     sock.setsockopt(zmq.SNDHWM, 10_000)
     if curve is not None:
         sock.setsockopt(zmq.CURVE_SERVER, 1)
         sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.server_public)
         sock.setsockopt(zmq.CURVE_SECRETKEY, curve.server_secret)
-    if curve is not None or zap:
         sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())
     sock.bind(endpoint(addr, port if port else "*"))
     return sock
 
 
-#: connection events a controller counts (accepted and disconnected: the connection cap)
-MONITOR_EVENTS = (zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+#: connection events a controller counts (accepted and disconnected carry the connection's
+#: file descriptor: `admission.Admission`)
+MONITOR_EVENTS = (zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPT_FAILED
                   | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
                   | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 MONITOR_NAMES = {zmq.EVENT_ACCEPTED: "accepted", zmq.EVENT_DISCONNECTED: "disconnected",
+                 zmq.EVENT_ACCEPT_FAILED: "accept_failed",
                  zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake_failed",
                  zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake_failed",
                  zmq.EVENT_HANDSHAKE_FAILED_AUTH: "auth_failed"}
+
+
+def monitor_socket(sock: zmq.Socket, events: int = MONITOR_EVENTS) -> zmq.Socket:
+    """A PAIR socket receiving `sock`'s monitor events, with no queue limit: libzmq drops
+    the events that do not fit (1,000 by default), and a registration storm of thousands
+    of connections makes several events each, which `admission.Admission` must all see."""
+    addr = f"inproc://monitor.{sock.underlying:x}"
+    sock.monitor(addr, events)
+    pair = sock.context.socket(zmq.PAIR)
+    pair.setsockopt(zmq.RCVHWM, 0)
+    pair.setsockopt(zmq.LINGER, 0)
+    pair.connect(addr)
+    return pair
 
 
 def connect_dealer(ctx: zmq.Context, addr: str, port: int, *, routing_id: bytes,
                    max_bytes: int, curve: CurveKeys | None = None) -> zmq.Socket:
     """A DEALER connected to a controller, with a fixed routing id."""
     sock = ctx.socket(zmq.DEALER)
-    _common(sock, addr, max_bytes)
+    _common(sock, addr, max_bytes, DEALER_HANDSHAKE_IVL_MS)
     sock.setsockopt(zmq.ROUTING_ID, routing_id)
     sock.setsockopt(zmq.RECONNECT_IVL, 100)
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
