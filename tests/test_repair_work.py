@@ -53,10 +53,12 @@ def test_an_outside_ranks_repair_work_is_the_same_at_8_and_16_ranks(tmp_path):
     assert small[6]["state_bytes"] == 0
     assert small[6]["conn_groups"] > 0 and small[6]["store_ops"] > 0
     # the control plane: the same orders and results; a rank whose training thread met the
-    # stop's closed connections before the stop itself also reports that error (a race)
+    # stop's closed connections before the stop itself also reports that error (a race; the
+    # report carries the error's text, 100-400 bytes)
     for rows in (small, large):
         messages, nbytes = _control(rows, 6)
-        assert 9 <= messages <= 10 and 900 < nbytes < 1200, (messages, nbytes)
+        assert 9 <= messages <= 10, (messages, nbytes)
+        assert 900 < nbytes < 1200 + 400 * (messages - 9), (messages, nbytes)
     # torch's API wants every rank to call new_group for every group: more groups, more calls
     assert large[6]["group_calls"] > small[6]["group_calls"]
     # the failed rank gets its shard back: a smaller shard in a larger chunk
