@@ -12,6 +12,9 @@ carries the job's token. We measure
 
 - register_s: from starting the simulators until the controller's `NORMAL` (every rank
   registered): the registration storm;
+- register_ctrl_cpu_s: the controller's CPU seconds in that storm; register_floor_s: the
+  controller's and the simulators' CPU seconds in it over this machine's cores, the least
+  wall time the storm could take here (both ends of every handshake share the machine);
 - listen_drops: connections the kernel dropped meanwhile because the controller's listen
   queue was full (TcpExt ListenDrops; its length is min(backlog, net.core.somaxconn), 4096
   here): each such client retries its SYN a second later;
@@ -485,13 +488,14 @@ def run_one(k: int, opts: Options, tmp: Path) -> dict[str, Any]:
         port = json.loads((run / "ready.json").read_text())["port"]
         rss0 = proc_rss_kib(ctrl.pid)
         drops0 = listen_drops()
-        t_reg = time.time()
+        t_reg, ctrl_cpu0 = time.time(), proc_cpu(ctrl.pid)
         sims = _start_sims(k, opts, port, curve)
         for s in sims:
             s.expect("connected", 120)
         normal = wait_event(ev, lambda e: e["event"] == "state" and e["state"] == "NORMAL",
                             opts.register_timeout, ctrl)
         registered_s = normal["time"] - t_reg
+        storm_cpu = _storm_cpu(ctrl.pid, ctrl_cpu0, sims)
         drops = listen_drops() - drops0
         time.sleep(opts.interval * 1.5)  # steady state: every rank heartbeats
         c0, w0 = proc_cpu(ctrl.pid), time.monotonic()
@@ -502,7 +506,7 @@ def run_one(k: int, opts: Options, tmp: Path) -> dict[str, Any]:
                                "cpu_cores": round(cpu, 3),
                                "rss_mib": round(rss / 1024, 1),
                                "rss_per_rank_kib": round((rss - rss0) / k, 2),
-                               "listen_drops": drops}
+                               "listen_drops": drops, **storm_cpu}
         row.update({name: round(v, 4) for name, v in _incident(k, sims, ev).items()})
         # rank k-1 going silent: time from its last message until it is declared lost
         last = sims[-1]
@@ -517,6 +521,15 @@ def run_one(k: int, opts: Options, tmp: Path) -> dict[str, Any]:
             ctrl.kill()
         ctrl.wait()
         _stop_sims(sims)
+
+
+def _storm_cpu(ctrl_pid: int, ctrl_cpu0: float, sims: list[SimPipe]) -> dict[str, float]:
+    """The registration storm's CPU seconds: the controller's, and what the machine's
+    cores could at best do with the controller's and the simulators' together."""
+    ctrl = proc_cpu(ctrl_pid) - ctrl_cpu0
+    both = ctrl + sum(proc_cpu(s.proc.pid) for s in sims)
+    return {"register_ctrl_cpu_s": round(ctrl, 2),
+            "register_floor_s": round(both / (os.cpu_count() or 1), 2)}
 
 
 def _stop_sims(sims: list[SimPipe]) -> None:
@@ -547,7 +560,7 @@ def goal_failures(row: dict[str, Any], opts: Options) -> list[str]:
     return fails
 
 
-COLUMNS = ("register_s", "listen_drops", "cpu_cores", "rss_per_rank_kib", "silent_to_decision_s",
+COLUMNS = ("register_s", "register_ctrl_cpu_s", "register_floor_s", "listen_drops", "cpu_cores", "rss_per_rank_kib", "silent_to_decision_s",
            "report_to_hold_event_s", "report_to_action_s", "report_to_every_s",
            "report_to_stop_s", "hold_round_s")
 
