@@ -142,7 +142,7 @@ TABLE: tuple[EnvVar, ...] = (
     EnvVar("TFT_SPARE_LAUNCHER_PID", False, "unset", "a pid", TFT,
            "mindspeed_tft.launcher.spare", "the launcher that started the spare",
            ("mindspeed_tft.launcher.pool",)),
-    EnvVar("TTP_STOP_CLEAN_BEFORE_DUMP", False, "unset", "1", TFT, "mindio_ttp._actions",
+    EnvVar("TTP_STOP_CLEAN_BEFORE_DUMP", False, "unset", "1", MINDIO, "mindio_ttp._actions",
            "the framework cleans before a dump (the SDK's switch)", ("mindio_ttp._runtime",)),
     # other programs' variables the package reads
     EnvVar("MINDX_TASK_ID", False, "unset", "any", MINDCLUSTER, "mindio_ttp._runtime",
