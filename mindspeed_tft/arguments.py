@@ -249,7 +249,7 @@ def validate_tft_args(
             "allowed: an integer >= 1"
         )
 
-    _apply_high_availability_env(args, environ.get(HIGH_AVAILABILITY_ENV, ""))
+    _apply_high_availability_env(args, high_availability_env(environ))
 
     if not args.enable_high_availability:
         ignored = []
@@ -299,6 +299,11 @@ def apply_scale(args: argparse.Namespace, features: Features, rank: int) -> None
     apply_features(args, features)
     args.rank = rank
     args.world_size, args.data_parallel_size = features.parallel.world_size, features.parallel.data
+
+
+def high_availability_env(environ: Mapping[str, str]) -> str:
+    """The value of ``HIGH_AVAILABILITY`` in `environ` ("" when unset); read here only."""
+    return environ.get(HIGH_AVAILABILITY_ENV, "")
 
 
 def launched_by_tft(environ: Mapping[str, str]) -> bool:

@@ -98,6 +98,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mindspeed_tft import events
+from mindspeed_tft.envvars import launcher_value
 
 logger = logging.getLogger(__name__)
 
@@ -439,7 +440,7 @@ def _own_rank() -> int:
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         return int(dist.get_rank())
-    text = os.environ.get("RANK")
+    text = launcher_value("RANK")
     if text is None or not text.strip():
         return 0
     rank = parse_bounded_int(text.strip())

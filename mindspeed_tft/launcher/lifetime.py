@@ -51,6 +51,8 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
+from mindspeed_tft.envvars import launcher_value
+
 #: pid of the launcher that started this worker or spare (set by `tft-run`)
 LAUNCHER_PID_ENV = "TFT_LAUNCHER_PID"
 #: seconds between two looks at the parent pid
@@ -138,7 +140,7 @@ def tie_to_launcher() -> int | None:
     global _watching
     parent = launcher_pid()
     if parent is None:
-        if "TORCHELASTIC_RUN_ID" not in os.environ or "LOCAL_RANK" not in os.environ:
+        if launcher_value("TORCHELASTIC_RUN_ID") is None or launcher_value("LOCAL_RANK") is None:
             return None
         parent = os.getppid()  # plain torchrun: the worker's parent is the agent
     elif os.getppid() != parent:

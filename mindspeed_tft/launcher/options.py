@@ -182,10 +182,10 @@ def training_features(script_args: Sequence[str],
     """The mindspeed-tft flags of a training command, `HIGH_AVAILABILITY` folded in exactly
     as the trainer folds it (`enable_high_availability`, `enable_worker_reboot`, ...)."""
     from mindspeed_tft.arguments import (
-        HIGH_AVAILABILITY_ENV,
         TFTArgumentError,
         _apply_high_availability_env,
         add_tft_args,
+        high_availability_env,
     )
 
     environ = os.environ if environ is None else environ
@@ -197,7 +197,7 @@ def training_features(script_args: Sequence[str],
     except argparse.ArgumentError as e:
         raise LauncherError(f"training script arguments: {e}") from None
     try:
-        _apply_high_availability_env(tft_args, environ.get(HIGH_AVAILABILITY_ENV, ""))
+        _apply_high_availability_env(tft_args, high_availability_env(environ))
     except TFTArgumentError as e:
         raise LauncherError(str(e)) from None
     return tft_args

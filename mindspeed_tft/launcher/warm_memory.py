@@ -5,7 +5,7 @@ the repair can copy a shard into them. On CPU that state lives in host memory th
 has never touched, and the kernel gives it page by page on first touch: at 60 M parameters
 (~0.8 GB of params, grads, param buffer and Adam state per rank) that was 0.31 s of the
 spare's 0.39 s set-up after it joined the process groups on the 2-core test machine, and
-0.09 s with the memory faulted in beforehand (`bench/README.md`, "Warm spare memory").
+0.09 s with the memory faulted in beforehand (`bench/HISTORY.md`, "Warm spare memory").
 
 `HeapReserve` does it the way glibc allows: `mallopt` makes every later allocation of the
 process come from the heap (`M_MMAP_MAX` 0) and never hands freed heap back to the kernel

@@ -6,7 +6,7 @@ builds megatron-core's parallel state only when `torch.cuda.device_count() > 0`,
 device, loads fused CUDA kernels (needs nvcc) and warms up JIT kernels. On CPU these become:
 allowed, one 'device' (the CPU), nothing to select, nothing to load, nothing to warm up.
 
-The training script then runs unchanged with a short list of CPU flags (see the README):
+The training script then runs unchanged with a short list of CPU flags (docs/usage.md):
 ``--transformer-impl local --no-gradient-accumulation-fusion --no-masked-softmax-fusion
 --no-rope-fusion --no-bias-swiglu-fusion --no-persist-layer-norm`` (and ``--num-workers 0``
 keeps data-loader processes out of small runs); `--distributed-backend nccl` falls back to

@@ -16,12 +16,13 @@ import functools
 import importlib
 import importlib.util
 import logging
-import os
 import sys
 from types import ModuleType
 from typing import Any
 
 import torch
+
+from mindspeed_tft.envvars import launcher_value
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ def distributed_backend(requested: str | None = None) -> str:
         raise ValueError(
             f"--distributed-backend {requested!r} is not a backend; allowed: nccl, hccl, gloo"
         )
-    if os.environ.get("RANK", "0") == "0":
+    if launcher_value("RANK") in (None, "0"):
         print(
             f"[mindspeed-tft] notice: --distributed-backend {requested} is not available on "
             f"{detect_platform()}; using {native}",

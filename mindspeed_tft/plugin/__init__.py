@@ -45,6 +45,7 @@ from mindspeed_tft.control.termination import (  # noqa: F401 (hosts import them
     Termination,
     exit_without_teardown,
 )
+from mindspeed_tft.envvars import launcher_value
 from mindspeed_tft.events import configure_events, emit, iteration_log, validate_record
 from mindspeed_tft.faults import FaultInjector
 from mindspeed_tft.features import Features
@@ -249,8 +250,9 @@ class TFTPlugin:
                 exit_without_teardown(2)
         dense_map = ReplicaLayout(self.features).dense_map()
         keep_ports = [config.port, *(port for _, port in config.backups)]
-        if os.environ.get("MASTER_PORT"):
-            keep_ports.append(int(os.environ["MASTER_PORT"]))
+        master_port = launcher_value("MASTER_PORT")
+        if master_port:
+            keep_ports.append(int(master_port))
         self.snapshots = StepSnapshots()
         self.actions = RecoveryActions(self.rebuild_process_groups, self.snapshots, dense_map,
                                        rank, keep_ports, scale_in=self.scale_in,

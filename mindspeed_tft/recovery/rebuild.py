@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mindspeed_tft.envvars import launcher_value
 from mindspeed_tft.events import work_counts
 
 log = logging.getLogger("mindspeed_tft.recovery")
@@ -231,8 +232,8 @@ def _store_client(timeout: timedelta) -> CountingStore:
     once wait: 19 of 32 simultaneous connects there took 5.0 s (13 under 10 ms; 32 connects
     to a store in a process of its own, 24-96 ms), which made every rank's rebuild of a
     32-rank UCE repair take 5.5-5.7 s instead of 0.5-0.7 s."""
-    addr = os.environ.get("MASTER_ADDR")
-    port = os.environ.get("MASTER_PORT")
+    addr = launcher_value("MASTER_ADDR")
+    port = launcher_value("MASTER_PORT")
     if not addr or not port:
         raise RuntimeError(
             "MASTER_ADDR and MASTER_PORT must name the job's rendezvous store to rebuild the "

@@ -101,7 +101,7 @@ class ReplicaGroups:
         With a single DP group (TP = PP = CP = 1) a replica instance is exactly one
         optimizer chunk, so megatron-core's intra-partial DP group already has its ranks and
         is used instead of a new group: every gloo group keeps a transport thread that wakes
-        every 10 ms, about 1 ms of CPU per second per group and rank (bench/README)."""
+        every 10 ms, about 1 ms of CPU per second per group and rank (bench/HISTORY.md)."""
         self.verify_megatron_groups()
         self.grad_stats_group = None
         self._instance_groups = []

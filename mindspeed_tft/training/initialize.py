@@ -10,7 +10,6 @@ micro-batch calculator and builds the tokenizer.
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import sys
 from collections.abc import Callable, Sequence
@@ -20,6 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from mindspeed_tft.envvars import launcher_value
 from mindspeed_tft.platform import (
     CPU,
     apply_platform_adaptor,
@@ -31,7 +31,7 @@ from mindspeed_tft.training.global_vars import set_args, set_tokenizer
 
 
 def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
+    value = launcher_value(name)
     if value is None:
         return default
     try:

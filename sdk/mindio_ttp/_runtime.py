@@ -26,6 +26,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from mindspeed_tft.arguments import launched_by_tft
 from mindspeed_tft.control import ControlConfig, Controller, Features, Processor, ProcessorError
 from mindspeed_tft.control.config import ControlConfigError, parse_ip, parse_port
 from mindspeed_tft.control.termination import Termination
@@ -36,9 +37,12 @@ from ._translate import replica_layout
 
 log = logging.getLogger("mindio_ttp")
 
-#: set by mindspeed-tft's launcher in every worker when the launcher hosts the controller
-CONTROLLER_IN_LAUNCHER_ENV = "TFT_CONTROLLER_IN_LAUNCHER"
 MAX_WORLD_SIZE = 100000
+
+
+def mindcluster_task() -> bool:
+    """``MINDX_TASK_ID`` is set: MindSpeed-LLM leaves the controller to MindCluster."""
+    return os.environ.get("MINDX_TASK_ID") is not None
 
 
 class Handlers:
@@ -107,7 +111,7 @@ class Runtime:
         self.controller_init = (rank, world_size, bool(enable_arf), bool(enable_zit))
 
     def start_controller(self, bind_ip: str, port: int) -> None:
-        if os.environ.get(CONTROLLER_IN_LAUNCHER_ENV) == "1":
+        if launched_by_tft(os.environ):
             log.info("the launcher hosts the controller: tft_start_controller has nothing to "
                      "start")
             return
@@ -170,7 +174,7 @@ class Runtime:
             raise RuntimeError("tft_start_processor before tft_init_processor")
         if self.processor is not None:
             raise RuntimeError(f"the processor of rank {self.rank} is already started")
-        if os.environ.get(CONTROLLER_IN_LAUNCHER_ENV) == "1":
+        if launched_by_tft(os.environ):
             config = ControlConfig.from_env()  # the launcher's address and port
             if int(port) != config.port:
                 log.info("the launcher's controller listens on port %d (TTP_PORT), not %s",
@@ -185,8 +189,8 @@ class Runtime:
         try:
             processor.start()
         except ProcessorError as e:
-            if os.environ.get("MINDX_TASK_ID") is None or \
-                    os.environ.get(CONTROLLER_IN_LAUNCHER_ENV) == "1":
+            if not mindcluster_task() or \
+                    launched_by_tft(os.environ):
                 raise
             raise ProcessorError(
                 f"{e}: MINDX_TASK_ID is set, so MindSpeed-LLM started no controller (it leaves "

@@ -16,9 +16,9 @@ when torch is loaded), so call it before the first process group, as MindSpeed-L
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
+from mindspeed_tft.envvars import launcher_value
 from mindspeed_tft.recovery import collectives
 
 from ._runtime import RUNTIME
@@ -31,8 +31,9 @@ def _keep_ports() -> list[int]:
     if processor is not None:
         ports.append(processor.config.port)
         ports.extend(port for _, port in processor.config.backups)
-    if os.environ.get("MASTER_PORT"):
-        ports.append(int(os.environ["MASTER_PORT"]))
+    master_port = launcher_value("MASTER_PORT")
+    if master_port:
+        ports.append(int(master_port))
     return ports
 
 

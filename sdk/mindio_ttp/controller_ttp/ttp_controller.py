@@ -11,7 +11,9 @@ from __future__ import annotations
 import logging
 import os
 
-from .._runtime import CONTROLLER_IN_LAUNCHER_ENV, RUNTIME
+from mindspeed_tft.arguments import launched_by_tft
+
+from .._runtime import RUNTIME, mindcluster_task
 
 log = logging.getLogger("mindio_ttp")
 
@@ -28,8 +30,7 @@ def tft_init_controller(rank: int, world_size: int, enable_local_copy: bool,
 def tft_start_controller(bind_ip: str, port: int, enable_tls: bool = True,
                          tls_info: str = "") -> None:
     """Start the controller, bound to `bind_ip:port` (returns once bound)."""
-    if os.environ.get("MINDX_TASK_ID") is not None and \
-            os.environ.get(CONTROLLER_IN_LAUNCHER_ENV) != "1":
+    if mindcluster_task() and not launched_by_tft(os.environ):
         log.warning("MINDX_TASK_ID is set: MindSpeed-LLM leaves the controller to MindCluster; "
                     "this one starts anyway (no cluster manager talks to this control plane)")
     if enable_tls:
