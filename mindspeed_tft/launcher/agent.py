@@ -279,7 +279,7 @@ class TFTElasticAgent(LocalElasticAgent):
 
     def __init__(self, *args: Any, options: LaunchOptions, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        from mindspeed_tft.control.config import ControlConfig
+        from mindspeed_tft.control.wire.config import ControlConfig
         from mindspeed_tft.events import configure_events
 
         self.options = options
@@ -383,7 +383,7 @@ class TFTElasticAgent(LocalElasticAgent):
 
     def _auto_backup_count(self, worker_group: WorkerGroup) -> int:
         """How many backups the launchers start themselves (no `TTP_BACKUP_ADDRS`)."""
-        from mindspeed_tft.control.config import MAX_BACKUPS
+        from mindspeed_tft.control.wire.config import MAX_BACKUPS
 
         if self.control_config.backups:
             return 0
@@ -393,7 +393,7 @@ class TFTElasticAgent(LocalElasticAgent):
         """Node 0: the endpoints the backups of nodes 1 and 2 published (bounded wait)."""
         from datetime import timedelta
 
-        from mindspeed_tft.control.config import parse_hostport
+        from mindspeed_tft.control.wire.config import parse_hostport
 
         count = self._auto_backup_count(worker_group)
         keys = [BACKUP_KEY.format(i) for i in range(count)]

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mindspeed_tft.control import ControlConfig, Processor
-from mindspeed_tft.control.orders import Order, Orders
+from mindspeed_tft.control.processor.orders import Order, Orders
 from tests.jobs import wait_for
 
 

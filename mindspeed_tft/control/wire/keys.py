@@ -1,6 +1,6 @@
 """Generate CURVE key files for the control plane, one folder per role.
 
-    python -m mindspeed_tft.control.keys DIR
+    python -m mindspeed_tft.control.wire.keys DIR
 
 writes ZeroMQ certificates (secrets mode 0600, folders 0700) into
 
@@ -91,7 +91,7 @@ _HEADINGS = {
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m mindspeed_tft.control.keys",
+        prog="python -m mindspeed_tft.control.wire.keys",
         description="Generate CURVE certificates for the mindspeed-tft control plane "
                     "(DIR/controller for controller hosts, DIR/processor for every node).",
     )

@@ -37,18 +37,14 @@ from typing import Any
 
 import zmq
 
-from .. import procfs
-from ..events import CONTROLLER_RANK, configure_events, emit
-from ..features import Features
-from . import local
-from .admission import FD_RESERVE, PENDING_MARGIN, Admission
-from .backup import BackupSync
-from .classify import FaultKind
-from .config import ControlConfig, ControlConfigError, port_in_use, setup_logging
-from .elasticity import Elasticity
-from .incident import Incident, IncidentFlow, IncidentStats
-from .priority import raise_priority
-from .protocol import (
+from ... import procfs
+from ...events import CONTROLLER_RANK, configure_events, emit
+from ...features import Features
+from ..wire import local
+from ..wire.classify import FaultKind
+from ..wire.config import ControlConfig, ControlConfigError, port_in_use, setup_logging
+from ..wire.priority import raise_priority
+from ..wire.protocol import (
     CONTROLLER,
     TO_CONTROLLER,
     DropCounter,
@@ -60,10 +56,7 @@ from .protocol import (
     encode,
     peek,
 )
-from .ranktable import CONNECTED, Health, RankInfo, RankTable
-from .states import State, StateMachine
-from .strategy import StrategyPlanner
-from .transport import (
+from ..wire.transport import (
     MONITOR_EVENTS,
     MONITOR_NAMES,
     REFUSED,
@@ -80,6 +73,13 @@ from .transport import (
     token_ok,
     user_id,
 )
+from .admission import FD_RESERVE, PENDING_MARGIN, Admission
+from .backup import BackupSync
+from .elasticity import Elasticity
+from .incident import Incident, IncidentFlow, IncidentStats
+from .ranktable import CONNECTED, Health, RankInfo, RankTable
+from .states import State, StateMachine
+from .strategy import StrategyPlanner
 
 log = logging.getLogger("mindspeed_tft.control.controller")
 

@@ -49,9 +49,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ..events import CONTROLLER_RANK, emit, validate_record
-from .classify import FaultKind
-from .config import ControlConfig
+from ...events import CONTROLLER_RANK, emit, validate_record
+from ..wire.classify import FaultKind
+from ..wire.config import ControlConfig
 from .elasticity import Elasticity
 from .ranktable import CONNECTED, Health, RankTable
 from .states import State, StateMachine
