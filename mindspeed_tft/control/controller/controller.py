@@ -37,7 +37,6 @@ from typing import Any
 
 import zmq
 
-from ... import procfs
 from ...events import CONTROLLER_RANK, configure_events, emit
 from ...features import Features
 from ..wire import local
@@ -59,8 +58,6 @@ from ..wire.protocol import (
 from ..wire.transport import (
     MONITOR_EVENTS,
     MONITOR_NAMES,
-    REFUSED,
-    REFUSED_FOR_NOW,
     CurveKeys,
     bind_router,
     bound_port,
@@ -77,22 +74,18 @@ from .admission import FD_RESERVE, PENDING_MARGIN, Admission
 from .backup import BackupSync
 from .elasticity import Elasticity
 from .incident import Incident, IncidentFlow, IncidentStats
+from .liveness import LOST_DRAIN, Liveness
 from .ranktable import CONNECTED, Health, RankInfo, RankTable
+from .registration import Registration
 from .states import State, StateMachine
 from .strategy import StrategyPlanner
 
 log = logging.getLogger("mindspeed_tft.control.controller")
 
 _DRAIN_BATCH = 4096
-#: how `_watch_local_processes` names its source in a `lost` fault's message
-_SEEN_IN_PROC = "seen by the controller in /proc"
-#: seconds a rank's process may be gone without a signal before it is lost (its bye first)
-_GONE_GRACE = 0.2
 _BATCH_WAIT = 0.01  # seconds; heartbeats wait at most this long to be read (not during incidents)
 #: seconds the loop reads input before it supervises again, however much is queued
 _DRAIN_SLICE = 0.05
-#: seconds of queued input read before a silent rank is declared lost (its heartbeats may wait)
-_LOST_DRAIN = 0.5
 #: types an unregistered connection may send (anything else is dropped before decoding)
 _UNBOUND_TYPES = frozenset({MsgType.REGISTER, MsgType.BACKUP})
 
@@ -127,11 +120,6 @@ class Controller:
         self._port_wanted = self.config.port if port is None else port
         self.port: int | None = None
         self.table = RankTable(world_size)
-        #: this process' pid namespace: ranks registered from it are watched in /proc
-        #: (`_watch_local_processes`); None: nobody is (a launcher reports its workers)
-        self._pid_namespace = procfs.namespace() if watch_processes else None
-        #: the ranks whose processes run in it (their rows have `start`)
-        self._local: set[int] = set()
         self.sm = StateMachine(State.INIT, emit_events=False)  # INIT is announced on start
         self.sm.listeners.append(self._on_transition)
         self.drops = DropCounter(log)
@@ -165,8 +153,6 @@ class Controller:
         self.connections: dict[str, int] = {}
         self._auth: Any = None
         self._curve: CurveKeys | None = None
-        #: CURVE: the client key each rank first registered with (rank -> z85 key)
-        self._rank_keys: dict[int, str] = {}
         self._thread: threading.Thread | None = None
         #: the thread running the loop (`start`'s or `run`'s caller), once it started
         self._loop_ident: int | None = None
@@ -186,8 +172,13 @@ class Controller:
         self._snapshot_dirty = True
         self._next_snapshot = 0.0
         self.send_errors = 0
-        #: ranks not (or no longer) registered during INIT; NORMAL when it is empty
-        self._missing: set[int] = set(range(world_size))
+        #: silent ranks and ended processes (`liveness.Liveness`, through `LivenessHost`)
+        self.liveness = Liveness(self, config=self.config, table=self.table, sm=self.sm,
+                                 watch_processes=watch_processes)
+        #: registrations and the INIT roll call (`registration.Registration`)
+        self.registration = Registration(
+            self, config=self.config, world_size=world_size, table=self.table, sm=self.sm,
+            drops=self.drops, elasticity=self.elasticity, watch=self.liveness)
 
     # -- public API -------------------------------------------------------------------
     @property
@@ -420,7 +411,7 @@ class Controller:
                 self._drain(self._monitor, self._on_monitor)
             drained = 0
             if self._router in events:
-                drained = self._drain_router()
+                drained = self.drain_router()
             if self.backups.upstream is not None and self.backups.upstream in events:
                 self._drain(self.backups.upstream,
                             lambda frames: self.backups.on_upstream(frames, self._now))
@@ -452,12 +443,13 @@ class Controller:
                 return n + 1
         return _DRAIN_BATCH
 
-    def _drain_router(self, budget: float = _DRAIN_SLICE) -> int:
+    def drain_router(self, budget: float = _DRAIN_SLICE) -> int:
         """`_drain` for what processors and backups sent: each message is the sender's
         routing id, then its frame as a `zmq.Frame`, which names the connection it came by
-        (`zmq.SRCFD`: admission) and, under CURVE, the peer's key."""
+        (`zmq.SRCFD`: admission) and, under CURVE, the peer's key (0: the socket is closed)."""
         sock = self._router
-        assert sock is not None
+        if sock is None:
+            return 0
         deadline = time.monotonic() + budget
         for n in range(_DRAIN_BATCH):
             try:
@@ -491,7 +483,7 @@ class Controller:
                 self.sm.to(State.PAUSE, "operator pause")
                 self.broadcast("pause", {"reason": "operator pause"})
             elif name == "process_exit":
-                self._on_process_exit(cmd[1], cmd[2])
+                self.liveness.on_process_exit(cmd[1], cmd[2])
             elif name == "no_replacement" and self.flow is not None:
                 self.flow.no_replacement(cmd[1], cmd[2])
             elif name == "resume" and self.sm.state is State.PAUSE:
@@ -502,14 +494,11 @@ class Controller:
     def _tick(self, now: float) -> None:
         state = self.sm.state
         if self.role == "active":
-            self._supervise(now)
+            self.liveness.supervise(now)
             if self.flow is not None:
                 self.flow.tick(now)
-            if state is State.INIT and now - self._started > self.config.register_timeout:
-                missing = [r for r in range(self.world_size)
-                           if (row := self.table.get(r)) is None or not row.connected]
-                self._fail_init(f"ranks {missing[:32]} did not register within "
-                                f"{self.config.register_timeout:g}s")
+            if state is State.INIT and (late := self.registration.overdue(now, self._started)):
+                self._fail_init(late)
             if self._grow_check and self.flow is None and state is State.NORMAL:
                 self._grow_check = False
                 self._maybe_grow()
@@ -517,7 +506,7 @@ class Controller:
         else:
             self.backups.standby_tick(now)
         if self._router is not None and self.admission.due(now):
-            self._drain_router(_LOST_DRAIN)  # a REGISTER already queued admits its connection
+            self.drain_router(LOST_DRAIN)  # a REGISTER already queued admits its connection
             self.admission.enforce(now)
         self._write_snapshot()
 
@@ -550,7 +539,7 @@ class Controller:
         if t == MsgType.HEARTBEAT:
             self._on_heartbeat(identity, msg)
         elif t == MsgType.REGISTER:
-            self._on_register(identity, msg, self._key(part), part)
+            self.registration.on_register(identity, msg, self._now, self._key(part), part)
         elif t == MsgType.REPORT:
             self._on_report(identity, msg)
         elif t == MsgType.RESULT:
@@ -561,7 +550,7 @@ class Controller:
             key = self._key(part)
             if token_ok(self.config, msg.payload.get("token")) and (
                     self._curve is None or key == self._curve.server_user_id):
-                self._admit(part)  # a backup controller: it holds the job's token
+                self.admit(part)  # a backup controller: it holds the job's token
             self.backups.on_backup(identity, msg, self._now, key)
         else:
             self.drops.drop("unexpected_type", t)
@@ -600,9 +589,7 @@ class Controller:
                 row.health = Health.ALIVE
                 self._snapshot_dirty = True
                 if self.sm.state is State.INIT:
-                    self._missing.discard(row.rank)
-                    if not self._missing:
-                        self.sm.to(State.NORMAL, f"all {self.world_size} ranks registered")
+                    self.registration.arrived(row.rank)
             else:  # declared lost and handled as such: this process must go
                 self._send_action(row.rank, self._new_action_id(), "exit",
                                   {"code": self.config.failure_exit_code,
@@ -611,7 +598,7 @@ class Controller:
                 row.health = Health.EXITING
                 return
         if self.role == "backup" and self.backups.active_alive(self._now):
-            self._send(identity, MsgType.REDIRECT, {"reason": "the active controller is alive"})
+            self.send(identity, MsgType.REDIRECT, {"reason": "the active controller is alive"})
             self.backups.redirected(self._now)
             return
         if not msg.payload.get("ack", True):
@@ -627,121 +614,33 @@ class Controller:
         """CURVE: the sender's public key, the ZAP User-Id of its frame (None without)."""
         return user_id(part) if self._curve is not None else None
 
-    def _admit(self, part: zmq.Frame) -> bool:
+    def admit(self, part: zmq.Frame) -> bool:
         """The connection `part` came by showed the job's token: admit it (False: the rank
         cap is reached)."""
         if self._monitor is not None:  # its accept was announced before the frame came
             self._drain(self._monitor, self._on_monitor)
         return self.admission.admit(part.get(zmq.SRCFD))
 
-    def _refused(self, identity: bytes, msg: Message, part: zmq.Frame | None) -> bool:
-        """Refuse a registration without the job's token, for a rank or world size this
-        job does not have, or beyond the rank cap of admitted connections (True: refused).
-        A refusal says nothing about the job (no world size, no rank state): the details
-        go to this controller's log only."""
-        p, rank = msg.payload, msg.sender
-        if not token_ok(self.config, p.get("token")):
-            self.drops.drop("bad_token", f"register claiming rank {rank}")
-            self._send(identity, MsgType.REJECT, REFUSED)
-            return True
-        if not (0 <= rank < self.world_size) or p["world_size"] != self.world_size:
-            self.drops.drop("bad_register", f"rank {rank} of world size {p['world_size']} "
-                            f"(this job: {self.world_size})")
-            self._send(identity, MsgType.REJECT, REFUSED)
-            return True
-        if part is not None and not self._admit(part):  # its connection shows the token
-            self.drops.drop("over_cap", f"register claiming rank {rank}")
-            self._send(identity, MsgType.REJECT, REFUSED_FOR_NOW)
-            return True
-        return False
+    # -- RegistrationHost / LivenessHost (the rest: admit, send, send_registered, fault,
+    # mark_dirty, drain_router) ------------------------------------------------------------
+    def rank_restarted(self, row: RankInfo) -> None:
+        """A restarted process registered for `row`'s rank: it joins the recovery under
+        way, or exits when there is none."""
+        if self.flow is not None:
+            self.flow.on_registered(row.rank)
+        else:
+            self._send_action(row.rank, self._new_action_id(), "exit", {
+                "code": self.config.failure_exit_code,
+                "reason": f"rank {row.rank} restarted while no recovery was under way"},
+                self.config.action_time_limit)
+            row.health = Health.EXITING
 
-    def _on_register(self, identity: bytes, msg: Message, key: str | None = None,
-                     part: zmq.Frame | None = None) -> None:
-        """A rank registers; `key`: its CURVE public key (None without CURVE); `part`: the
-        frame it came in (its connection is admitted once the token matches)."""
-        p, rank, now = msg.payload, msg.sender, self._now
-        if self._refused(identity, msg, part):
-            return
-        bound = self.table.lookup(identity)
-        if bound is not None and bound.rank != rank:
-            self.drops.drop("spoof", f"connection of rank {bound.rank} registers as {rank}")
-            return
-        row = self.table.get(rank)
-        if row is not None and row.identity == identity:  # a repeated registration
-            if msg.seq > row.last_seq:
-                row.last_seq = msg.seq
-            row.last_seen = now
-            if p.get("replica") is not None:  # the layout, known after the registration
-                row.replica = p["replica"]
-                self.elasticity.note_registration(rank, p["replica"])
-                self._snapshot_dirty = True
-            if row.health is Health.LOST and (self.sm.state is State.INIT or self.role == "backup"):
-                row.health = Health.ALIVE
-            self.send_registered(row)
-            if self.sm.state is State.INIT and self.role == "active":
-                self._missing.discard(rank)
-                if not self._missing:
-                    self.sm.to(State.NORMAL, f"all {self.world_size} ranks registered")
-            return
-        failover = bool(p.get("failover", False))
-        if row is not None and row.identity and not self._rebindable(row, now):
-            self.drops.drop("rank_taken", f"rank {rank} registers from a second connection")
-            self._send(identity, MsgType.REJECT, REFUSED_FOR_NOW)
-            return
-        if row is not None and row.health is Health.DONE and not failover:
-            # a rank that finished training is not restarted: only its own process, failing
-            # over, reconnects (a fresh registration here would undo the job's end)
-            self.drops.drop("rank_done", f"rank {rank} registers after it finished")
-            self._send(identity, MsgType.REJECT, REFUSED)
-            return
-        owner = self._rank_keys.get(rank)
-        if key is not None and owner is not None and key != owner:
-            # CURVE: a rank is bound to the key it first registered with; only a process
-            # holding that key (its replacement) takes it back
-            self.drops.drop("rank_key", f"rank {rank} registers with another CURVE key")
-            self._send(identity, MsgType.REJECT, REFUSED)
-            return
-        state = self.sm.state
-        fresh = state is not State.INIT and not failover and self.role == "active"
-        prev_health = row.health if row is not None else None
-        prev_replica = row.replica if row is not None else None
-        info = self.table.register(rank, identity, p["host"], p["pid"], now, p.get("replica"),
-                                   p.get("step", 0), p.get("status", "updated"))
-        info.last_seq = msg.seq
-        info.fresh = fresh
-        info.start = procfs.local_start(p.get("proc"), p["pid"], self._pid_namespace)
-        if info.start is not None:
-            self._local.add(rank)
-        self.elasticity.note_registration(rank, p.get("replica"))
-        if key is not None:
-            self._rank_keys.setdefault(rank, key)
-        if prev_health in (Health.DONE,) and failover:
-            info.health = Health.DONE
-        self._snapshot_dirty = True
-        log.info("rank %d registered (pid %s on %s%s)", rank, p["pid"], p["host"],
-                 ", restarted" if fresh else (", failover" if failover else ""))
-        self.send_registered(info)
-        if self.role != "active":
-            return
-        if state is State.INIT:
-            self._missing.discard(rank)
-            if not self._missing:
-                self.sm.to(State.NORMAL, f"all {self.world_size} ranks registered")
-        elif fresh and self.features.elastic and (
-                prev_health is Health.LEFT or len(self.table.members()) < self.world_size):
-            self._returned(info, prev_replica)
-        elif fresh:
-            if self.flow is not None:
-                self.flow.on_registered(rank)
-            else:
-                self._send_action(rank, self._new_action_id(), "exit", {
-                    "code": self.config.failure_exit_code,
-                    "reason": f"rank {rank} restarted while no recovery was under way"},
-                    self.config.action_time_limit)
-                info.health = Health.EXITING
+    def rank_missing(self, rank: int) -> None:
+        """A rank was lost during INIT: the roll call waits for it again."""
+        self.registration.missing.add(rank)
 
     # -- elastic training: growing back ------------------------------------------------------
-    def _returned(self, row: RankInfo, replica: dict[str, Any] | None) -> None:
+    def rank_returned(self, row: RankInfo, replica: dict[str, Any] | None) -> None:
         """A restarted process registered while the job is shrunk (for a rank that left, or
         one lost since: a replacement cannot take a rank's place in a shrunk world, whose
         layout differs from its own). It waits outside the job (health `left`) until its
@@ -781,15 +680,9 @@ class Controller:
                               self.config.action_time_limit)
         self.returning.clear()
 
-    def _rebindable(self, row: RankInfo, now: float) -> bool:
-        """May another connection take over this rank's row?"""
-        if self.role == "backup":
-            return now - row.last_seen > self.config.lost_after
-        return row.health not in CONNECTED
-
     def send_registered(self, row: RankInfo) -> None:
         lock = self.incident_lock_step()
-        self._send(row.identity, MsgType.REGISTERED, {
+        self.send(row.identity, MsgType.REGISTERED, {
             "epoch": self.epoch, "state": self.sm.state.value,
             "interval": self.config.heartbeat_interval, "misses": self.config.heartbeat_misses,
             "backups": self.backups.addresses(), "rejoin": row.fresh,
@@ -889,71 +782,6 @@ class Controller:
         self.broadcast("exit", {"code": code, "reason": reason})
         self.sm.to(State.FINAL, reason)
 
-    def _supervise(self, now: float) -> None:
-        self._watch_local_processes(now)
-        overdue = self.table.overdue(now, self.config.lost_after)
-        if overdue and self._router is not None:
-            # their heartbeats may be queued behind other input: read it first (bounded)
-            self._drain_router(_LOST_DRAIN)
-            overdue = self.table.overdue(now, self.config.lost_after)  # still silent
-        for row in overdue:
-            silent = now - row.last_seen
-            self._declare_lost(row, f"silent for {silent:.1f}s", f"no heartbeat for {silent:.1f}s")
-
-    def _declare_lost(self, row: RankInfo, during_init: str, message: str) -> None:
-        """A connected rank's process is gone (silence or a launcher's report)."""
-        row.health = Health.LOST
-        self._snapshot_dirty = True
-        if self.sm.state is State.INIT:
-            log.warning("rank %d %s during registration", row.rank, during_init)
-            self._missing.add(row.rank)
-            return
-        self.fault(row.rank, FaultKind.LOST, message)
-
-    def _watch_local_processes(self, now: float) -> None:
-        """Ranks in this pid namespace (`RankInfo.start`; under plain torchrun no launcher
-        reports deaths): one whose process a signal is ending is lost now, as a launcher
-        would report it; one whose process ended otherwise or is already gone (reaped) is
-        lost `_GONE_GRACE` later if it is still connected then (a clean exit's bye, sent
-        before it ended, is read first)."""
-        for rank in sorted(self._local):  # not every row: thousands of remote ranks, 4 x/s
-            row = self.table.get(rank)
-            if row is None or row.start is None:
-                self._local.discard(rank)
-                continue
-            if not row.connected:
-                continue
-            running, code = procfs.process_state(row.pid, row.start)
-            if running:
-                continue
-            if code is not None:
-                self._on_process_exit(row.rank, code, _SEEN_IN_PROC)
-            elif row.gone_since is None:
-                row.gone_since = now
-            elif now - row.gone_since >= _GONE_GRACE:
-                self._process_gone(row.rank, "ended", _SEEN_IN_PROC)
-
-    def _on_process_exit(self, rank: int, returncode: int,
-                         source: str = "reported by its launcher") -> None:
-        if self.role != "active" or returncode == 0:
-            return
-        how = (f"killed by signal {-returncode}" if returncode < 0
-               else f"exited with code {returncode}")
-        self._process_gone(rank, how, source)
-
-    def _process_gone(self, rank: int, how: str, source: str) -> None:
-        """`rank`'s process `how` ("killed by signal 9", ...): lost, unless a bye or report
-        it sent before it ended says otherwise."""
-        if self._router is not None:  # a bye or report it sent before it ended comes first
-            self._drain_router()
-        row = self.table.get(rank)
-        if row is None or not row.connected:
-            log.info("rank %d: process %s, not connected (%s): nothing to do",
-                     rank, how, "unregistered" if row is None else row.health)
-            return
-        log.warning("rank %d: process %s (%s)", rank, how, source)
-        self._declare_lost(row, f"process {how}", f"process {how} ({source})")
-
     # -- FlowHost ---------------------------------------------------------------------------
     def now(self) -> float:
         return time.monotonic()
@@ -985,7 +813,7 @@ class Controller:
         row = self.table.get(rank)
         if row is None or not row.identity:
             return
-        self._send(row.identity, MsgType.ACTION,
+        self.send(row.identity, MsgType.ACTION,
                    {"id": action_id, "name": name, "timeout": float(timeout), "payload": payload})
 
     def flow_finished(self, flow: IncidentFlow) -> None:
@@ -1027,7 +855,7 @@ class Controller:
         self._seq += 1
         return self._seq
 
-    def _send(self, identity: bytes, mtype: str, payload: dict[str, Any]) -> None:
+    def send(self, identity: bytes, mtype: str, payload: dict[str, Any]) -> None:
         self.raw_send(identity, encode(mtype, CONTROLLER, self.next_seq(), payload))
 
     def raw_send(self, identity: bytes, frame: bytes) -> None:
@@ -1071,8 +899,7 @@ class Controller:
             "incidents": self.incidents,
             "incident_stats": self.stats.view(),
             # seconds since the longest-silent connected rank was heard from
-            "heartbeat_age": max((time.monotonic() - r.last_seen for r in self.table.connected()),
-                                 default=None),
+            "heartbeat_age": self.liveness.heartbeat_age(time.monotonic()),
             "exit_code": self.exit_code,
             "history": [s.value for s in self.sm.history],
         }
