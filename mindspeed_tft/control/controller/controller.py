@@ -41,7 +41,7 @@ from ...events import CONTROLLER_RANK, configure_events, emit
 from ...features import Features
 from ..wire import local
 from ..wire.classify import FaultKind
-from ..wire.config import ControlConfig, ControlConfigError, port_in_use, setup_logging
+from ..wire.config import ControlConfig, ControlConfigError, setup_logging
 from ..wire.priority import raise_priority
 from ..wire.protocol import (
     CONTROLLER,
@@ -56,36 +56,23 @@ from ..wire.protocol import (
     peek,
 )
 from ..wire.transport import (
-    MONITOR_EVENTS,
-    MONITOR_NAMES,
-    CurveKeys,
-    bind_router,
-    bound_port,
-    check_bind,
     hostport,
-    monitor_socket,
-    raise_fd_limit,
-    start_authenticator,
-    storm_allowance,
     token_ok,
-    user_id,
 )
-from .admission import FD_RESERVE, PENDING_MARGIN, Admission
+from .admission import PENDING_MARGIN, Admission
 from .backup import BackupSync
 from .elasticity import Elasticity
 from .incident import Incident, IncidentFlow, IncidentStats
 from .liveness import LOST_DRAIN, Liveness
 from .ranktable import CONNECTED, Health, RankInfo, RankTable
 from .registration import Registration
+from .sockets import DRAIN_BATCH, DRAIN_SLICE, ControllerSockets
 from .states import State, StateMachine
 from .strategy import StrategyPlanner
 
 log = logging.getLogger("mindspeed_tft.control.controller")
 
-_DRAIN_BATCH = 4096
 _BATCH_WAIT = 0.01  # seconds; heartbeats wait at most this long to be read (not during incidents)
-#: seconds the loop reads input before it supervises again, however much is queued
-_DRAIN_SLICE = 0.05
 #: types an unregistered connection may send (anything else is dropped before decoding)
 _UNBOUND_TYPES = frozenset({MsgType.REGISTER, MsgType.BACKUP})
 
@@ -146,18 +133,12 @@ class Controller:
         self.exit_code: int | None = None
         self._seq = 0
         self._action_id = 0
-        self._ctx: zmq.Context | None = None
-        self._router: zmq.Socket | None = None
-        self._monitor: zmq.Socket | None = None
-        #: counts of connection events (handshake failures, disconnects) from the monitor
-        self.connections: dict[str, int] = {}
-        self._auth: Any = None
-        self._curve: CurveKeys | None = None
+        #: the ROUTER, its monitor, the context and the wake-up pipe (`sockets`)
+        self.sockets = ControllerSockets(self.config, self.admission)
         self._thread: threading.Thread | None = None
         #: the thread running the loop (`start`'s or `run`'s caller), once it started
         self._loop_ident: int | None = None
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-        self._wake_r, self._wake_w = os.pipe()
         self._ready = threading.Event()
         self._final = threading.Event()
         self._stopping = False
@@ -171,7 +152,6 @@ class Controller:
         self._snapshot_path: str | None = None
         self._snapshot_dirty = True
         self._next_snapshot = 0.0
-        self.send_errors = 0
         #: silent ranks and ended processes (`liveness.Liveness`, through `LivenessHost`)
         self.liveness = Liveness(self, config=self.config, table=self.table, sm=self.sm,
                                  watch_processes=watch_processes)
@@ -278,10 +258,7 @@ class Controller:
     # -- loop ---------------------------------------------------------------------------
     def _command(self, *cmd: Any) -> None:
         self._commands.put(cmd)
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:
-            pass
+        self.sockets.wake()
 
     def _main(self) -> None:
         self._loop_ident = threading.get_ident()
@@ -308,38 +285,13 @@ class Controller:
 
     def _setup(self) -> None:
         cfg = self.config
-        # a connection per rank and pending room; warned about only below one per rank
-        files = raise_fd_limit(2 * self.world_size + PENDING_MARGIN + FD_RESERVE,
-                               warn_below=self.world_size + FD_RESERVE + 64)
-        self.admission.files = files
-        what = f"{self.role} controller"
-        warning = check_bind(cfg, self.bind_addr, what)  # no unauthenticated network bind
-        if warning is not None:
-            log.warning("%s", warning)
-        self._ctx = zmq.Context()
-        self._curve = CurveKeys.from_config(cfg, server=True)
-        if self._curve is not None:  # the ZAP handler admits the authorized client keys
-            self._auth = start_authenticator(self._ctx, self._curve)
-            self.backups.server_key = self._curve.server_user_id
-        # libzmq's handshake interval is a backstop: admission closes a pending one first
-        backstop = cfg.admit_deadline + 1 + storm_allowance(self.admission.pending_cap)
-        try:
-            self._router = bind_router(self._ctx, self.bind_addr, self._port_wanted,
-                                       max_bytes=cfg.max_message_bytes, curve=self._curve,
-                                       handshake_ms=int(1000 * backstop),
-                                       backlog=min(65535, max(4096, self.world_size)))
-        except zmq.ZMQError as error:  # one line naming the port and what sets it
-            if error.errno != zmq.EADDRINUSE:
-                raise
-            active = self.role == "active"
-            raise port_in_use(self.bind_addr, self._port_wanted,
-                              "the controller" if active else what,
-                              "TTP_PORT" if active else "TTP_BACKUP_ADDRS") from None
-        self.port = bound_port(self._router)
-        self._monitor = monitor_socket(self._router, MONITOR_EVENTS)
+        self.port = self.sockets.open(self.world_size, self.bind_addr, self._port_wanted,
+                                      self.role)
+        if self.sockets.curve is not None:  # backups hold the server pair
+            self.backups.server_key = self.sockets.curve.server_user_id
         self._started = self._now = time.monotonic()
         if self.role == "backup":
-            self.backups.connect(self._ctx, self._curve, self._now)
+            self.backups.connect(self.sockets.ctx, self.sockets.curve, self._now)
         log.info("%s controller for %d ranks listening on %s", self.role, self.world_size,
                  self.endpoint)
         if self.role == "active":
@@ -357,44 +309,18 @@ class Controller:
             server.stop()
 
     def _close(self) -> None:
-        if self._monitor is not None:
-            try:
-                self._router.disable_monitor()  # type: ignore[union-attr]
-            except zmq.ZMQError:
-                pass
-            self._monitor.close(0)
-            self._monitor = None
-        if self._router is not None:
-            try:
-                self._router.setsockopt(zmq.LINGER, 2000)  # let queued exit orders leave
-                self._router.close()
-            except zmq.ZMQError:
-                pass
-        self._router = None
+        self.sockets.close()
         self.backups.close()
-        if self._auth is not None:
-            try:
-                self._auth.stop()
-            except Exception:
-                pass
-            self._auth = None
-        if self._ctx is not None:
-            self._ctx.term()
-            self._ctx = None
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self._wake_r = self._wake_w = -1
+        self.sockets.term()
 
     def _loop(self) -> None:
-        assert self._router is not None
+        socks = self.sockets
+        assert socks.router is not None
         poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
-        if self._monitor is not None:
-            poller.register(self._monitor, zmq.POLLIN)
+        poller.register(socks.router, zmq.POLLIN)
+        poller.register(socks.wake_r, zmq.POLLIN)
+        if socks.monitor is not None:
+            poller.register(socks.monitor, zmq.POLLIN)
         upstream = self.backups.upstream
         if upstream is not None:
             poller.register(upstream, zmq.POLLIN)
@@ -404,68 +330,37 @@ class Controller:
             timeout_ms = max(0, int((next_tick - time.monotonic()) * 1000))
             events = dict(poller.poll(timeout_ms))
             self._now = time.monotonic()
-            if self._wake_r in events:
-                os.read(self._wake_r, 4096)
+            if socks.wake_r in events:
+                os.read(socks.wake_r, 4096)
                 self._run_commands()
-            if self._monitor is not None and self._monitor in events:
-                self._drain(self._monitor, self._on_monitor)
+            if socks.monitor is not None and socks.monitor in events:
+                socks.drain(socks.monitor, self._on_monitor)
             drained = 0
-            if self._router in events:
+            if socks.router in events:
                 drained = self.drain_router()
             if self.backups.upstream is not None and self.backups.upstream in events:
-                self._drain(self.backups.upstream,
-                            lambda frames: self.backups.on_upstream(frames, self._now))
+                socks.drain(self.backups.upstream,
+                            lambda frames: self.backups.on_upstream(frames, self._stamp()))
             if self._now >= next_tick:
                 self._tick(self._now)
                 next_tick = self._now + tick
             if self.sm.state is State.FINAL:  # _final is set once the sockets are flushed
                 self._write_snapshot(force=True)
                 break
-            if 0 < drained < _DRAIN_BATCH // 8 and self.flow is None:
+            if 0 < drained < DRAIN_BATCH // 8 and self.flow is None:
                 # a trickle of heartbeats: let a few more arrive before waking up again, so
                 # thousands of ranks cost hundreds of wake-ups a second, not thousands
                 time.sleep(_BATCH_WAIT)
 
-    def _drain(self, sock: zmq.Socket, handler: Any, budget: float = _DRAIN_SLICE) -> int:
-        """Handle what `sock` has queued, for at most `budget` seconds (and `_DRAIN_BATCH`
-        frames): supervision runs between slices however busy the input is. `self._now` is
-        stamped as each frame is taken, so liveness is when the frame was read, not when
-        the slice began."""
-        deadline = time.monotonic() + budget
-        for n in range(_DRAIN_BATCH):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return n
-            self._now = now = time.monotonic()
-            handler(frames)
-            if now > deadline:
-                return n + 1
-        return _DRAIN_BATCH
+    def _stamp(self) -> float:
+        """The time the frame being handled was read (`ControllerSockets.drain`)."""
+        self._now = self.sockets.now
+        return self._now
 
-    def drain_router(self, budget: float = _DRAIN_SLICE) -> int:
-        """`_drain` for what processors and backups sent: each message is the sender's
-        routing id, then its frame as a `zmq.Frame`, which names the connection it came by
-        (`zmq.SRCFD`: admission) and, under CURVE, the peer's key (0: the socket is closed)."""
-        sock = self._router
-        if sock is None:
-            return 0
-        deadline = time.monotonic() + budget
-        for n in range(_DRAIN_BATCH):
-            try:
-                identity = sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return n
-            part = sock.recv(zmq.NOBLOCK, copy=False)  # a ROUTER's message has one more part
-            extra = 0
-            while part.more:  # a message of several frames: read to its end, then drop it
-                part = sock.recv(zmq.NOBLOCK, copy=False)
-                extra += 1
-            self._now = now = time.monotonic()
-            self._on_frame(identity, part, extra)
-            if now > deadline:
-                return n + 1
-        return _DRAIN_BATCH
+    def drain_router(self, budget: float = DRAIN_SLICE) -> int:
+        """Handle what processors and backups sent, for at most `budget` seconds (0: the
+        socket is closed)."""
+        return self.sockets.drain_router(self._on_frame, budget)
 
     def _run_commands(self) -> None:
         while True:
@@ -505,7 +400,7 @@ class Controller:
             self.backups.tick_active(now)
         else:
             self.backups.standby_tick(now)
-        if self._router is not None and self.admission.due(now):
+        if self.sockets.router is not None and self.admission.due(now):
             self.drain_router(LOST_DRAIN)  # a REGISTER already queued admits its connection
             self.admission.enforce(now)
         self._write_snapshot()
@@ -514,6 +409,7 @@ class Controller:
     def _on_frame(self, identity: bytes, part: zmq.Frame, extra: int = 0) -> None:
         """One message from the ROUTER: the sender's routing id and its frame (`extra`:
         how many frames more it had)."""
+        self._stamp()
         if extra:
             self.drops.drop("frames", f"{extra + 1} frames")
             return
@@ -539,7 +435,7 @@ class Controller:
         if t == MsgType.HEARTBEAT:
             self._on_heartbeat(identity, msg)
         elif t == MsgType.REGISTER:
-            self.registration.on_register(identity, msg, self._now, self._key(part), part)
+            self.registration.on_register(identity, msg, self._now, self.sockets.key(part), part)
         elif t == MsgType.REPORT:
             self._on_report(identity, msg)
         elif t == MsgType.RESULT:
@@ -547,9 +443,9 @@ class Controller:
         elif t == MsgType.BYE:
             self._on_bye(identity, msg)
         elif t == MsgType.BACKUP and self.role == "active":
-            key = self._key(part)
+            key = self.sockets.key(part)
             if token_ok(self.config, msg.payload.get("token")) and (
-                    self._curve is None or key == self._curve.server_user_id):
+                    self.sockets.curve is None or key == self.sockets.curve.server_user_id):
                 self.admit(part)  # a backup controller: it holds the job's token
             self.backups.on_backup(identity, msg, self._now, key)
         else:
@@ -610,15 +506,11 @@ class Controller:
                 {"state": self.sm.state.value, "epoch": self.epoch, "role": self._role_name()})
         self.raw_send(identity, frame)
 
-    def _key(self, part: zmq.Frame) -> str | None:
-        """CURVE: the sender's public key, the ZAP User-Id of its frame (None without)."""
-        return user_id(part) if self._curve is not None else None
-
     def admit(self, part: zmq.Frame) -> bool:
         """The connection `part` came by showed the job's token: admit it (False: the rank
         cap is reached)."""
-        if self._monitor is not None:  # its accept was announced before the frame came
-            self._drain(self._monitor, self._on_monitor)
+        if self.sockets.monitor is not None:  # its accept was announced before the frame came
+            self.sockets.drain(self.sockets.monitor, self._on_monitor)
         return self.admission.admit(part.get(zmq.SRCFD))
 
     # -- RegistrationHost / LivenessHost (the rest: admit, send, send_registered, fault,
@@ -735,24 +627,10 @@ class Controller:
             self.sm.to(State.FINAL, "training finished")
 
     def _on_monitor(self, frames: list[bytes]) -> None:
-        """Connection events: failed handshakes (wrong CURVE key, garbage) and disconnects
-        (including peers libzmq cut off for frames far over the size limit)."""
-        try:
-            event = int.from_bytes(frames[0][:2], "little")
-            value = int.from_bytes(frames[0][2:6], "little")
-        except (IndexError, TypeError):
-            return
-        name = MONITOR_NAMES.get(event)
-        if name is None:
-            return
-        self.admission.on_event(event, value, self._now)  # accepted/disconnected: by fd
-        n = self.connections.get(name, 0) + 1
-        self.connections[name] = n
-        self._snapshot_dirty = True
-        if name not in ("disconnected", "accepted") and (n <= 10 or n % 1000 == 0):
-            log.warning("connection event #%d: %s", n, name)
-        if event == zmq.EVENT_ACCEPTED and self.admission.crowded():
-            self.admission.enforce(self._now)  # the oldest pending make room for the newest
+        """Connection events (`ControllerSockets.on_monitor`)."""
+        self._stamp()
+        if self.sockets.on_monitor(frames):
+            self._snapshot_dirty = True
 
     # -- faults -----------------------------------------------------------------------------
     def fault(self, rank: int, kind: FaultKind, message: str,
@@ -859,10 +737,7 @@ class Controller:
         self.raw_send(identity, encode(mtype, CONTROLLER, self.next_seq(), payload))
 
     def raw_send(self, identity: bytes, frame: bytes) -> None:
-        try:
-            self._router.send_multipart([identity, frame], zmq.NOBLOCK)  # type: ignore[union-attr]
-        except zmq.ZMQError:
-            self.send_errors += 1
+        self.sockets.raw_send(identity, frame)
 
     def broadcast(self, name: str, payload: dict[str, Any]) -> None:
         self.send_action_many([r.rank for r in self.table.connected()], self._new_action_id(),
@@ -887,7 +762,7 @@ class Controller:
             "ranks": {str(k): v for k, v in self.table.snapshot().items()},
             "dropped": dict(self.drops.counts),
             "dropped_total": self.drops.total,
-            "connections": {**self.connections, **self.admission.view()},
+            "connections": {**self.sockets.connections, **self.admission.view()},
             "backups": self.backups.joined(),
             "incident": None if self.flow is None else {
                 "id": self.flow.incident.id,
