@@ -17,9 +17,16 @@ disappears, but only with more than half of the ranks alive: every controller ho
 `backup.BackupSync` for that (`self.backups`), which reaches back into the controller only
 through the `BackupHost` methods below.
 
+The controller is the loop, its commands and its ticks; the rest it holds, each reaching back
+only through a small protocol of its own: `sockets.ControllerSockets` (`self.sockets`),
+`inbox.Inbox` (`self.inbox`: each message, `InboxHost`), `registration.Registration`
+(`self.registration`: `RegistrationHost`), `liveness.Liveness` (`self.liveness`: silent ranks
+and ended processes, `LivenessHost`) and `incidents.Incidents` (`self.incidents`: the
+incident under way, the orders it sends, its counters; `IncidentsHost`).
+
 With `TFT_METRICS_PORT` set, the active controller also serves its metrics over HTTP
-(`metrics.py`: state, ranks, incident counters in `self.stats`, goodput) from threads of
-their own, which read it through `snapshot()`.
+(`metrics.py`: state, ranks, incident counters in `self.incidents.stats`, goodput) from
+threads of their own, which read it through `snapshot()`.
 """
 
 from __future__ import annotations
@@ -45,26 +52,22 @@ from ..wire.config import ControlConfig, ControlConfigError, setup_logging
 from ..wire.priority import raise_priority
 from ..wire.protocol import (
     CONTROLLER,
-    TO_CONTROLLER,
     DropCounter,
     Limits,
-    Message,
     MsgType,
-    ProtocolError,
-    decode,
     encode,
-    peek,
 )
 from ..wire.transport import (
     hostport,
-    token_ok,
 )
 from .admission import PENDING_MARGIN, Admission
 from .backup import BackupSync
 from .elasticity import Elasticity
-from .incident import Incident, IncidentFlow, IncidentStats
+from .inbox import Inbox
+from .incident import IncidentFlow
+from .incidents import Incidents
 from .liveness import LOST_DRAIN, Liveness
-from .ranktable import CONNECTED, Health, RankInfo, RankTable
+from .ranktable import Health, RankInfo, RankTable
 from .registration import Registration
 from .sockets import DRAIN_BATCH, DRAIN_SLICE, ControllerSockets
 from .states import State, StateMachine
@@ -73,8 +76,6 @@ from .strategy import StrategyPlanner
 log = logging.getLogger("mindspeed_tft.control.controller")
 
 _BATCH_WAIT = 0.01  # seconds; heartbeats wait at most this long to be read (not during incidents)
-#: types an unregistered connection may send (anything else is dropped before decoding)
-_UNBOUND_TYPES = frozenset({MsgType.REGISTER, MsgType.BACKUP})
 
 
 class Controller:
@@ -118,21 +119,12 @@ class Controller:
         self.admission = Admission(2 * world_size + 64, world_size + PENDING_MARGIN,
                                    self.config.admit_deadline)
         self.epoch = 0
-        self.flow: IncidentFlow | None = None
-        self.incidents = 0
-        #: counters over the incidents that ended (kind/strategy/outcome, recoveries, ...)
-        self.stats = IncidentStats()
         #: the metrics endpoint (`metrics.MetricsServer`; TFT_METRICS_PORT, active role only)
         self.metrics: Any = None
         #: elastic training: home replicas, the global batch in micro-batches (scale-out)
         self.elasticity = Elasticity()
-        #: elastic training: ranks that left in a shrink and registered again; they wait
-        #: (health `left`, outside every incident) until the job can grow by them
-        self.returning: set[int] = set()
-        self._grow_check = False
         self.exit_code: int | None = None
         self._seq = 0
-        self._action_id = 0
         #: the ROUTER, its monitor, the context and the wake-up pipe (`sockets`)
         self.sockets = ControllerSockets(self.config, self.admission)
         self._thread: threading.Thread | None = None
@@ -145,7 +137,6 @@ class Controller:
         self._error: BaseException | None = None
         self._ack_frame: bytes | None = None
         self._started = 0.0
-        self._now = time.monotonic()
         self.backups = BackupSync(self, config=self.config, table=self.table, sm=self.sm,
                                   drops=self.drops, world_size=world_size,
                                   backup_index=backup_index)
@@ -159,11 +150,29 @@ class Controller:
         self.registration = Registration(
             self, config=self.config, world_size=world_size, table=self.table, sm=self.sm,
             drops=self.drops, elasticity=self.elasticity, watch=self.liveness)
+        #: the incident under way, the orders it sends, its counters (`incidents.Incidents`)
+        self.incidents = Incidents(self, config=self.config, table=self.table, sm=self.sm,
+                                   planner=self.planner, elasticity=self.elasticity)
+        #: what processors and backups send (`inbox.Inbox`)
+        self.inbox = Inbox(self, config=self.config, table=self.table, sm=self.sm,
+                           drops=self.drops, limits=self.limits, admission=self.admission,
+                           sockets=self.sockets, registration=self.registration,
+                           backups=self.backups)
 
     # -- public API -------------------------------------------------------------------
     @property
     def state(self) -> State:
         return self.sm.state
+
+    @property
+    def flow(self) -> IncidentFlow | None:
+        """The incident under way (`Incidents.flow`)."""
+        return self.incidents.flow
+
+    @property
+    def _now(self) -> float:
+        """The loop's clock: when the frame being handled was read (`ControllerSockets`)."""
+        return self.sockets.now
 
     @property
     def endpoint(self) -> str:
@@ -289,7 +298,7 @@ class Controller:
                                       self.role)
         if self.sockets.curve is not None:  # backups hold the server pair
             self.backups.server_key = self.sockets.curve.server_user_id
-        self._started = self._now = time.monotonic()
+        self._started = self.sockets.now = time.monotonic()
         if self.role == "backup":
             self.backups.connect(self.sockets.ctx, self.sockets.curve, self._now)
         log.info("%s controller for %d ranks listening on %s", self.role, self.world_size,
@@ -329,7 +338,7 @@ class Controller:
         while not self._stopping:
             timeout_ms = max(0, int((next_tick - time.monotonic()) * 1000))
             events = dict(poller.poll(timeout_ms))
-            self._now = time.monotonic()
+            self.sockets.now = time.monotonic()
             if socks.wake_r in events:
                 os.read(socks.wake_r, 4096)
                 self._run_commands()
@@ -340,7 +349,7 @@ class Controller:
                 drained = self.drain_router()
             if self.backups.upstream is not None and self.backups.upstream in events:
                 socks.drain(self.backups.upstream,
-                            lambda frames: self.backups.on_upstream(frames, self._stamp()))
+                            lambda frames: self.backups.on_upstream(frames, self._now))
             if self._now >= next_tick:
                 self._tick(self._now)
                 next_tick = self._now + tick
@@ -352,15 +361,10 @@ class Controller:
                 # thousands of ranks cost hundreds of wake-ups a second, not thousands
                 time.sleep(_BATCH_WAIT)
 
-    def _stamp(self) -> float:
-        """The time the frame being handled was read (`ControllerSockets.drain`)."""
-        self._now = self.sockets.now
-        return self._now
-
     def drain_router(self, budget: float = DRAIN_SLICE) -> int:
         """Handle what processors and backups sent, for at most `budget` seconds (0: the
         socket is closed)."""
-        return self.sockets.drain_router(self._on_frame, budget)
+        return self.sockets.drain_router(self.inbox.on_frame, budget)
 
     def _run_commands(self) -> None:
         while True:
@@ -394,9 +398,9 @@ class Controller:
                 self.flow.tick(now)
             if state is State.INIT and (late := self.registration.overdue(now, self._started)):
                 self._fail_init(late)
-            if self._grow_check and self.flow is None and state is State.NORMAL:
-                self._grow_check = False
-                self._maybe_grow()
+            if self.incidents.grow_check and self.flow is None and state is State.NORMAL:
+                self.incidents.grow_check = False
+                self.incidents.maybe_grow(self._now)
             self.backups.tick_active(now)
         else:
             self.backups.standby_tick(now)
@@ -405,107 +409,7 @@ class Controller:
             self.admission.enforce(now)
         self._write_snapshot()
 
-    # -- frames from processors -------------------------------------------------------------
-    def _on_frame(self, identity: bytes, part: zmq.Frame, extra: int = 0) -> None:
-        """One message from the ROUTER: the sender's routing id and its frame (`extra`:
-        how many frames more it had)."""
-        self._stamp()
-        if extra:
-            self.drops.drop("frames", f"{extra + 1} frames")
-            return
-        frame = part.bytes
-        bound = self.table.lookup(identity)
-        try:
-            # the type from the header, its size cap, and whether this connection may send
-            # it at all, before anything is decoded: a refused frame costs microseconds
-            t = peek(frame, self.limits, TO_CONTROLLER)
-            if t not in _UNBOUND_TYPES and bound is None:
-                raise ProtocolError("unregistered", t)
-            msg = decode(frame, limits=self.limits, mtype=t)
-        except ProtocolError as e:
-            self.drops.drop(e.reason, e.detail)
-            self._snapshot_dirty = True
-            return
-        if bound is not None and self.admission.pending:
-            # a registered rank's process, maybe on a new connection (a reconnect keeps its
-            # routing id): that connection is admitted
-            fd = part.get(zmq.SRCFD)
-            if self.admission.is_pending(fd):
-                self.admission.admit(fd)
-        if t == MsgType.HEARTBEAT:
-            self._on_heartbeat(identity, msg)
-        elif t == MsgType.REGISTER:
-            self.registration.on_register(identity, msg, self._now, self.sockets.key(part), part)
-        elif t == MsgType.REPORT:
-            self._on_report(identity, msg)
-        elif t == MsgType.RESULT:
-            self._on_result(identity, msg)
-        elif t == MsgType.BYE:
-            self._on_bye(identity, msg)
-        elif t == MsgType.BACKUP and self.role == "active":
-            key = self.sockets.key(part)
-            if token_ok(self.config, msg.payload.get("token")) and (
-                    self.sockets.curve is None or key == self.sockets.curve.server_user_id):
-                self.admit(part)  # a backup controller: it holds the job's token
-            self.backups.on_backup(identity, msg, self._now, key)
-        else:
-            self.drops.drop("unexpected_type", t)
-            self._snapshot_dirty = True
-
-    def _bound(self, identity: bytes, msg: Message) -> RankInfo | None:
-        row = self.table.lookup(identity)
-        if row is None:
-            self.drops.drop("unregistered", msg.type)
-        elif row.rank != msg.sender:
-            self.drops.drop("spoof", f"{msg.type} claims rank {msg.sender} from rank {row.rank}'s connection")
-        elif msg.seq <= row.last_seq:
-            self.drops.drop("replay", f"{msg.type} seq {msg.seq} <= {row.last_seq}")
-        else:
-            row.last_seq = msg.seq
-            row.last_seen = self._now
-            return row
-        self._snapshot_dirty = True
-        return None
-
-    def _on_heartbeat(self, identity: bytes, msg: Message) -> None:
-        row = self._bound(identity, msg)
-        if row is None:
-            return
-        health = row.health
-        if health in CONNECTED:
-            p = msg.payload
-            row.step = p["step"]
-            row.status = p["status"]
-            progress = p.get("progress", row.progress)
-            if health is Health.HUNG and progress > row.progress and self.flow is not None:
-                self.flow.clear_fault(row.rank)
-            row.progress = progress
-        elif health is Health.LOST:
-            if self.sm.state is State.INIT or self.role == "backup":
-                row.health = Health.ALIVE
-                self._snapshot_dirty = True
-                if self.sm.state is State.INIT:
-                    self.registration.arrived(row.rank)
-            else:  # declared lost and handled as such: this process must go
-                self._send_action(row.rank, self._new_action_id(), "exit",
-                                  {"code": self.config.failure_exit_code,
-                                   "reason": "this rank was declared lost"},
-                                  self.config.action_time_limit)
-                row.health = Health.EXITING
-                return
-        if self.role == "backup" and self.backups.active_alive(self._now):
-            self.send(identity, MsgType.REDIRECT, {"reason": "the active controller is alive"})
-            self.backups.redirected(self._now)
-            return
-        if not msg.payload.get("ack", True):
-            return
-        frame = self._ack_frame
-        if frame is None:
-            frame = self._ack_frame = encode(
-                MsgType.ACK, CONTROLLER, self.next_seq(),
-                {"state": self.sm.state.value, "epoch": self.epoch, "role": self._role_name()})
-        self.raw_send(identity, frame)
-
+    # -- InboxHost, RegistrationHost, LivenessHost (and fault, mark_dirty, send, raw_send) --
     def admit(self, part: zmq.Frame) -> bool:
         """The connection `part` came by showed the job's token: admit it (False: the rank
         cap is reached)."""
@@ -513,64 +417,36 @@ class Controller:
             self.sockets.drain(self.sockets.monitor, self._on_monitor)
         return self.admission.admit(part.get(zmq.SRCFD))
 
-    # -- RegistrationHost / LivenessHost (the rest: admit, send, send_registered, fault,
-    # mark_dirty, drain_router) ------------------------------------------------------------
     def rank_restarted(self, row: RankInfo) -> None:
-        """A restarted process registered for `row`'s rank: it joins the recovery under
-        way, or exits when there is none."""
-        if self.flow is not None:
-            self.flow.on_registered(row.rank)
-        else:
-            self._send_action(row.rank, self._new_action_id(), "exit", {
-                "code": self.config.failure_exit_code,
-                "reason": f"rank {row.rank} restarted while no recovery was under way"},
-                self.config.action_time_limit)
-            row.health = Health.EXITING
+        self.incidents.rank_restarted(row)
+
+    def rank_returned(self, row: RankInfo, replica: dict[str, Any] | None) -> None:
+        self.incidents.rank_returned(row, replica)
+
+    def order(self, rank: int, name: str, payload: dict[str, Any]) -> None:
+        self.incidents.order(rank, name, payload)
+
+    def ack_frame(self) -> bytes:
+        """The answer to a heartbeat (encoded once per state, epoch and role)."""
+        frame = self._ack_frame
+        if frame is None:
+            frame = self._ack_frame = encode(
+                MsgType.ACK, CONTROLLER, self.next_seq(),
+                {"state": self.sm.state.value, "epoch": self.epoch, "role": self._role_name()})
+        return frame
+
+    def training_finished(self) -> None:
+        """Every member said bye: the job ends with code 0."""
+        self.sm.to(State.EXIT, "training finished")
+        self.incidents.dismiss_returning("training finished before the job could grow by "
+                                         "this rank")
+        self.exit_code = 0
+        emit("exit", CONTROLLER_RANK, code=0, reason="training finished")
+        self.sm.to(State.FINAL, "training finished")
 
     def rank_missing(self, rank: int) -> None:
         """A rank was lost during INIT: the roll call waits for it again."""
         self.registration.missing.add(rank)
-
-    # -- elastic training: growing back ------------------------------------------------------
-    def rank_returned(self, row: RankInfo, replica: dict[str, Any] | None) -> None:
-        """A restarted process registered while the job is shrunk (for a rank that left, or
-        one lost since: a replacement cannot take a rank's place in a shrunk world, whose
-        layout differs from its own). It waits outside the job (health `left`) until its
-        replica is complete and the job can grow by it (`_maybe_grow`)."""
-        row.health = Health.LEFT
-        row.replica = replica  # its place in the job's current layout, until it grows
-        self.returning.add(row.rank)
-        self._grow_check = True
-        log.warning("rank %d came back into a shrunk job: the job grows by it once its "
-                    "data-parallel replica is complete", row.rank)
-        if self.flow is not None:  # an incident waiting for it does not get it back
-            self.flow.no_replacement(row.rank, "it came back into a shrunk job: it rejoins "
-                                               "by a scale-out")
-
-    def _maybe_grow(self) -> None:
-        """Start a scale-out when the returning ranks let the job grow (loop thread)."""
-        lost = self.config.lost_after
-        for rank in sorted(self.returning):  # a returning process that went silent is gone
-            row = self.table.get(rank)
-            if row is None or row.health is not Health.LEFT or self._now - row.last_seen > lost:
-                self.returning.discard(rank)
-        members = [r for r in self.table.members() if r not in self.returning]
-        grown = self.elasticity.grown_world(members, self.returning)
-        if grown is None:
-            return
-        world, dp_size = grown
-        joining = [r for r in world if r in self.returning]
-        self.returning -= set(joining)
-        self.incidents += 1
-        self.flow = IncidentFlow(self, Incident(self.incidents, self._now))
-        self.flow.begin_scale_out(world, dp_size, joining)
-
-    def _dismiss_returning(self, reason: str) -> None:
-        """The job ends: returning ranks still waiting to join exit cleanly."""
-        for rank in sorted(self.returning):
-            self._send_action(rank, self._new_action_id(), "exit", {"code": 0, "reason": reason},
-                              self.config.action_time_limit)
-        self.returning.clear()
 
     def send_registered(self, row: RankInfo) -> None:
         lock = self.incident_lock_step()
@@ -580,55 +456,8 @@ class Controller:
             "backups": self.backups.addresses(), "rejoin": row.fresh,
             "lock_step": lock, "role": self._role_name()})
 
-    def _on_report(self, identity: bytes, msg: Message) -> None:
-        row = self._bound(identity, msg)
-        if row is None or self.role != "active":
-            return
-        p = msg.payload
-        kind = FaultKind(p["kind"])
-        if row.health in CONNECTED:
-            row.step, row.status = p["step"], p["status"]
-        if kind is FaultKind.NORMAL:
-            if self.flow is None and self.sm.state in (State.NORMAL, State.PAUSE):
-                # a rank stopped itself with no incident under way: let it go on
-                self._send_action(row.rank, self._new_action_id(), "resume", {
-                    "incident": 0, "step": row.step, "strategy": "none", "false_alarm": True},
-                    self.config.action_time_limit)
-            return
-        if row.health not in CONNECTED:
-            return
-        if kind is FaultKind.HANG and self.flow is not None and row.rank in self.flow.incident.parked:
-            return  # a report that crossed the stop: its training thread did come back
-        row.health = Health.HUNG if kind is FaultKind.HANG else Health.FAULTY
-        self._snapshot_dirty = True
-        self.fault(row.rank, kind, p["message"], p.get("detail"))
-
-    def _on_result(self, identity: bytes, msg: Message) -> None:
-        row = self._bound(identity, msg)
-        if row is not None and self.flow is not None:
-            self.flow.on_result(row.rank, msg.payload)
-
-    def _on_bye(self, identity: bytes, msg: Message) -> None:
-        row = self._bound(identity, msg)
-        if row is None or self.role != "active":
-            return
-        row.health = Health.DONE
-        self._snapshot_dirty = True
-        log.info("rank %d finished (code %d)", row.rank, msg.payload["code"])
-        if self.flow is not None:
-            self.flow.on_gone(row.rank, "finished")
-        if self.sm.state is State.NORMAL and all(
-                (r := self.table.get(i)) is not None and r.health is Health.DONE
-                for i in self.table.members()):
-            self.sm.to(State.EXIT, "training finished")
-            self._dismiss_returning("training finished before the job could grow by this rank")
-            self.exit_code = 0
-            emit("exit", CONTROLLER_RANK, code=0, reason="training finished")
-            self.sm.to(State.FINAL, "training finished")
-
     def _on_monitor(self, frames: list[bytes]) -> None:
         """Connection events (`ControllerSockets.on_monitor`)."""
-        self._stamp()
         if self.sockets.on_monitor(frames):
             self._snapshot_dirty = True
 
@@ -644,11 +473,7 @@ class Controller:
                  message=message[:500])
             self._fail_init(f"{kind} on rank {rank} before all ranks registered: {message[:200]}")
         elif self.flow is None and state in (State.NORMAL, State.PAUSE):
-            self.incidents += 1
-            self.flow = IncidentFlow(self, Incident(self.incidents, self._now))
-            if detail:
-                self.flow.incident.details[rank] = detail
-            self.flow.begin(rank, kind, message)
+            self.incidents.open(rank, kind, message, detail, self._now)
         elif self.flow is not None:
             self.flow.add_fault(rank, kind, message)
 
@@ -660,56 +485,10 @@ class Controller:
         self.broadcast("exit", {"code": code, "reason": reason})
         self.sm.to(State.FINAL, reason)
 
-    # -- FlowHost ---------------------------------------------------------------------------
-    def now(self) -> float:
-        return time.monotonic()
-
-    def new_action_id(self) -> int:
-        return self._new_action_id()
-
-    def _new_action_id(self) -> int:
-        self._action_id += 1
-        return self._action_id
-
-    def send_action(self, rank: int, action_id: int, name: str, payload: dict[str, Any],
-                    timeout: float) -> None:
-        self._send_action(rank, action_id, name, payload, timeout)
-
-    def send_action_many(self, ranks: list[int], action_id: int, name: str,
-                         payload: dict[str, Any], timeout: float) -> None:
-        """The same order to many ranks (encoded once)."""
-        frame = encode(MsgType.ACTION, CONTROLLER, self.next_seq(),
-                       {"id": action_id, "name": name, "timeout": float(timeout),
-                        "payload": payload})
-        for rank in ranks:
-            row = self.table.get(rank)
-            if row is not None and row.identity:
-                self.raw_send(row.identity, frame)
-
-    def _send_action(self, rank: int, action_id: int, name: str, payload: dict[str, Any],
-                     timeout: float) -> None:
-        row = self.table.get(rank)
-        if row is None or not row.identity:
-            return
-        self.send(row.identity, MsgType.ACTION,
-                   {"id": action_id, "name": name, "timeout": float(timeout), "payload": payload})
-
-    def flow_finished(self, flow: IncidentFlow) -> None:
-        if self.flow is flow:
-            self.flow = None
-        if flow.outcome is not None:
-            self.stats.add(flow.outcome)
-        if flow.exit_code is not None:
-            self.exit_code = flow.exit_code
-            self._dismiss_returning(f"the job ended (exit code {flow.exit_code}) before it "
-                                    "could grow by this rank")
-        self._grow_check = bool(self.returning)
-        self._snapshot_dirty = True
-
     # -- BackupHost (the rest: next_seq, raw_send, broadcast, send_registered, fault) ------
     def incident_lock_step(self) -> int | None:
         """The lock step of the incident under way; None when there is none."""
-        return self.flow.incident.lock_step if self.flow is not None else None
+        return self.incidents.lock_step()
 
     def adopt(self, epoch: int, features: Features) -> None:
         """A backup takes the active controller's epoch and features (sync)."""
@@ -740,8 +519,9 @@ class Controller:
         self.sockets.raw_send(identity, frame)
 
     def broadcast(self, name: str, payload: dict[str, Any]) -> None:
-        self.send_action_many([r.rank for r in self.table.connected()], self._new_action_id(),
-                              name, payload, self.config.action_time_limit)
+        self.incidents.send_action_many([r.rank for r in self.table.connected()],
+                                        self.incidents.new_action_id(), name, payload,
+                                        self.config.action_time_limit)
 
     def _role_name(self) -> str:
         return "active" if self.role == "active" else "standby"
@@ -771,8 +551,8 @@ class Controller:
                 "lock_step": self.flow.incident.lock_step,
                 "phase": self.flow.phase.name if self.flow.phase else None,
             },
-            "incidents": self.incidents,
-            "incident_stats": self.stats.view(),
+            "incidents": self.incidents.count,
+            "incident_stats": self.incidents.stats.view(),
             # seconds since the longest-silent connected rank was heard from
             "heartbeat_age": self.liveness.heartbeat_age(time.monotonic()),
             "exit_code": self.exit_code,
