@@ -300,6 +300,7 @@ class Controller:
             self.backups.server_key = self.sockets.curve.server_user_id
         self._started = self.sockets.now = time.monotonic()
         if self.role == "backup":
+            assert self.sockets.ctx is not None
             self.backups.connect(self.sockets.ctx, self.sockets.curve, self._now)
         log.info("%s controller for %d ranks listening on %s", self.role, self.world_size,
                  self.endpoint)
