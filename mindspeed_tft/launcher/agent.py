@@ -15,7 +15,7 @@ What changes, by feature (see `options`):
   (`BACKUP_KEY`); node 0's launcher waits for them (bounded, `BACKUP_WAIT_SECONDS`) and gives
   them to its controller, whose registration replies tell every processor where they are.
   Such a backup knows that ranks absent at its takeover cannot come back (node 0's launcher
-  and the store went with the controller): it takes charge dump-only (`control.backup`).
+  and the store went with the controller): it takes charge dump-only (`control.controller.backup`).
   With `TTP_BACKUP_ADDRS` set, a launcher hosts the backup whose address is one of its
   host's, as before.
 - lifetimes: every worker and spare gets the parent-death signal and `TFT_LAUNCHER_PID`

@@ -1,4 +1,4 @@
-"""The controller's metrics endpoint (`mindspeed_tft.control.metrics`), scraped over HTTP and
+"""The controller's metrics endpoint (`mindspeed_tft.control.controller.metrics`), scraped over HTTP and
 read with `prometheus_client`'s own parser.
 
 A real controller process of the control-plane harness serves the endpoint (`TFT_METRICS_PORT`

@@ -1,4 +1,4 @@
-"""How a processor runs the controller's orders (`control.orders`): one long-lived worker per
+"""How a processor runs the controller's orders (`control.processor.orders`): one long-lived worker per
 lane, exit and resume never behind a blocked order, a hold at once where it arrives, a stuck
 order left behind once overdue."""
 

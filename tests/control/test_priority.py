@@ -1,4 +1,4 @@
-"""The control plane's threads ask for a higher scheduling priority (`control.priority`): the
+"""The control plane's threads ask for a higher scheduling priority (`control.wire.priority`): the
 controller's loop, a processor's I/O thread and the ZeroMQ I/O threads they start run at
 `thread_nice` under SCHED_RR at `thread_rtprio`, the training thread keeps its own, and an
 order lane's worker started from such a thread keeps the nice value under the normal policy;
