@@ -36,9 +36,13 @@ error of a rank the stop was already sent to: stopped ranks shut their connectio
 peers' collectives fail before their own stop arrives (withdrawn at once). No phase waits longer
 than its deadline, so nothing hangs.
 
+A phase ends in the flow's `_after` table (phase name -> the method that takes its results);
+the elastic phases (scale_in, scale_out) are `scaling.Scaling`'s.
+
 When a flow ends (`_resume`, `_exit`), its `outcome` says how: the kind of its first fault, the
-strategy, the outcome, the time to recover and the iterations lost. The controller adds it to
-its `IncidentStats` (`flow_finished`), which the metrics endpoint serves (`metrics`).
+strategy, the outcome, the time to recover and the iterations lost. The controller's
+`incidents.Incidents` adds it to its `IncidentStats` (`flow_finished`), which the metrics
+endpoint serves (`metrics`).
 """
 
 from __future__ import annotations
