@@ -545,13 +545,7 @@ class Controller:
             "dropped_total": self.drops.total,
             "connections": {**self.sockets.connections, **self.admission.view()},
             "backups": self.backups.joined(),
-            "incident": None if self.flow is None else {
-                "id": self.flow.incident.id,
-                "faults": {str(r): k.value for r, k in self.flow.incident.faults.items()},
-                "strategy": str(self.flow.incident.strategy),
-                "lock_step": self.flow.incident.lock_step,
-                "phase": self.flow.phase.name if self.flow.phase else None,
-            },
+            "incident": self.incidents.view(),
             "incidents": self.incidents.count,
             "incident_stats": self.incidents.stats.view(),
             # seconds since the longest-silent connected rank was heard from

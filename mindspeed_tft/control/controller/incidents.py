@@ -68,6 +68,19 @@ class Incidents:
             self.flow.incident.details[rank] = detail
         self.flow.begin(rank, kind, message)
 
+    def view(self) -> dict[str, Any] | None:
+        """The incident under way, for the controller's snapshot (None: none)."""
+        flow = self.flow
+        if flow is None:
+            return None
+        return {
+            "id": flow.incident.id,
+            "faults": {str(r): k.value for r, k in flow.incident.faults.items()},
+            "strategy": str(flow.incident.strategy),
+            "lock_step": flow.incident.lock_step,
+            "phase": flow.phase.name if flow.phase else None,
+        }
+
     def lock_step(self) -> int | None:
         """The lock step of the incident under way; None when there is none."""
         return self.flow.incident.lock_step if self.flow is not None else None
