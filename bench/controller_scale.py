@@ -67,8 +67,8 @@ sys.path.insert(0, str(REPO))
 import msgpack  # noqa: E402
 import zmq  # noqa: E402
 
-from mindspeed_tft.control.protocol import MsgType, encode  # noqa: E402
-from mindspeed_tft.control.transport import new_routing_id, raise_fd_limit  # noqa: E402
+from mindspeed_tft.control.wire.protocol import MsgType, encode  # noqa: E402
+from mindspeed_tft.control.wire.transport import new_routing_id, raise_fd_limit  # noqa: E402
 
 #: the job's token every simulated REGISTER carries (the controller requires it)
 TOKEN = "controller-scale-bench-token-0123456789"
@@ -389,8 +389,8 @@ def fd_room(k: int) -> str | None:
 
 def _curve_env(run: Path) -> tuple[dict[str, str], dict[str, bytes]]:
     """Keys for the run: the controller's environment and the simulators' keys."""
-    from mindspeed_tft.control.keys import generate_keys
-    from mindspeed_tft.control.transport import load_cert
+    from mindspeed_tft.control.wire.keys import generate_keys
+    from mindspeed_tft.control.wire.transport import load_cert
 
     env = generate_keys(str(run / "keys"))
     proc = env["processor"]

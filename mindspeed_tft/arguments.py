@@ -196,7 +196,7 @@ def _add_observability_args(group: argparse._ArgumentGroup) -> None:
 def export_metrics_port(args: argparse.Namespace, environ: MutableMapping[str, str]) -> None:
     """``--tft-metrics-port P`` -> ``TFT_METRICS_PORT=P`` in ``environ``, where the control
     plane reads it (and processes started from here inherit it); nothing without the flag."""
-    from mindspeed_tft.control.config import METRICS_PORT_ENV
+    from mindspeed_tft.control.wire.config import METRICS_PORT_ENV
 
     port = getattr(args, "tft_metrics_port", None)
     if port is not None:
@@ -370,8 +370,8 @@ def check_environment(args: argparse.Namespace, environ: Mapping[str, str]) -> N
     (model build, checkpoint load): ``TFT_INJECT`` and its companions always, the control
     plane's ``TTP_*`` with high availability. Raises `TFTArgumentError` naming the variable.
     The plugin reads them again where it uses them, with the same readers."""
-    from mindspeed_tft.control.config import ControlConfig, ControlConfigError
-    from mindspeed_tft.control.transport import check_bind
+    from mindspeed_tft.control.wire.config import ControlConfig, ControlConfigError
+    from mindspeed_tft.control.wire.transport import check_bind
     from mindspeed_tft.faults import FaultInjector, FaultSpecError
 
     try:
@@ -381,7 +381,7 @@ def check_environment(args: argparse.Namespace, environ: Mapping[str, str]) -> N
             if getattr(args, "rank", 0) == 0:  # rank 0 may host the controller (torchrun)
                 check_bind(config, config.controller_addr, "the controller")
                 if config.metrics_port:  # and its metrics endpoint: prometheus_client
-                    from mindspeed_tft.control.metrics import prometheus
+                    from mindspeed_tft.control.controller.metrics import prometheus
 
                     prometheus()
     except (FaultSpecError, ControlConfigError) as error:

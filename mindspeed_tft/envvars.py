@@ -40,7 +40,7 @@ class EnvVar:
     set_by: tuple[str, ...] = ()  # modules that set it (for themselves or their children)
 
 
-_CONFIG = "mindspeed_tft.control.config"
+_CONFIG = "mindspeed_tft.control.wire.config"
 _SECONDS = "seconds, "
 
 

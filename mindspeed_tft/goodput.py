@@ -2,7 +2,7 @@
 handling, every step as a span of wall time, and what each incident cost.
 
 `goodput(events)` is the productive step time over the wall time. The control plane's
-metrics endpoint (`control.metrics`) and the user tools (`tools.report`, `tools.drill`,
+metrics endpoint (`control.controller.metrics`) and the user tools (`tools.report`, `tools.drill`,
 `tools.timeline`) read it from here; it depends on the events module only.
 """
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mindspeed_tft.control.config import DEFAULT_PORT
+from mindspeed_tft.control.wire.config import DEFAULT_PORT
 
 REPO = Path(__file__).resolve().parent.parent
 

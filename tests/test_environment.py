@@ -34,7 +34,7 @@ CASES = [
     ({"CONTROLLER_ADDR": "0.0.0.0"},  # rank 0 hosts the controller under torchrun
      "the controller would listen on 0.0.0.0, which is not a loopback address, without CURVE "
      "keys: anyone who reaches it could end the job. Set TTP_CURVE_SERVER_KEY and "
-     "TTP_CURVE_AUTHORIZED_KEYS (python -m mindspeed_tft.control.keys DIR), or "
+     "TTP_CURVE_AUTHORIZED_KEYS (python -m mindspeed_tft.control.wire.keys DIR), or "
      "TTP_ALLOW_INSECURE=1 to run an unauthenticated control plane anyway"),
     ({"TFT_CONTROL_NICE": "5"}, "TFT_CONTROL_NICE='5' is not an integer in [-20, 0] (unset: -10)"),
     # a number too long for int() (4300 digits): refused by its text, echoed cut

@@ -59,7 +59,7 @@ def attacker_frames(world: int) -> list[bytes | list[bytes]]:
     """Every kind of hostile frame the flood sends (the 1 MB ones most of its bytes)."""
     import msgpack
 
-    from mindspeed_tft.control.protocol import MsgType, encode
+    from mindspeed_tft.control.wire.protocol import MsgType, encode
 
     rng = random.Random(11)
     frames: list[bytes | list[bytes]] = [COSTLY]
@@ -264,7 +264,7 @@ def test_hostile_connections_never_keep_a_restarted_worker_out(mode, reference_j
     of step 7. Its restarted process registers, the repair completes within
     `REPAIR_BOUND_S` of the kill (from the events), and every loss equals the fault-free
     run's."""
-    from mindspeed_tft.control.keys import generate_keys
+    from mindspeed_tft.control.wire.keys import generate_keys
 
     config = {"layout": "dp4", **STANDARD}
     reference = reference_job(ha_args=HA_ARGS, **config)

@@ -180,7 +180,7 @@ def test_abandon_leaves_a_users_own_connection_alone(tmp_path: Path) -> None:
 
 
 def test_controller_lost_timeout_is_checked_against_a_failover() -> None:
-    from mindspeed_tft.control.config import ControlConfig, ControlConfigError
+    from mindspeed_tft.control.wire.config import ControlConfig, ControlConfigError
 
     assert ControlConfig.from_env({}).controller_lost_timeout == 120
     assert ControlConfig.from_env({"TTP_CONTROLLER_LOST_TIMEOUT": "30"}).controller_lost_timeout == 30

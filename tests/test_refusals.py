@@ -176,7 +176,7 @@ def test_a_controller_whose_port_is_taken_says_so_in_one_line(taken_port, tmp_pa
     """The bind itself (a port taken between the start-up check and the controller's start):
     the same line, as the error `tft-run` and rank 0 print, not ZeroMQ's traceback."""
     from mindspeed_tft.control import ControlConfig, Controller
-    from mindspeed_tft.control.config import ControlConfigError
+    from mindspeed_tft.control.wire.config import ControlConfigError
 
     controller = Controller(2, ControlConfig(port=taken_port, log_path=str(tmp_path)))
     with pytest.raises(ControlConfigError) as info:

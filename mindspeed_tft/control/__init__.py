@@ -1,19 +1,21 @@
-"""The control plane: a ZeroMQ controller and one processor per rank (SPEC 4, 5, 6).
+"""The control plane: a ZeroMQ controller and one processor per rank (SPEC 4, 5, 6), in three
+subpackages by role.
 
-- `protocol`: msgpack frames with a version and a schema per message type
-- `transport`: ROUTER/DEALER sockets over TCP (IPv4/IPv6), optional CURVE; `keys` makes keys
-- `config`: `ControlConfig.from_env()` (TTP_ADDR, TTP_PORT, timeouts, TTP_LOG_*)
-- `states`: the SPEC 5 state machine as a transition table
-- `ranktable`: per-rank connection, step, data status and health
-- `classify`: fault kinds, error classification, `ForceStop`
-- `strategy`: strategy choice (SPEC 6) and the planner of action payloads (SPEC 7)
-- `incident`: the phases of one fault's handling (stop, clean, repair, rollback / dump, exit)
-- `controller`: the controller (active or backup), `python -m mindspeed_tft.control.controller`
-- `backup`: backup controllers kept in sync, and failover with a majority of ranks
-- `local`: controllers hosted by this process (an exiting rank lets them finish)
-- `processor`: the per-rank agent, made of a `channel` to the controller, a `gate` for the
-  training thread and the `orders` worker threads; `watchdog`: hang detection
-- `handler`: the exception wrapper around the training function
+- `wire/` (both sides): `protocol` (msgpack frames with a version and a schema per message
+  type), `transport` (ROUTER/DEALER sockets over TCP, IPv4/IPv6, optional CURVE; `keys` makes
+  keys), `config` (`ControlConfig.from_env()`: TTP_ADDR, TTP_PORT, timeouts, TTP_LOG_*),
+  `classify` (fault kinds, error classification, `ForceStop`), `priority` (thread priorities),
+  `local` (controllers hosted by this process: an exiting rank lets them finish)
+- `controller/`: `controller` (the controller, active or backup, `python -m
+  mindspeed_tft.control.controller`), `incident` (the phases of one fault's handling: stop,
+  clean, repair, rollback / dump, exit), `strategy` (strategy choice, SPEC 6, and the planner of
+  action payloads, SPEC 7), `backup` (backup controllers kept in sync, failover with a majority
+  of ranks), `states` (the SPEC 5 state machine as a transition table), `ranktable` (per-rank
+  connection, step, data status and health), `metrics`, `elasticity`, `admission`
+- `processor/`: `processor` (the per-rank agent, made of a `channel` to the controller, a `gate`
+  for the training thread and the `orders` worker threads; `watchdog`: hang detection),
+  `handler` (the exception wrapper around the training function), `termination` (SIGTERM and
+  decided exits)
 
 Wiring, in short: rank 0 (or the node-0 launcher) runs `Controller(world_size).start()`;
 every rank runs `p = Processor(rank, world_size, replica=...)`, registers callbacks,
@@ -21,13 +23,13 @@ every rank runs `p = Processor(rank, world_size, replica=...)`, registers callba
 """
 
 from ..features import Features
-from .classify import FaultKind, ForceStop, classify_error
-from .config import ControlConfig, ControlConfigError, setup_logging
-from .controller import Controller
-from .handler import run_with_fault_tolerance
-from .processor import Decision, Processor, ProcessorError
-from .states import TRANSITIONS, State
-from .strategy import PlanError, Strategy, StrategyPlanner, choose_strategy
+from .controller.controller import Controller
+from .controller.states import TRANSITIONS, State
+from .controller.strategy import PlanError, Strategy, StrategyPlanner, choose_strategy
+from .processor.handler import run_with_fault_tolerance
+from .processor.processor import Decision, Processor, ProcessorError
+from .wire.classify import FaultKind, ForceStop, classify_error
+from .wire.config import ControlConfig, ControlConfigError, setup_logging
 
 __all__ = [
     "TRANSITIONS",

@@ -15,7 +15,7 @@ What changes, by feature (see `options`):
   (`BACKUP_KEY`); node 0's launcher waits for them (bounded, `BACKUP_WAIT_SECONDS`) and gives
   them to its controller, whose registration replies tell every processor where they are.
   Such a backup knows that ranks absent at its takeover cannot come back (node 0's launcher
-  and the store went with the controller): it takes charge dump-only (`control.backup`).
+  and the store went with the controller): it takes charge dump-only (`control.controller.backup`).
   With `TTP_BACKUP_ADDRS` set, a launcher hosts the backup whose address is one of its
   host's, as before.
 - lifetimes: every worker and spare gets the parent-death signal and `TFT_LAUNCHER_PID`
@@ -279,7 +279,7 @@ class TFTElasticAgent(LocalElasticAgent):
 
     def __init__(self, *args: Any, options: LaunchOptions, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        from mindspeed_tft.control.config import ControlConfig
+        from mindspeed_tft.control.wire.config import ControlConfig
         from mindspeed_tft.events import configure_events
 
         self.options = options
@@ -383,7 +383,7 @@ class TFTElasticAgent(LocalElasticAgent):
 
     def _auto_backup_count(self, worker_group: WorkerGroup) -> int:
         """How many backups the launchers start themselves (no `TTP_BACKUP_ADDRS`)."""
-        from mindspeed_tft.control.config import MAX_BACKUPS
+        from mindspeed_tft.control.wire.config import MAX_BACKUPS
 
         if self.control_config.backups:
             return 0
@@ -393,7 +393,7 @@ class TFTElasticAgent(LocalElasticAgent):
         """Node 0: the endpoints the backups of nodes 1 and 2 published (bounded wait)."""
         from datetime import timedelta
 
-        from mindspeed_tft.control.config import parse_hostport
+        from mindspeed_tft.control.wire.config import parse_hostport
 
         count = self._auto_backup_count(worker_group)
         keys = [BACKUP_KEY.format(i) for i in range(count)]

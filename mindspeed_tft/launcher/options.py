@@ -19,7 +19,7 @@ group, as torchrun does. `--max-restarts` (or torchrun's own `PET_MAX_RESTARTS`)
 With high availability, the training command's `--tft-metrics-port P` is written to
 `TFT_METRICS_PORT` in the launcher's environment (`mindspeed_tft.arguments.
 export_metrics_port`, as the trainer does), so node 0's controller serves its metrics there
-(`mindspeed_tft.control.metrics`); the workers inherit it.
+(`mindspeed_tft.control.controller.metrics`); the workers inherit it.
 
 The features are read from the training script's own arguments with the trainer's parser
 group (`mindspeed_tft.arguments.add_tft_args`) and the trainer's rule for

@@ -91,8 +91,8 @@ def launch(args: argparse.Namespace) -> int:
         torch_run_functions()[0](args)
         return 0
 
-    from mindspeed_tft.control.config import ControlConfig, ControlConfigError, check_port_free
-    from mindspeed_tft.control.transport import check_bind
+    from mindspeed_tft.control.wire.config import ControlConfig, ControlConfigError, check_port_free
+    from mindspeed_tft.control.wire.transport import check_bind
 
     try:
         config = ControlConfig.from_env()

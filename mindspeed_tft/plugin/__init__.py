@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from mindspeed_tft.control.termination import (  # noqa: F401 (hosts import them from here)
+from mindspeed_tft.control.processor.termination import (  # noqa: F401 (hosts import them from here)
     SIGTERM_EXIT_CODE,
     Termination,
     exit_without_teardown,
@@ -228,7 +228,7 @@ class TFTPlugin:
         from mindspeed_tft import patches
         from mindspeed_tft.arguments import launched_by_tft
         from mindspeed_tft.control import ControlConfig, Controller, Processor
-        from mindspeed_tft.control.config import ControlConfigError
+        from mindspeed_tft.control.wire.config import ControlConfigError
         from mindspeed_tft.launcher.lifetime import tie_to_launcher
         from mindspeed_tft.recovery.actions import RecoveryActions
 

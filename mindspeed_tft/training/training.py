@@ -390,7 +390,7 @@ def pretrain(
     # A warm spare of `tft-run` (imports done) waits here until it takes over a failed rank.
     wait_for_assignment(warm_imports=(*SETUP_IMPORTS, *SETUP_MODULES))
     startup.imports_done()
-    from mindspeed_tft.training.data import build_data_iterator, get_train_valid_test_num_samples
+    from mindspeed_tft.training.data import get_train_valid_test_num_samples
 
     args = initialize_megatron(extra_args_provider, extra_args_validator, argv,
                                init_distributed=False)
@@ -417,10 +417,38 @@ def pretrain(
         model_provider, args, broadcast_params=not plugin.rejoining
     )
 
-    from megatron.core import parallel_state as ps
-
     if not plugin.rejoining:
         train_ds, valid_ds, _test_ds = train_valid_test_datasets_provider(num_samples)
+    state = training_state(args, model_provider, model, optimizer, scheduler, train_ds,
+                           valid_ds, load=bool(args.load) and not plugin.rejoining)
+    plugin.attach(state)
+    hooks = HookList([plugin.hooks()])
+    print_rank_0(f"[mindspeed-tft] training from iteration {state.iteration} to {args.train_iters}")
+    start_iteration = state.iteration
+
+    def train_and_save() -> int:
+        iteration = train(forward_step_func, state, hooks)
+        if args.save and iteration != start_iteration and (
+            not args.save_interval or iteration % args.save_interval != 0
+        ):
+            save_checkpoint(state, hooks)
+        return iteration
+
+    iteration = plugin.run(train_and_save)
+    plugin.finish()
+    print_rank_0(f"[mindspeed-tft] training finished at iteration {iteration}")
+    return iteration
+
+
+def training_state(args: argparse.Namespace, model_provider: ModelProvider, model: Any,
+                   optimizer: Any, scheduler: Any, train_ds: Any, valid_ds: Any, *,
+                   load: bool) -> TrainingState:
+    """The training state `pretrain` trains: model, optimizer, scheduler, data iterators, the
+    checkpoint callbacks and (elastic training) the rebuild at another size; loaded from
+    `args.load` when `load` (a restarted worker gets its state from its peers instead)."""
+    from megatron.core import parallel_state as ps
+
+    from mindspeed_tft.training.data import build_data_iterator
 
     def build_train_iterator(consumed_samples: int) -> Iterator | None:
         if train_ds is None:
@@ -456,28 +484,12 @@ def pretrain(
         load_checkpoint=lambda root: load_checkpoint(state, root),
         rebuild_model_and_optimizer=rebuild_model_and_optimizer,
     )
-    if args.load and not plugin.rejoining:  # a restarted worker gets its state from peers
+    if load:
         load_checkpoint(state)
     state.reset_train_data_iterator()
     if valid_ds is not None:
         state.valid_data_iterator = build_valid_iterator()
-    plugin.attach(state)
-    hooks = HookList([plugin.hooks()])
-    print_rank_0(f"[mindspeed-tft] training from iteration {state.iteration} to {args.train_iters}")
-    start_iteration = state.iteration
-
-    def train_and_save() -> int:
-        iteration = train(forward_step_func, state, hooks)
-        if args.save and iteration != start_iteration and (
-            not args.save_interval or iteration % args.save_interval != 0
-        ):
-            save_checkpoint(state, hooks)
-        return iteration
-
-    iteration = plugin.run(train_and_save)
-    plugin.finish()
-    print_rank_0(f"[mindspeed-tft] training finished at iteration {iteration}")
-    return iteration
+    return state
 
 
 

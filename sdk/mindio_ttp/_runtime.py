@@ -28,8 +28,8 @@ from typing import Any
 
 from mindspeed_tft.arguments import launched_by_tft
 from mindspeed_tft.control import ControlConfig, Controller, Features, Processor, ProcessorError
-from mindspeed_tft.control.config import ControlConfigError, parse_ip, parse_port
-from mindspeed_tft.control.termination import Termination
+from mindspeed_tft.control.processor.termination import Termination
+from mindspeed_tft.control.wire.config import ControlConfigError, parse_ip, parse_port
 
 from ._enums import FRAMEWORKS
 from ._faults import FaultTable

@@ -26,7 +26,7 @@ from mindspeed_tft.events import read_events
 from tests.jobs import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
-PRELOAD = ["mindspeed_tft.control", "mindspeed_tft.control.controller",
+PRELOAD = ["mindspeed_tft.control", "mindspeed_tft.control.controller.controller",
            "tests.control.ctl_worker", "tests.control.ctl_harness"]
 _ctx: Any = None
 
@@ -50,7 +50,7 @@ def _child(kind: str, argv: list[str], env: dict[str, str], cwd: str, log: str) 
     code: object = 1
     try:
         if kind == "controller":
-            from mindspeed_tft.control.controller import main as controller_main
+            from mindspeed_tft.control.controller.controller import main as controller_main
             code = controller_main(argv)
         else:
             from tests.control.ctl_worker import main as worker_main

@@ -30,7 +30,7 @@ import time
 from typing import Any
 
 from mindspeed_tft.control import ControlConfig, Processor, run_with_fault_tolerance
-from mindspeed_tft.control.classify import ForceStop
+from mindspeed_tft.control.wire.classify import ForceStop
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -20,10 +20,10 @@ import pytest
 import zmq
 
 from mindspeed_tft.control import ControlConfig, Controller
-from mindspeed_tft.control.admission import Admission
-from mindspeed_tft.control.keys import generate_keys
-from mindspeed_tft.control.protocol import MsgType, decode, encode
-from mindspeed_tft.control.transport import load_cert
+from mindspeed_tft.control.controller.admission import Admission
+from mindspeed_tft.control.wire.keys import generate_keys
+from mindspeed_tft.control.wire.protocol import MsgType, decode, encode
+from mindspeed_tft.control.wire.transport import load_cert
 from tests.control.ctl_harness import wait_for
 from tests.hostile import Greeters, IdleDealers
 

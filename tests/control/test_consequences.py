@@ -14,7 +14,7 @@ from pathlib import Path
 
 import zmq
 
-from mindspeed_tft.control.protocol import MsgType, decode, encode
+from mindspeed_tft.control.wire.protocol import MsgType, decode, encode
 from tests.control.ctl_harness import Job, wait_for
 
 CLOSED = ("RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer "

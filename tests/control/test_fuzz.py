@@ -21,7 +21,7 @@ import pytest
 import zmq
 
 from mindspeed_tft.control import ControlConfig, Processor
-from mindspeed_tft.control.protocol import (
+from mindspeed_tft.control.wire.protocol import (
     PROTOCOL_VERSION,
     TO_CONTROLLER,
     Limits,
@@ -30,7 +30,7 @@ from mindspeed_tft.control.protocol import (
     decode,
     encode,
 )
-from mindspeed_tft.control.transport import bind_router, bound_port
+from mindspeed_tft.control.wire.transport import bind_router, bound_port
 from tests.control.ctl_harness import Job, wait_for
 
 N_FRAMES = 12_000

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 from mindspeed_tft.control import ControlConfig, Controller, State
-from mindspeed_tft.control.classify import ForceStop
-from mindspeed_tft.control.gate import Decision, Gate
+from mindspeed_tft.control.processor.gate import Decision, Gate
+from mindspeed_tft.control.wire.classify import ForceStop
 from tests.control.ctl_harness import Job, wait_for
 
 

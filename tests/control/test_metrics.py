@@ -1,4 +1,4 @@
-"""The controller's metrics endpoint (`mindspeed_tft.control.metrics`), scraped over HTTP and
+"""The controller's metrics endpoint (`mindspeed_tft.control.controller.metrics`), scraped over HTTP and
 read with `prometheus_client`'s own parser.
 
 A real controller process of the control-plane harness serves the endpoint (`TFT_METRICS_PORT`
@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mindspeed_tft.control.config import ControlConfig, ControlConfigError
-from mindspeed_tft.control.incident import IncidentStats, Outcome
-from mindspeed_tft.control.metrics import EventsGoodput, MetricsServer, prometheus
+from mindspeed_tft.control.controller.incident import IncidentStats, Outcome
+from mindspeed_tft.control.controller.metrics import EventsGoodput, MetricsServer, prometheus
+from mindspeed_tft.control.wire.config import ControlConfig, ControlConfigError
 from mindspeed_tft.launcher.options import LauncherError, launch_options
 from mindspeed_tft.report import goodput
 from tests.control.ctl_harness import Job, wait_for

@@ -1,4 +1,4 @@
-"""How a processor runs the controller's orders (`control.orders`): one long-lived worker per
+"""How a processor runs the controller's orders (`control.processor.orders`): one long-lived worker per
 lane, exit and resume never behind a blocked order, a hold at once where it arrives, a stuck
 order left behind once overdue."""
 
@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mindspeed_tft.control import ControlConfig, Processor
-from mindspeed_tft.control.orders import Order, Orders
+from mindspeed_tft.control.processor.orders import Order, Orders
 from tests.jobs import wait_for
 
 

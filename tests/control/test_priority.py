@@ -1,4 +1,4 @@
-"""The control plane's threads ask for a higher scheduling priority (`control.priority`): the
+"""The control plane's threads ask for a higher scheduling priority (`control.wire.priority`): the
 controller's loop, a processor's I/O thread and the ZeroMQ I/O threads they start run at
 `thread_nice` under SCHED_RR at `thread_rtprio`, the training thread keeps its own, and an
 order lane's worker started from such a thread keeps the nice value under the normal policy;
@@ -34,8 +34,8 @@ PROGRAM = textwrap.dedent("""
             data[word] &= ~(1 << 23)
         assert libc.capset(header, data) == 0, ctypes.get_errno()
     from mindspeed_tft.control import ControlConfig, Controller, Processor
-    from mindspeed_tft.control.orders import Lane, Order
-    from mindspeed_tft.control.priority import raise_priority
+    from mindspeed_tft.control.processor.orders import Lane, Order
+    from mindspeed_tft.control.wire.priority import raise_priority
 
     def nice(tid):  # with the policy: "rr" (SCHED_RR at its priority) or "other"
         stat = open(f"/proc/self/task/{tid}/stat").read()

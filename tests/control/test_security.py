@@ -23,9 +23,9 @@ import zmq
 import zmq.auth
 
 from mindspeed_tft.control import ControlConfig, ControlConfigError, Controller, Processor
-from mindspeed_tft.control.keys import generate_keys
-from mindspeed_tft.control.protocol import MsgType, decode, encode
-from mindspeed_tft.control.transport import REFUSED
+from mindspeed_tft.control.wire.keys import generate_keys
+from mindspeed_tft.control.wire.protocol import MsgType, decode, encode
+from mindspeed_tft.control.wire.transport import REFUSED
 from tests.control.ctl_harness import Job, wait_for
 
 INTERVAL = 0.2

@@ -25,9 +25,12 @@ from mindspeed_tft.control import (
     choose_strategy,
     classify_error,
 )
-from mindspeed_tft.control.incident import Incident
-from mindspeed_tft.control.keys import main as keys_main
-from mindspeed_tft.control.protocol import (
+from mindspeed_tft.control.controller.incident import Incident
+from mindspeed_tft.control.controller.ranktable import Health, RankTable
+from mindspeed_tft.control.controller.states import IllegalTransition, StateMachine
+from mindspeed_tft.control.processor.watchdog import ProgressWatchdog
+from mindspeed_tft.control.wire.keys import main as keys_main
+from mindspeed_tft.control.wire.protocol import (
     PROTOCOL_VERSION,
     DropCounter,
     MsgType,
@@ -35,10 +38,7 @@ from mindspeed_tft.control.protocol import (
     decode,
     encode,
 )
-from mindspeed_tft.control.ranktable import Health, RankTable
-from mindspeed_tft.control.states import IllegalTransition, StateMachine
-from mindspeed_tft.control.transport import CurveKeys
-from mindspeed_tft.control.watchdog import ProgressWatchdog
+from mindspeed_tft.control.wire.transport import CurveKeys
 from mindspeed_tft.events import configure_events, read_events
 
 # -- protocol ---------------------------------------------------------------------------------

@@ -24,9 +24,10 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from mindspeed_tft.control import ForceStop, local
-from mindspeed_tft.control.classify import FaultKind, classify_error
-from mindspeed_tft.control.termination import exit_without_teardown
+from mindspeed_tft.control import ForceStop
+from mindspeed_tft.control.processor.termination import exit_without_teardown
+from mindspeed_tft.control.wire import local
+from mindspeed_tft.control.wire.classify import FaultKind, classify_error
 
 from .._actions import SdkActions
 from .._enums import (

@@ -36,9 +36,13 @@ error of a rank the stop was already sent to: stopped ranks shut their connectio
 peers' collectives fail before their own stop arrives (withdrawn at once). No phase waits longer
 than its deadline, so nothing hangs.
 
+A phase ends in the flow's `_after` table (phase name -> the method that takes its results);
+the elastic phases (scale_in, scale_out) are `scaling.Scaling`'s.
+
 When a flow ends (`_resume`, `_exit`), its `outcome` says how: the kind of its first fault, the
-strategy, the outcome, the time to recover and the iterations lost. The controller adds it to
-its `IncidentStats` (`flow_finished`), which the metrics endpoint serves (`metrics`).
+strategy, the outcome, the time to recover and the iterations lost. The controller's
+`incidents.Incidents` adds it to its `IncidentStats` (`flow_finished`), which the metrics
+endpoint serves (`metrics`).
 """
 
 from __future__ import annotations
@@ -46,14 +50,16 @@ from __future__ import annotations
 import logging
 import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ..events import CONTROLLER_RANK, emit, validate_record
-from .classify import FaultKind
-from .config import ControlConfig
+from ...events import CONTROLLER_RANK, emit, validate_record
+from ..wire.classify import FaultKind
+from ..wire.config import ControlConfig
 from .elasticity import Elasticity
 from .ranktable import CONNECTED, Health, RankTable
+from .scaling import Scaling, fail_text
 from .states import State, StateMachine
 from .strategy import PROCESS_KINDS, REPAIR_STRATEGIES, PlanError, Strategy, StrategyPlanner
 
@@ -96,6 +102,18 @@ class Incident:
     #: iteration records from the ranks' stop and rollback results, by iteration: the
     #: resume hands those up to its step to the logging rank (logged exactly once)
     iterations: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    def note_iterations(self, result: Any) -> None:
+        """Keep the iteration records a result carries (network input: checked)."""
+        records = result.get("iterations") if isinstance(result, dict) else None
+        for value in records[:8] if isinstance(records, list) else ():
+            record = validate_record(value)
+            if record is None:
+                continue
+            known = self.iterations.get(record["iteration"])
+            if known is None or (known["lr"] is None and record["lr"] is not None):
+                # a whole record (logged after the update) beats one kept before it
+                self.iterations[record["iteration"]] = record
 
 
 #: how many recovery durations `IncidentStats` keeps (for the median)
@@ -190,20 +208,21 @@ class IncidentFlow:
         self.phase: Phase | None = None
         self.writers: set[int] = set()
         self.renamer: int | None = None
-        #: elastic training: the lost ranks the dump is shrinking the job without
-        self.shrinking: set[int] | None = None
-        #: ranks that leave the job in the shrink (the lost ranks' whole DP replicas)
-        self.leaving: list[int] = []
-        #: elastic training, scale-out: the larger world (control-plane ranks, ascending),
-        #: its DP size, and the returning ranks that join it
-        self.growing: tuple[list[int], int] | None = None
-        self.joining: list[int] = []
+        #: elastic training: a shrink or a grow of the job (`scaling`)
+        self.scaling = Scaling(self)
         self.done = False
         self.exit_code: int | None = None
         #: the time (events clock) of the event after which training resumed
         self.resumed_at: float | None = None
         #: how it ended, for the controller's counters (set by `_resume` and `_exit`)
         self.outcome: Outcome | None = None
+        #: what runs when a phase ends (all its ranks answered, or its deadline passed)
+        self._after: dict[str, Callable[[Phase], None]] = {
+            "hold": self._after_hold, "stop": self._after_stop, "clean": self._after_clean,
+            "rejoin": self._after_rejoin, "repair": self._after_repair,
+            "rollback": self._after_rollback, "dump": self._after_dump,
+            "rename": self._after_rename, "scale_in": self.scaling.after_scale_in,
+            "scale_out": self.scaling.after_scale_out}
 
     # -- inputs ---------------------------------------------------------------------
     def begin(self, rank: int, kind: FaultKind, message: str) -> None:
@@ -216,12 +235,13 @@ class IncidentFlow:
         """Elastic training: grow the job to `world` (DP `dp_size`) with the returning
         ranks `joining`: hold every member at its next update (ABNORMAL, stop), as a fault
         would, then dump the lock step and reload it in the larger world."""
-        self.growing = (list(world), dp_size)
-        self.joining = list(joining)
+        scaling = self.scaling
+        scaling.growing = (list(world), dp_size)
+        scaling.joining = list(joining)
         self.incident.detected = emit(
             "scale_out_started", CONTROLLER_RANK, world_size=len(world), dp_size=dp_size,
-            joining=self.joining, incident=self.incident.id)["time"]
-        self.host.sm.to(State.ABNORMAL, f"scale-out: ranks {self.joining} came back; the job "
+            joining=scaling.joining, incident=self.incident.id)["time"]
+        self.host.sm.to(State.ABNORMAL, f"scale-out: ranks {scaling.joining} came back; the job "
                                         f"grows to DP {dp_size}")
         self._hold_every_rank()
 
@@ -251,7 +271,7 @@ class IncidentFlow:
             # the dump of the lock step is published: end there rather than dump again from
             # ranks that are tearing their state down
             change = "shrink" if self.phase.name == "scale_in" else "grow"
-            self._end_with_the_dump(f"{kind} on rank {rank} during the {change}")
+            self.scaling.end_with_the_dump(f"{kind} on rank {rank} during the {change}")
             return
         if state in (State.ENV_CLEAR, State.REPAIR):
             self._repair_failed(f"cascading fault: {kind} on rank {rank} during {state}")
@@ -272,7 +292,7 @@ class IncidentFlow:
             phase.results[rank] = payload["result"]
             if phase.name in ("hold", "stop"):
                 self._note_status(rank, payload["result"])
-            self._note_iterations(payload["result"])
+            self.incident.note_iterations(payload["result"])
         else:
             phase.failures[rank] = payload.get("error", "failed")
         if not phase.pending:
@@ -376,18 +396,6 @@ class IncidentFlow:
         if status in ("updated", "updating"):
             row.status = status
 
-    def _note_iterations(self, result: Any) -> None:
-        """Keep the iteration records a result carries (network input: checked)."""
-        records = result.get("iterations") if isinstance(result, dict) else None
-        for value in records[:8] if isinstance(records, list) else ():
-            record = validate_record(value)
-            if record is None:
-                continue
-            known = self.incident.iterations.get(record["iteration"])
-            if known is None or (known["lr"] is None and record["lr"] is not None):
-                # a whole record (logged after the update) beats one kept before it
-                self.incident.iterations[record["iteration"]] = record
-
     def _send(self, rank: int, name: str, payload: dict[str, Any], action_id: int | None = None) -> None:
         aid = self.host.new_action_id() if action_id is None else action_id
         self.host.send_action(rank, aid, name, payload, self.host.config.action_time_limit)
@@ -411,7 +419,7 @@ class IncidentFlow:
         phase = self.phase
         assert phase is not None
         self.phase = None
-        getattr(self, f"_after_{phase.name}")(phase)
+        self._after[phase.name](phase)
 
     def _hold_every_rank(self) -> None:
         """ABNORMAL, first round: hold every rank before its next update and learn its
@@ -440,14 +448,14 @@ class IncidentFlow:
 
     def _after_stop(self, phase: Phase) -> None:
         self._mark_hung(phase, "could not be stopped")
-        if self.growing is not None:
+        if self.scaling.growing is not None:
             if not self.incident.faults:
                 self.incident.lock_step = self.host.planner.lock_step(self.incident,
                                                                       self.host.table)
-                self._enter_dump(f"scale-out to DP {self.growing[1]}: the lock step is saved "
-                                 "first and reloaded in the larger world")
+                self._enter_dump(f"scale-out to DP {self.scaling.growing[1]}: the lock step is "
+                                 "saved first and reloaded in the larger world")
                 return
-            self._send_joining_away("a fault arrived while the job was about to grow")
+            self.scaling.send_joining_away("a fault arrived while the job was about to grow")
         self._decide()
 
     def _decide(self) -> None:
@@ -494,7 +502,7 @@ class IncidentFlow:
 
     def _after_clean(self, phase: Phase) -> None:
         if phase.failures:
-            self._repair_failed(f"clean failed: {self._fail_text(phase)}")
+            self._repair_failed(f"clean failed: {fail_text(phase)}")
             return
         inc = self.incident
         for rank, result in phase.results.items():
@@ -519,13 +527,13 @@ class IncidentFlow:
 
     def _after_rejoin(self, phase: Phase) -> None:
         if phase.failures and self.host.planner.features.elastic:
-            self.shrinking = set(phase.failures)
+            self.scaling.shrinking = set(phase.failures)
             self._enter_dump(f"elastic training: no replacement for ranks "
-                             f"{sorted(phase.failures)} ({self._fail_text(phase)}); the job "
+                             f"{sorted(phase.failures)} ({fail_text(phase)}); the job "
                              "shrinks without their data-parallel replicas, from a dump")
             return
         if phase.failures:
-            self._repair_failed(f"restarted workers did not register: {self._fail_text(phase)}")
+            self._repair_failed(f"restarted workers did not register: {fail_text(phase)}")
             return
         self._start_repair()
 
@@ -548,7 +556,7 @@ class IncidentFlow:
 
     def _after_repair(self, phase: Phase) -> None:
         if phase.failures:
-            self._repair_failed(f"repair failed: {self._fail_text(phase)}")
+            self._repair_failed(f"repair failed: {fail_text(phase)}")
             return
         try:
             payload = self.host.planner.rollback_payload(self.incident, phase.results)
@@ -560,7 +568,7 @@ class IncidentFlow:
 
     def _after_rollback(self, phase: Phase) -> None:
         if phase.failures:
-            self._repair_failed(f"rollback failed: {self._fail_text(phase)}")
+            self._repair_failed(f"rollback failed: {fail_text(phase)}")
             return
         inc = self.incident
         step = inc.rollback_step if inc.rollback_step is not None else inc.lock_step
@@ -575,8 +583,8 @@ class IncidentFlow:
                    "false_alarm": false_alarm,
                    "iterations": [inc.iterations[i] for i in sorted(inc.iterations) if i <= step]}
         self.outcome = self._outcome(
-            "false_alarm" if false_alarm else "scaled_in" if self.shrinking is not None
-            else "scaled_out" if self.growing is not None else "repaired",
+            "false_alarm" if false_alarm else "scaled_in" if self.scaling.shrinking is not None
+            else "scaled_out" if self.scaling.growing is not None else "repaired",
             lost=0 if false_alarm else max(0, inc.lock_step - step))
         rows = host.table.connected()
         for row in rows:
@@ -623,154 +631,24 @@ class IncidentFlow:
     def _after_rename(self, phase: Phase) -> None:
         if phase.failures:
             self._exit(self.host.config.failure_exit_code,
-                       f"rename of the dump failed: {self._fail_text(phase)}")
+                       f"rename of the dump failed: {fail_text(phase)}")
             return
         where = next((res.get("path") for res in phase.results.values() if res.get("path")), None)
-        if self.shrinking is not None and where:
-            self._start_scale_in(where)
+        if self.scaling.shrinking is not None and where:
+            self.scaling.start_scale_in(where)
             return
-        if self.growing is not None and where:
-            self._start_scale_out(where)
+        if self.scaling.growing is not None and where:
+            self.scaling.start_scale_out(where)
             return
         self._exit(self.host.config.dump_exit_code,
                    f"dying-gasp checkpoint saved at iteration {self.incident.lock_step}"
                    + (f" in {where}" if where else ""))
 
-    # -- elastic training ---------------------------------------------------------------
-    def _dp_index(self, rank: int) -> int | None:
-        row = self.host.table.get(rank)
-        dense = (row.replica or {}).get("dense") if row is not None else None
-        return None if dense is None else int(dense["dp_index"])
-
-    def _start_scale_in(self, path: str) -> None:
-        """The dump is saved: the DP replicas without a lost rank continue from it."""
-        inc, host = self.incident, self.host
-        assert self.shrinking is not None
-        lost_dp = {self._dp_index(r) for r in self.shrinking}
-        members = host.table.members()
-        staying = [r for r in members if self._dp_index(r) not in lost_dp]
-        # a lost rank that came back meanwhile waits outside the job already (`left`)
-        self.leaving = sorted({r for r in members if r not in staying} | self.shrinking)
-        gone = [r for r in staying if (row := host.table.get(r)) is None or not row.connected]
-        if None in lost_dp or not staying or gone:
-            why = ("no data-parallel replica is left" if not staying else
-                   f"ranks {gone} of the remaining replicas are gone too" if gone else
-                   "the lost ranks' data-parallel replicas are unknown")
-            self._exit(host.config.dump_exit_code,
-                       f"elastic training cannot shrink ({why}); dying-gasp checkpoint saved "
-                       f"at iteration {inc.lock_step} in {path}")
-            return
-        host.sm.to(State.REPAIR, f"scale-in without ranks {self.leaving}")
-        for rank in self.leaving:  # the lost ranks' peers in their replicas leave too
-            row = host.table.get(rank)
-            if row is not None and row.connected:
-                self._send(rank, "exit", {"code": 0, "reason": "left the job: elastic training "
-                                          f"shrank it without data-parallel replica(s) of ranks "
-                                          f"{sorted(self.shrinking)}"})
-                row.health = Health.EXITING
-        self._start_phase("scale_in", staying, {"incident": inc.id, "lock_step": inc.lock_step,
-                                                "path": path, "ranks": staying})
-
-    def _after_scale_in(self, phase: Phase) -> None:
-        inc, host = self.incident, self.host
-        if phase.failures:
-            self._end_with_the_dump(f"scale-in failed ({self._fail_text(phase)})")
-            return
-        results = phase.results
-        staying = sorted(r for r, res in results.items() if res.get("stays"))
-        standby = sorted(r for r in results if r not in staying)
-        for rank in standby:  # the DP size the global batch splits evenly over is smaller
-            self._send(rank, "exit", {"code": 0, "reason": "left the job: the global batch "
-                                      f"splits evenly over {len(staying)} ranks only"})
-        for rank in [*self.leaving, *standby]:
-            row = host.table.get(rank)
-            if row is not None:
-                row.health = Health.LEFT
-        for rank in staying:
-            row = host.table.get(rank)
-            replica = results[rank].get("replica")
-            if row is not None and isinstance(replica, dict):
-                row.replica = replica
-        dp_size = results[staying[0]].get("dp_size") if staying else None
-        batches = results[staying[0]].get("micro_batches") if staying else None
-        if isinstance(batches, int) and batches > 0:
-            host.elasticity.micro_batches = batches
-        left = sorted([*self.leaving, *standby])
-        self.resumed_at = emit(
-            "scale_in", CONTROLLER_RANK, world_size=len(staying), dp_size=dp_size,
-            ranks=staying, left=left, lost=sorted(self.shrinking or ()), step=inc.lock_step,
-            incident=inc.id)["time"]
-        log.warning("incident %d: job shrunk to %d ranks (DP %s) at step %d; left: %s", inc.id,
-                    len(staying), dp_size, inc.lock_step, left)
-        self._resume(false_alarm=False)
-
-    def _send_joining_away(self, why: str) -> None:
-        """The job does not grow: the returning ranks exit (their launcher may bring them
-        back later) and stay out of the job."""
-        for rank in self.joining:
-            self._send(rank, "exit", {"code": self.host.config.failure_exit_code,
-                                      "reason": f"the job did not grow by this rank: {why}"})
-            row = self.host.table.get(rank)
-            if row is not None:
-                row.health = Health.LEFT
-        self.growing, self.joining = None, []
-
-    def _start_scale_out(self, path: str) -> None:
-        """The dump is saved: members and returning ranks reload it in the larger world."""
-        inc, host = self.incident, self.host
-        assert self.growing is not None
-        world, dp_size = self.growing
-        gone = [r for r in world if r not in self.joining
-                and ((row := host.table.get(r)) is None or not row.connected)]
-        joiners = [r for r in self.joining if (row := host.table.get(r)) is not None
-                   and host.now() - row.last_seen <= host.config.lost_after]
-        if gone or joiners != self.joining:
-            self._send_joining_away(f"ranks {gone or sorted(set(self.joining) - set(joiners))} "
-                                    "went away before the scale-out")
-            self._exit(host.config.dump_exit_code,
-                       f"scale-out abandoned (ranks went away); dying-gasp checkpoint saved at "
-                       f"iteration {inc.lock_step} in {path}")
-            return
-        host.sm.to(State.REPAIR, f"scale-out to DP {dp_size} with ranks {self.joining}")
-        for rank in self.joining:  # part of the job again, holding no state yet
-            row = host.table.get(rank)
-            if row is not None:
-                row.health, row.fresh = Health.ALIVE, True
-        self._start_phase("scale_out", world, {"incident": inc.id, "lock_step": inc.lock_step,
-                                               "path": path, "ranks": world,
-                                               "dp_size": dp_size})
-
-    def _after_scale_out(self, phase: Phase) -> None:
-        inc, host = self.incident, self.host
-        if phase.failures:
-            self._end_with_the_dump(f"scale-out failed ({self._fail_text(phase)})")
-            return
-        assert self.growing is not None
-        world, dp_size = self.growing
-        for rank, result in phase.results.items():
-            row = host.table.get(rank)
-            replica = result.get("replica")
-            if row is not None and isinstance(replica, dict):
-                row.replica = replica
-        self.resumed_at = emit(
-            "scale_out", CONTROLLER_RANK, world_size=len(world), dp_size=dp_size, ranks=world,
-            joined=self.joining, step=inc.lock_step, incident=inc.id)["time"]
-        log.warning("incident %d: job grown to %d ranks (DP %d) at step %d; joined: %s",
-                    inc.id, len(world), dp_size, inc.lock_step, self.joining)
-        self._resume(false_alarm=False)
-
-    def _end_with_the_dump(self, why: str) -> None:
-        """A scale change failed after its dump was published: exit with the dump code
-        (REPAIR -> DUMP -> EXIT: the dump is the state the job ends in)."""
-        reason = f"{why}; dying-gasp checkpoint saved at iteration {self.incident.lock_step}"
-        self.host.sm.to(State.DUMP, reason)
-        self._exit(self.host.config.dump_exit_code, reason)
-
     def _exit(self, code: int, reason: str) -> None:
         host = self.host
         self.phase = None
-        if self.growing is not None:
-            self._send_joining_away(reason)
+        if self.scaling.growing is not None:
+            self.scaling.send_joining_away(reason)
         self.exit_code = code
         self.outcome = self._outcome("dumped" if code == host.config.dump_exit_code
                                      else "exited", lost=0)
@@ -811,7 +689,3 @@ class IncidentFlow:
     # -- text -------------------------------------------------------------------------
     def _fault_text(self) -> str:
         return ", ".join(f"rank {r}: {k}" for r, k in sorted(self.incident.faults.items()))
-
-    @staticmethod
-    def _fail_text(phase: Phase) -> str:
-        return "; ".join(f"rank {r}: {e}" for r, e in sorted(phase.failures.items()))

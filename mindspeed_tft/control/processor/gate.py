@@ -30,8 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .classify import FaultKind, ForceStop
-from .config import ControlConfig
+from ..wire.classify import FaultKind, ForceStop
+from ..wire.config import ControlConfig
 from .watchdog import ProgressWatchdog
 
 log = logging.getLogger("mindspeed_tft.control.processor")

@@ -22,8 +22,8 @@ import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from . import local
-from .classify import FaultKind, classify_error
+from ..wire import local
+from ..wire.classify import FaultKind, classify_error
 from .processor import Decision, Processor
 
 log = logging.getLogger("mindspeed_tft.control.handler")

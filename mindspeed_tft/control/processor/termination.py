@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any, NoReturn
 
-from .classify import ForceStop
+from ..wire.classify import ForceStop
 
 #: exit code of a process ended by SIGTERM when no fault is being handled
 SIGTERM_EXIT_CODE = 143

@@ -28,14 +28,14 @@ from typing import Any, Protocol
 
 import zmq
 
-from .. import procfs
-from ..events import work_counts
-from .classify import FaultKind
-from .config import ControlConfig, parse_hostport
+from ... import procfs
+from ...events import work_counts
+from ..wire.classify import FaultKind
+from ..wire.config import ControlConfig, parse_hostport
+from ..wire.priority import raise_priority
+from ..wire.protocol import CONTROLLER, DropCounter, MsgType, ProtocolError, decode, encode
+from ..wire.transport import CurveKeys, connect_dealer, new_routing_id, storm_allowance
 from .orders import Order, Orders
-from .priority import raise_priority
-from .protocol import CONTROLLER, DropCounter, MsgType, ProtocolError, decode, encode
-from .transport import CurveKeys, connect_dealer, new_routing_id, storm_allowance
 
 # the processor's parts log as the processor
 log = logging.getLogger("mindspeed_tft.control.processor")

@@ -29,8 +29,8 @@ from collections.abc import Iterable, Mapping
 from enum import Enum
 from typing import Any, Protocol
 
-from ..features import Features
-from .classify import FaultKind
+from ...features import Features
+from ..wire.classify import FaultKind
 from .ranktable import CONNECTED, Health, RankInfo, RankTable
 
 

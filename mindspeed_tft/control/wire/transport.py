@@ -23,7 +23,7 @@ ZAP handler sets each connection's User-Id to the peer's z85 public key; the con
 reads it per frame (`user_id`) to recognise backups and to bind a rank to the key it
 registered with. A peer with a wrong or no key never completes the handshake, so it can
 neither send anything that reaches the controller's code nor receive anything. Key files
-are ZeroMQ certificates (`python -m mindspeed_tft.control.keys DIR` writes one set per role).
+are ZeroMQ certificates (`python -m mindspeed_tft.control.wire.keys DIR` writes one set per role).
 
 Without CURVE a controller only binds loopback addresses unless `TTP_ALLOW_INSECURE=1`
 (`check_bind`); the per-job token (`TTP_JOB_TOKEN`) then authenticates registrations.
@@ -234,7 +234,7 @@ def check_bind(config: ControlConfig, addr: str, what: str) -> str | None:
         raise ControlConfigError(
             f"{what} would listen on {addr}, which is not a loopback address, without CURVE "
             "keys: anyone who reaches it could end the job. Set TTP_CURVE_SERVER_KEY and "
-            "TTP_CURVE_AUTHORIZED_KEYS (python -m mindspeed_tft.control.keys DIR), or "
+            "TTP_CURVE_AUTHORIZED_KEYS (python -m mindspeed_tft.control.wire.keys DIR), or "
             "TTP_ALLOW_INSECURE=1 to run an unauthenticated control plane anyway"
         )
     return (f"INSECURE: {what} listens on {addr} without CURVE (TTP_ALLOW_INSECURE=1): anyone "

@@ -48,14 +48,14 @@ from typing import Any, Protocol
 
 import zmq
 
-from ..events import CONTROLLER_RANK, emit
-from ..features import Features
-from .classify import FaultKind
-from .config import ControlConfig, parse_hostport
-from .protocol import CONTROLLER, DropCounter, Message, MsgType, ProtocolError, decode, encode
+from ...events import CONTROLLER_RANK, emit
+from ...features import Features
+from ..wire.classify import FaultKind
+from ..wire.config import ControlConfig, parse_hostport
+from ..wire.protocol import CONTROLLER, DropCounter, Message, MsgType, ProtocolError, decode, encode
+from ..wire.transport import CurveKeys, connect_dealer, hostport, new_routing_id, token_ok
 from .ranktable import CONNECTED, Health, RankInfo, RankTable
 from .states import INCIDENT_STATES, State, StateMachine
-from .transport import CurveKeys, connect_dealer, hostport, new_routing_id, token_ok
 
 log = logging.getLogger("mindspeed_tft.control.backup")
 

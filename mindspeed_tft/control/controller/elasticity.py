@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from ..recovery.elastic import even_dp_size
+from ...recovery.elastic import even_dp_size
 
 
 class Elasticity:

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .priority import leave_realtime
+from ..wire.priority import leave_realtime
 
 log = logging.getLogger("mindspeed_tft.control.processor")
 

@@ -27,9 +27,9 @@ files and logging. `ControlConfig.from_env()` builds it from the environment:
 | `TTP_CURVE_AUTHORIZED_KEYS` | client public certificate file or folder the controller accepts | the client key | error |
 | `TTP_JOB_TOKEN` | per-job secret every REGISTER (and backup) must carry, 16..256 printable characters; `tft-run` on one node makes one when unset | none | error |
 | `TTP_ALLOW_INSECURE` | 1: let a controller bind a non-loopback address without CURVE, and the metrics endpoint a non-loopback `TFT_METRICS_ADDR` (warned on every start) | 0 | error |
-| `TFT_METRICS_PORT` | port of the active controller's metrics endpoint (OpenMetrics / Prometheus text, `control/metrics.py`; needs `pip install mindspeed-tft[metrics]`); `--tft-metrics-port` sets it; 0 or unset: off, 1..65535 | off | error |
+| `TFT_METRICS_PORT` | port of the active controller's metrics endpoint (OpenMetrics / Prometheus text, `control/controller/metrics.py`; needs `pip install mindspeed-tft[metrics]`); `--tft-metrics-port` sets it; 0 or unset: off, 1..65535 | off | error |
 | `TFT_METRICS_ADDR` | address the metrics endpoint binds (IPv4 or IPv6 literal); a non-loopback one only with `TTP_ALLOW_INSECURE=1` | 127.0.0.1 | error |
-| `TFT_CONTROL_NICE` | nice value the control plane's threads ask for (controller loop, processor I/O, their ZeroMQ I/O threads; `control/priority.py`), -20..0; 0: leave them at the process's priority; below it needs CAP_SYS_NICE or RLIMIT_NICE, and where refused the log says so once | -10 | error |
+| `TFT_CONTROL_NICE` | nice value the control plane's threads ask for (controller loop, processor I/O, their ZeroMQ I/O threads; `control/wire/priority.py`), -20..0; 0: leave them at the process's priority; below it needs CAP_SYS_NICE or RLIMIT_NICE, and where refused the log says so once | -10 | error |
 | `TFT_CONTROL_RTPRIO` | real-time priority (`SCHED_RR`) the same threads ask for, 0..99; 0: the normal policy; needs CAP_SYS_NICE or RLIMIT_RTPRIO, and where refused the log says so once | 1 | error |
 | `TTP_LOG_PATH` | log folder (file `ttp_log.log`) | logs | - |
 | `TTP_LOG_LEVEL` | DEBUG, INFO, WARNING, ERROR | INFO | error |
@@ -287,12 +287,12 @@ class ControlConfig:
     log_level: str = "INFO"
     log_mode: str = "ONLY_ONE"
     log_stdout: bool = False
-    #: the active controller's metrics endpoint (control/metrics.py): port (0: off), address
+    #: the active controller's metrics endpoint (control/controller/metrics.py): port (0: off), address
     metrics_port: int = 0
     metrics_addr: str = DEFAULT_ADDR
-    #: nice value of the control plane's threads (`control/priority.py`; 0: unchanged)
+    #: nice value of the control plane's threads (`control/wire/priority.py`; 0: unchanged)
     thread_nice: int = -10
-    #: SCHED_RR priority of the same threads (`control/priority.py`; 0: normal policy)
+    #: SCHED_RR priority of the same threads (`control/wire/priority.py`; 0: normal policy)
     thread_rtprio: int = 1
     #: what setup_logging warns about on every start (e.g. a switched-off safety)
     warnings: list[str] = field(default_factory=list, repr=False, compare=False)

@@ -40,7 +40,7 @@ from typing import NamedTuple
 
 import zmq
 
-from .transport import storm_allowance
+from ..wire.transport import storm_allowance
 
 log = logging.getLogger("mindspeed_tft.control.admission")
 

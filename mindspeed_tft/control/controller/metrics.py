@@ -56,13 +56,13 @@ from types import ModuleType
 from typing import Any, Protocol
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from ..events import events_path
-from ..goodput import goodput
-from .config import METRICS_PORT_ENV, ControlConfig, ControlConfigError
-from .priority import leave_realtime
+from ...events import events_path
+from ...goodput import goodput
+from ..wire.config import METRICS_PORT_ENV, ControlConfig, ControlConfigError
+from ..wire.priority import leave_realtime
+from ..wire.transport import hostport
 from .ranktable import Health
 from .states import State
-from .transport import hostport
 
 log = logging.getLogger("mindspeed_tft.control.metrics")
 

@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable
 from enum import Enum
 
-from ..events import CONTROLLER_RANK, emit
+from ...events import CONTROLLER_RANK, emit
 
 log = logging.getLogger("mindspeed_tft.control.states")
 

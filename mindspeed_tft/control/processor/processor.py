@@ -54,13 +54,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import local
+from ..wire import local
+from ..wire.classify import FaultKind
+from ..wire.config import ControlConfig, setup_logging
+from ..wire.protocol import ACTIONS, DropCounter, MsgType
 from .channel import Channel
-from .classify import FaultKind
-from .config import ControlConfig, setup_logging
 from .gate import Callback, Decision, Gate, ProcessorError, WaitLog
 from .orders import Order, Orders
-from .protocol import ACTIONS, DropCounter, MsgType
 from .watchdog import ProgressWatchdog
 
 __all__ = ["ActionCallback", "Decision", "Processor", "ProcessorError"]

@@ -1,0 +1,223 @@
+"""The controller's inbox: what it does with each message a processor or a backup sends.
+
+`Inbox` is held by the controller (`Controller.inbox`) and runs in its loop thread. Every
+frame is checked before it is decoded (its type's size cap, and whether the connection it
+came by may send it at all), then bound to the rank registered from that connection (a
+spoofed sender or a replayed sequence number is dropped), and dispatched: heartbeats (rank
+progress, answers), registrations (`registration`), fault reports, action results (the
+incident under way), byes (a rank finished training) and backup controllers' hellos
+(`backup`). It reaches back into the controller only through the `InboxHost` methods below.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+import zmq
+
+from ..wire.classify import FaultKind
+from ..wire.config import ControlConfig
+from ..wire.protocol import (
+    TO_CONTROLLER,
+    DropCounter,
+    Limits,
+    Message,
+    MsgType,
+    ProtocolError,
+    decode,
+    peek,
+)
+from ..wire.transport import token_ok
+from .admission import Admission
+from .backup import BackupSync
+from .incident import IncidentFlow
+from .ranktable import CONNECTED, Health, RankInfo, RankTable
+from .registration import Registration
+from .sockets import ControllerSockets
+from .states import State, StateMachine
+
+log = logging.getLogger("mindspeed_tft.control.controller")
+
+#: types an unregistered connection may send (anything else is dropped before decoding)
+_UNBOUND_TYPES = frozenset({MsgType.REGISTER, MsgType.BACKUP})
+
+
+class InboxHost(Protocol):
+    """What `Inbox` needs from its controller (all from the controller's loop thread)."""
+
+    role: str
+
+    @property
+    def flow(self) -> IncidentFlow | None: ...
+    def admit(self, part: zmq.Frame) -> bool: ...
+    def fault(self, rank: int, kind: FaultKind, message: str,
+              detail: dict[str, Any] | None = None) -> None: ...
+    def mark_dirty(self) -> None: ...
+    def send(self, identity: bytes, mtype: str, payload: dict[str, Any]) -> None: ...
+    def raw_send(self, identity: bytes, frame: bytes) -> None: ...
+    def ack_frame(self) -> bytes: ...
+    def order(self, rank: int, name: str, payload: dict[str, Any]) -> None: ...
+    def training_finished(self) -> None: ...
+
+
+class Inbox:
+    """Messages to the controller (see the module docstring)."""
+
+    def __init__(self, host: InboxHost, *, config: ControlConfig, table: RankTable,
+                 sm: StateMachine, drops: DropCounter, limits: Limits, admission: Admission,
+                 sockets: ControllerSockets, registration: Registration,
+                 backups: BackupSync) -> None:
+        self.host = host
+        self.config = config
+        self.table = table
+        self.sm = sm
+        self.drops = drops
+        self.limits = limits
+        self.admission = admission
+        self.sockets = sockets
+        self.registration = registration
+        self.backups = backups
+
+    def on_frame(self, identity: bytes, part: zmq.Frame, extra: int = 0) -> None:
+        """One message from the ROUTER: the sender's routing id and its frame (`extra`:
+        how many frames more it had)."""
+        if extra:
+            self.drops.drop("frames", f"{extra + 1} frames")
+            return
+        frame = part.bytes
+        bound = self.table.lookup(identity)
+        try:
+            # the type from the header, its size cap, and whether this connection may send
+            # it at all, before anything is decoded: a refused frame costs microseconds
+            t = peek(frame, self.limits, TO_CONTROLLER)
+            if t not in _UNBOUND_TYPES and bound is None:
+                raise ProtocolError("unregistered", t)
+            msg = decode(frame, limits=self.limits, mtype=t)
+        except ProtocolError as e:
+            self.drops.drop(e.reason, e.detail)
+            self.host.mark_dirty()
+            return
+        if bound is not None and self.admission.pending:
+            # a registered rank's process, maybe on a new connection (a reconnect keeps its
+            # routing id): that connection is admitted
+            fd = part.get(zmq.SRCFD)
+            if self.admission.is_pending(fd):
+                self.admission.admit(fd)
+        self._dispatch(t, identity, msg, part)
+
+    def _dispatch(self, t: str, identity: bytes, msg: Message, part: zmq.Frame) -> None:
+        now = self.sockets.now
+        if t == MsgType.HEARTBEAT:
+            self._on_heartbeat(identity, msg)
+        elif t == MsgType.REGISTER:
+            self.registration.on_register(identity, msg, now, self.sockets.key(part), part)
+        elif t == MsgType.REPORT:
+            self._on_report(identity, msg)
+        elif t == MsgType.RESULT:
+            self._on_result(identity, msg)
+        elif t == MsgType.BYE:
+            self._on_bye(identity, msg)
+        elif t == MsgType.BACKUP and self.host.role == "active":
+            key = self.sockets.key(part)
+            curve = self.sockets.curve
+            if token_ok(self.config, msg.payload.get("token")) and (
+                    curve is None or key == curve.server_user_id):
+                self.host.admit(part)  # a backup controller: it holds the job's token
+            self.backups.on_backup(identity, msg, now, key)
+        else:
+            self.drops.drop("unexpected_type", t)
+            self.host.mark_dirty()
+
+    def _bound(self, identity: bytes, msg: Message) -> RankInfo | None:
+        row = self.table.lookup(identity)
+        if row is None:
+            self.drops.drop("unregistered", msg.type)
+        elif row.rank != msg.sender:
+            self.drops.drop("spoof", f"{msg.type} claims rank {msg.sender} from rank {row.rank}'s connection")
+        elif msg.seq <= row.last_seq:
+            self.drops.drop("replay", f"{msg.type} seq {msg.seq} <= {row.last_seq}")
+        else:
+            row.last_seq = msg.seq
+            row.last_seen = self.sockets.now
+            return row
+        self.host.mark_dirty()
+        return None
+
+    def _on_heartbeat(self, identity: bytes, msg: Message) -> None:
+        row = self._bound(identity, msg)
+        if row is None:
+            return
+        health = row.health
+        if health in CONNECTED:
+            p = msg.payload
+            row.step = p["step"]
+            row.status = p["status"]
+            progress = p.get("progress", row.progress)
+            flow = self.host.flow
+            if health is Health.HUNG and progress > row.progress and flow is not None:
+                flow.clear_fault(row.rank)
+            row.progress = progress
+        elif health is Health.LOST:
+            if self.sm.state is State.INIT or self.host.role == "backup":
+                row.health = Health.ALIVE
+                self.host.mark_dirty()
+                if self.sm.state is State.INIT:
+                    self.registration.arrived(row.rank)
+            else:  # declared lost and handled as such: this process must go
+                self.host.order(row.rank, "exit", {"code": self.config.failure_exit_code,
+                                                   "reason": "this rank was declared lost"})
+                row.health = Health.EXITING
+                return
+        now = self.sockets.now
+        if self.host.role == "backup" and self.backups.active_alive(now):
+            self.host.send(identity, MsgType.REDIRECT, {"reason": "the active controller is alive"})
+            self.backups.redirected(now)
+            return
+        if not msg.payload.get("ack", True):
+            return
+        self.host.raw_send(identity, self.host.ack_frame())
+
+    def _on_report(self, identity: bytes, msg: Message) -> None:
+        row = self._bound(identity, msg)
+        if row is None or self.host.role != "active":
+            return
+        p = msg.payload
+        kind = FaultKind(p["kind"])
+        if row.health in CONNECTED:
+            row.step, row.status = p["step"], p["status"]
+        flow = self.host.flow
+        if kind is FaultKind.NORMAL:
+            if flow is None and self.sm.state in (State.NORMAL, State.PAUSE):
+                # a rank stopped itself with no incident under way: let it go on
+                self.host.order(row.rank, "resume", {
+                    "incident": 0, "step": row.step, "strategy": "none", "false_alarm": True})
+            return
+        if row.health not in CONNECTED:
+            return
+        if kind is FaultKind.HANG and flow is not None and row.rank in flow.incident.parked:
+            return  # a report that crossed the stop: its training thread did come back
+        row.health = Health.HUNG if kind is FaultKind.HANG else Health.FAULTY
+        self.host.mark_dirty()
+        self.host.fault(row.rank, kind, p["message"], p.get("detail"))
+
+    def _on_result(self, identity: bytes, msg: Message) -> None:
+        row = self._bound(identity, msg)
+        flow = self.host.flow
+        if row is not None and flow is not None:
+            flow.on_result(row.rank, msg.payload)
+
+    def _on_bye(self, identity: bytes, msg: Message) -> None:
+        row = self._bound(identity, msg)
+        if row is None or self.host.role != "active":
+            return
+        row.health = Health.DONE
+        self.host.mark_dirty()
+        log.info("rank %d finished (code %d)", row.rank, msg.payload["code"])
+        flow = self.host.flow
+        if flow is not None:
+            flow.on_gone(row.rank, "finished")
+        if self.sm.state is State.NORMAL and all(
+                (r := self.table.get(i)) is not None and r.health is Health.DONE
+                for i in self.table.members()):
+            self.host.training_finished()

@@ -1,0 +1,182 @@
+"""The incidents of one controller: the one under way, their counters, and the orders that
+carry them; with elastic training, the ranks waiting to grow the job back.
+
+`Incidents` is held by the controller (`Controller.incidents`) and runs in its loop thread.
+It opens an `incident.IncidentFlow` for a fault (or a scale-out) and is that flow's
+`FlowHost`: it numbers actions, sends them to ranks (the same order to many encoded once),
+and counts each incident's outcome when the flow finishes. It reaches back into the
+controller only through the `IncidentsHost` methods below.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Protocol
+
+from ..wire.classify import FaultKind
+from ..wire.config import ControlConfig
+from ..wire.protocol import CONTROLLER, MsgType, encode
+from .elasticity import Elasticity
+from .incident import Incident, IncidentFlow, IncidentStats
+from .ranktable import Health, RankInfo, RankTable
+from .states import StateMachine
+from .strategy import StrategyPlanner
+
+log = logging.getLogger("mindspeed_tft.control.controller")
+
+
+class IncidentsHost(Protocol):
+    """What `Incidents` needs from its controller (all from the controller's loop thread)."""
+
+    exit_code: int | None
+
+    def next_seq(self) -> int: ...
+    def send(self, identity: bytes, mtype: str, payload: dict[str, Any]) -> None: ...
+    def raw_send(self, identity: bytes, frame: bytes) -> None: ...
+    def mark_dirty(self) -> None: ...
+
+
+class Incidents:
+    """The incident under way and the orders it sends (see the module docstring)."""
+
+    def __init__(self, host: IncidentsHost, *, config: ControlConfig, table: RankTable,
+                 sm: StateMachine, planner: StrategyPlanner, elasticity: Elasticity) -> None:
+        self.host = host
+        self.config = config
+        self.table = table
+        self.sm = sm
+        self.planner = planner
+        self.elasticity = elasticity
+        self.flow: IncidentFlow | None = None
+        #: how many incidents were opened
+        self.count = 0
+        #: counters over the incidents that ended (kind/strategy/outcome, recoveries, ...)
+        self.stats = IncidentStats()
+        #: elastic training: ranks that left in a shrink and registered again; they wait
+        #: (health `left`, outside every incident) until the job can grow by them
+        self.returning: set[int] = set()
+        self.grow_check = False
+        self._action_id = 0
+
+    def open(self, rank: int, kind: FaultKind, message: str, detail: dict[str, Any] | None,
+             now: float) -> None:
+        """A first fault: a new incident (NORMAL/PAUSE -> ABNORMAL)."""
+        self.count += 1
+        self.flow = IncidentFlow(self, Incident(self.count, now))
+        if detail:
+            self.flow.incident.details[rank] = detail
+        self.flow.begin(rank, kind, message)
+
+    def view(self) -> dict[str, Any] | None:
+        """The incident under way, for the controller's snapshot (None: none)."""
+        flow = self.flow
+        if flow is None:
+            return None
+        return {
+            "id": flow.incident.id,
+            "faults": {str(r): k.value for r, k in flow.incident.faults.items()},
+            "strategy": str(flow.incident.strategy),
+            "lock_step": flow.incident.lock_step,
+            "phase": flow.phase.name if flow.phase else None,
+        }
+
+    def lock_step(self) -> int | None:
+        """The lock step of the incident under way; None when there is none."""
+        return self.flow.incident.lock_step if self.flow is not None else None
+
+    def order(self, rank: int, name: str, payload: dict[str, Any]) -> None:
+        """One order to one rank, with a new action id and the action time limit."""
+        self.send_action(rank, self.new_action_id(), name, payload,
+                         self.config.action_time_limit)
+
+    def rank_restarted(self, row: RankInfo) -> None:
+        """A restarted process registered for `row`'s rank: it joins the recovery under
+        way, or exits when there is none."""
+        if self.flow is not None:
+            self.flow.on_registered(row.rank)
+        else:
+            self.order(row.rank, "exit", {
+                "code": self.config.failure_exit_code,
+                "reason": f"rank {row.rank} restarted while no recovery was under way"})
+            row.health = Health.EXITING
+
+    # -- FlowHost ---------------------------------------------------------------------------
+    def now(self) -> float:
+        return time.monotonic()
+
+    def new_action_id(self) -> int:
+        self._action_id += 1
+        return self._action_id
+
+    def send_action(self, rank: int, action_id: int, name: str, payload: dict[str, Any],
+                    timeout: float) -> None:
+        row = self.table.get(rank)
+        if row is None or not row.identity:
+            return
+        self.host.send(row.identity, MsgType.ACTION,
+                       {"id": action_id, "name": name, "timeout": float(timeout),
+                        "payload": payload})
+
+    def send_action_many(self, ranks: list[int], action_id: int, name: str,
+                         payload: dict[str, Any], timeout: float) -> None:
+        """The same order to many ranks (encoded once)."""
+        frame = encode(MsgType.ACTION, CONTROLLER, self.host.next_seq(),
+                       {"id": action_id, "name": name, "timeout": float(timeout),
+                        "payload": payload})
+        for rank in ranks:
+            row = self.table.get(rank)
+            if row is not None and row.identity:
+                self.host.raw_send(row.identity, frame)
+
+    def flow_finished(self, flow: IncidentFlow) -> None:
+        if self.flow is flow:
+            self.flow = None
+        if flow.outcome is not None:
+            self.stats.add(flow.outcome)
+        if flow.exit_code is not None:
+            self.host.exit_code = flow.exit_code
+            self.dismiss_returning(f"the job ended (exit code {flow.exit_code}) before it "
+                                   "could grow by this rank")
+        self.grow_check = bool(self.returning)
+        self.host.mark_dirty()
+
+    # -- elastic training: growing back ------------------------------------------------------
+    def rank_returned(self, row: RankInfo, replica: dict[str, Any] | None) -> None:
+        """A restarted process registered while the job is shrunk (for a rank that left, or
+        one lost since: a replacement cannot take a rank's place in a shrunk world, whose
+        layout differs from its own). It waits outside the job (health `left`) until its
+        replica is complete and the job can grow by it (`maybe_grow`)."""
+        row.health = Health.LEFT
+        row.replica = replica  # its place in the job's current layout, until it grows
+        self.returning.add(row.rank)
+        self.grow_check = True
+        log.warning("rank %d came back into a shrunk job: the job grows by it once its "
+                    "data-parallel replica is complete", row.rank)
+        if self.flow is not None:  # an incident waiting for it does not get it back
+            self.flow.no_replacement(row.rank, "it came back into a shrunk job: it rejoins "
+                                               "by a scale-out")
+
+    def maybe_grow(self, now: float) -> None:
+        """Start a scale-out when the returning ranks let the job grow (loop thread)."""
+        lost = self.config.lost_after
+        for rank in sorted(self.returning):  # a returning process that went silent is gone
+            row = self.table.get(rank)
+            if row is None or row.health is not Health.LEFT or now - row.last_seen > lost:
+                self.returning.discard(rank)
+        members = [r for r in self.table.members() if r not in self.returning]
+        grown = self.elasticity.grown_world(members, self.returning)
+        if grown is None:
+            return
+        world, dp_size = grown
+        joining = [r for r in world if r in self.returning]
+        self.returning -= set(joining)
+        self.count += 1
+        self.flow = IncidentFlow(self, Incident(self.count, now))
+        self.flow.begin_scale_out(world, dp_size, joining)
+
+    def dismiss_returning(self, reason: str) -> None:
+        """The job ends: returning ranks still waiting to join exit cleanly."""
+        for rank in sorted(self.returning):
+            self.order(rank, "exit", {"code": 0, "reason": reason})
+        self.returning.clear()

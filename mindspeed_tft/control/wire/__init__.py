@@ -1,0 +1,5 @@
+"""What the controller side and the processor side share: the frames (`protocol`), the sockets
+(`transport`) and their keys (`keys`), the configuration read from the environment (`config`),
+fault kinds and error classification (`classify`), thread priorities (`priority`) and the
+registry of controllers hosted by this process (`local`). Imports nothing from `controller/`
+or `processor/`."""
