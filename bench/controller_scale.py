@@ -69,6 +69,7 @@ import zmq  # noqa: E402
 
 from mindspeed_tft.control.wire.protocol import MsgType, encode  # noqa: E402
 from mindspeed_tft.control.wire.transport import new_routing_id, raise_fd_limit  # noqa: E402
+from mindspeed_tft.events import read_events_if_any  # noqa: E402
 
 #: the job's token every simulated REGISTER carries (the controller requires it)
 TOKEN = "controller-scale-bench-token-0123456789"
@@ -358,18 +359,10 @@ def listen_drops() -> int:
         return -1
 
 
-def events(path: Path) -> list[dict[str, Any]]:
-    try:
-        with open(path) as f:
-            return [json.loads(line) for line in f if line.strip()]
-    except OSError:
-        return []
-
-
 def wait_event(path: Path, pred: Any, timeout: float, proc: Any = None) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for e in events(path):
+        for e in read_events_if_any(path):
             if pred(e):
                 return e
         if proc is not None and proc.poll() is not None:
@@ -465,7 +458,7 @@ def _incident(k: int, sims: list[SimPipe], ev: Path) -> dict[str, float]:
         held, every = held + n, max(every, at)
     if held != k:
         raise RuntimeError(f"the hold reached {held} of {k} ranks")
-    acts = {e["action"]: e["time"] for e in events(ev) if e["event"] == "action"}
+    acts = {e["action"]: e["time"] for e in read_events_if_any(ev) if e["event"] == "action"}
     return {"report_to_hold_event_s": acts["hold"] - sent,
             "report_to_action_s": got[0, "hold"] - sent,
             "report_to_all_s": got[k - 2, "hold"] - sent,
