@@ -178,10 +178,10 @@ def probe_imports():
     values, missing = resolve_all([p.target for m in patches.TABLE for p in m.patches])
     before = snapshot()
     import mindspeed_tft
-    skip = {"mindspeed_tft.megatron_adaptor", "mindspeed_tft.torchrun_adaptor",
-            "mindspeed_tft.megatron.__main__"}
-    names = sorted(set(package_modules(pathlib.Path(mindspeed_tft.__file__).parent,
-                                       "mindspeed_tft.")) - skip)
+    skip = {"mindspeed_tft.megatron_adaptor", "mindspeed_tft.torchrun_adaptor"}
+    names = sorted(m for m in set(package_modules(pathlib.Path(mindspeed_tft.__file__).parent,
+                                                  "mindspeed_tft.")) - skip
+                   if not m.endswith(".__main__"))  # a `python -m` entry runs on import
     failed = []
     for module in names:
         try:
