@@ -47,6 +47,7 @@ from .classify import FaultKind
 from .config import ControlConfig, ControlConfigError, port_in_use, setup_logging
 from .elasticity import Elasticity
 from .incident import Incident, IncidentFlow, IncidentStats
+from .order_types import ExitOrder, Payload, to_wire
 from .priority import raise_priority
 from .protocol import (
     CONTROLLER,
@@ -605,8 +606,8 @@ class Controller:
                         self.sm.to(State.NORMAL, f"all {self.world_size} ranks registered")
             else:  # declared lost and handled as such: this process must go
                 self._send_action(row.rank, self._new_action_id(), "exit",
-                                  {"code": self.config.failure_exit_code,
-                                   "reason": "this rank was declared lost"},
+                                  ExitOrder(self.config.failure_exit_code,
+                                            "this rank was declared lost"),
                                   self.config.action_time_limit)
                 row.health = Health.EXITING
                 return
@@ -734,9 +735,9 @@ class Controller:
             if self.flow is not None:
                 self.flow.on_registered(rank)
             else:
-                self._send_action(rank, self._new_action_id(), "exit", {
-                    "code": self.config.failure_exit_code,
-                    "reason": f"rank {rank} restarted while no recovery was under way"},
+                self._send_action(rank, self._new_action_id(), "exit", ExitOrder(
+                    self.config.failure_exit_code,
+                    f"rank {rank} restarted while no recovery was under way"),
                     self.config.action_time_limit)
                 info.health = Health.EXITING
 
@@ -777,7 +778,7 @@ class Controller:
     def _dismiss_returning(self, reason: str) -> None:
         """The job ends: returning ranks still waiting to join exit cleanly."""
         for rank in sorted(self.returning):
-            self._send_action(rank, self._new_action_id(), "exit", {"code": 0, "reason": reason},
+            self._send_action(rank, self._new_action_id(), "exit", ExitOrder(0, reason),
                               self.config.action_time_limit)
         self.returning.clear()
 
@@ -886,7 +887,7 @@ class Controller:
         code = self.config.failure_exit_code
         self.exit_code = code
         emit("exit", CONTROLLER_RANK, code=code, reason=reason)
-        self.broadcast("exit", {"code": code, "reason": reason})
+        self.broadcast("exit", ExitOrder(code, reason))
         self.sm.to(State.FINAL, reason)
 
     def _supervise(self, now: float) -> None:
@@ -965,28 +966,29 @@ class Controller:
         self._action_id += 1
         return self._action_id
 
-    def send_action(self, rank: int, action_id: int, name: str, payload: dict[str, Any],
+    def send_action(self, rank: int, action_id: int, name: str, payload: Payload,
                     timeout: float) -> None:
         self._send_action(rank, action_id, name, payload, timeout)
 
     def send_action_many(self, ranks: list[int], action_id: int, name: str,
-                         payload: dict[str, Any], timeout: float) -> None:
+                         payload: Payload, timeout: float) -> None:
         """The same order to many ranks (encoded once)."""
         frame = encode(MsgType.ACTION, CONTROLLER, self.next_seq(),
                        {"id": action_id, "name": name, "timeout": float(timeout),
-                        "payload": payload})
+                        "payload": to_wire(payload)})
         for rank in ranks:
             row = self.table.get(rank)
             if row is not None and row.identity:
                 self.raw_send(row.identity, frame)
 
-    def _send_action(self, rank: int, action_id: int, name: str, payload: dict[str, Any],
+    def _send_action(self, rank: int, action_id: int, name: str, payload: Payload,
                      timeout: float) -> None:
         row = self.table.get(rank)
         if row is None or not row.identity:
             return
         self._send(row.identity, MsgType.ACTION,
-                   {"id": action_id, "name": name, "timeout": float(timeout), "payload": payload})
+                   {"id": action_id, "name": name, "timeout": float(timeout),
+                    "payload": to_wire(payload)})
 
     def flow_finished(self, flow: IncidentFlow) -> None:
         if self.flow is flow:
@@ -1036,7 +1038,7 @@ class Controller:
         except zmq.ZMQError:
             self.send_errors += 1
 
-    def broadcast(self, name: str, payload: dict[str, Any]) -> None:
+    def broadcast(self, name: str, payload: Payload) -> None:
         self.send_action_many([r.rank for r in self.table.connected()], self._new_action_id(),
                               name, payload, self.config.action_time_limit)
 

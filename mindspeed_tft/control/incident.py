@@ -46,6 +46,7 @@ from __future__ import annotations
 import logging
 import statistics
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -53,6 +54,7 @@ from ..events import CONTROLLER_RANK, emit, validate_record
 from .classify import FaultKind
 from .config import ControlConfig
 from .elasticity import Elasticity
+from .order_types import ExitOrder, Payload
 from .ranktable import CONNECTED, Health, RankTable
 from .states import State, StateMachine
 from .strategy import PROCESS_KINDS, REPAIR_STRATEGIES, PlanError, Strategy, StrategyPlanner
@@ -174,10 +176,10 @@ class FlowHost(Protocol):
 
     def now(self) -> float: ...
     def new_action_id(self) -> int: ...
-    def send_action(self, rank: int, action_id: int, name: str, payload: dict[str, Any],
+    def send_action(self, rank: int, action_id: int, name: str, payload: Payload,
                     timeout: float) -> None: ...
     def send_action_many(self, ranks: list[int], action_id: int, name: str,
-                         payload: dict[str, Any], timeout: float) -> None: ...
+                         payload: Payload, timeout: float) -> None: ...
     def flow_finished(self, flow: IncidentFlow) -> None: ...
 
 
@@ -294,8 +296,8 @@ class IncidentFlow:
         state = self.host.sm.state
         if self.done or state in (State.DUMP, State.EXIT, State.FINAL) or (
                 inc.strategy is not None and inc.strategy is not Strategy.RECOVER):
-            self._send(rank, "exit", {"code": self.host.config.failure_exit_code,
-                                      "reason": "the job is not being recovered"})
+            self._send(rank, "exit", ExitOrder(self.host.config.failure_exit_code,
+                                               "the job is not being recovered"))
             row = self.host.table.get(rank)
             if row is not None:
                 row.health = Health.EXITING
@@ -388,12 +390,12 @@ class IncidentFlow:
                 # a whole record (logged after the update) beats one kept before it
                 self.incident.iterations[record["iteration"]] = record
 
-    def _send(self, rank: int, name: str, payload: dict[str, Any], action_id: int | None = None) -> None:
+    def _send(self, rank: int, name: str, payload: Payload, action_id: int | None = None) -> None:
         aid = self.host.new_action_id() if action_id is None else action_id
         self.host.send_action(rank, aid, name, payload, self.host.config.action_time_limit)
 
-    def _start_phase(self, name: str, targets: list[int], payload: dict[str, Any] | None = None,
-                     per_rank: dict[int, dict[str, Any]] | None = None) -> None:
+    def _start_phase(self, name: str, targets: list[int], payload: Payload | None = None,
+                     per_rank: Mapping[int, Payload] | None = None) -> None:
         aid = self.host.new_action_id()
         limit = self.host.config.action_time_limit
         self.phase = Phase(name, aid, self.host.now() + limit, set(targets))
@@ -428,7 +430,7 @@ class IncidentFlow:
         self.incident.stopped.update(targets)
         payload = self.host.planner.stop_payload(self.incident, self.host.table)
         log.info("incident %d: stop sent to %d ranks, provisional lock step %d",
-                 self.incident.id, len(targets), payload["lock_step"])
+                 self.incident.id, len(targets), payload.lock_step)
         self._start_phase("stop", targets, payload)
 
     def _mark_hung(self, phase: Phase, why: str) -> None:
@@ -484,8 +486,8 @@ class IncidentFlow:
                 row = table.get(r)
                 if kind in PROCESS_KINDS and row is not None and not row.fresh:
                     if row.connected:  # hung: end the process so its launcher restarts it
-                        self._send(r, "exit", {"code": self.host.config.reboot_exit_code,
-                                               "reason": "hung rank restarted (ARF)"})
+                        self._send(r, "exit", ExitOrder(self.host.config.reboot_exit_code,
+                                                        "hung rank restarted (ARF)"))
                         row.health = Health.EXITING
                     inc.awaiting.add(r)
             inc.awaiting -= {r for r in inc.new_ranks if (row := table.get(r)) and row.connected}
@@ -608,7 +610,7 @@ class IncidentFlow:
         except PlanError as e:
             self._exit(host.config.failure_exit_code, f"dump impossible: {e}")
             return
-        self.writers = {r for r, p in payloads.items() if p.get("shards")}
+        self.writers = {r for r, p in payloads.items() if p.shards}
         self._start_phase("dump", targets, per_rank=payloads)
 
     def _after_dump(self, phase: Phase) -> None:
@@ -664,9 +666,9 @@ class IncidentFlow:
         for rank in self.leaving:  # the lost ranks' peers in their replicas leave too
             row = host.table.get(rank)
             if row is not None and row.connected:
-                self._send(rank, "exit", {"code": 0, "reason": "left the job: elastic training "
-                                          f"shrank it without data-parallel replica(s) of ranks "
-                                          f"{sorted(self.shrinking)}"})
+                self._send(rank, "exit", ExitOrder(0, "left the job: elastic training "
+                                                   f"shrank it without data-parallel replica(s) "
+                                                   f"of ranks {sorted(self.shrinking)}"))
                 row.health = Health.EXITING
         self._start_phase("scale_in", staying, {"incident": inc.id, "lock_step": inc.lock_step,
                                                 "path": path, "ranks": staying})
@@ -680,8 +682,8 @@ class IncidentFlow:
         staying = sorted(r for r, res in results.items() if res.get("stays"))
         standby = sorted(r for r in results if r not in staying)
         for rank in standby:  # the DP size the global batch splits evenly over is smaller
-            self._send(rank, "exit", {"code": 0, "reason": "left the job: the global batch "
-                                      f"splits evenly over {len(staying)} ranks only"})
+            self._send(rank, "exit", ExitOrder(0, "left the job: the global batch "
+                                               f"splits evenly over {len(staying)} ranks only"))
         for rank in [*self.leaving, *standby]:
             row = host.table.get(rank)
             if row is not None:
@@ -708,8 +710,8 @@ class IncidentFlow:
         """The job does not grow: the returning ranks exit (their launcher may bring them
         back later) and stay out of the job."""
         for rank in self.joining:
-            self._send(rank, "exit", {"code": self.host.config.failure_exit_code,
-                                      "reason": f"the job did not grow by this rank: {why}"})
+            self._send(rank, "exit", ExitOrder(self.host.config.failure_exit_code,
+                                               f"the job did not grow by this rank: {why}"))
             row = self.host.table.get(rank)
             if row is not None:
                 row.health = Health.LEFT
@@ -778,16 +780,15 @@ class IncidentFlow:
         emit("exit", CONTROLLER_RANK, code=code, reason=reason, incident=self.incident.id)
         (log.info if code == 0 else log.error)("exit with code %d: %s", code, reason)
         rows = host.table.connected()
-        payload: dict[str, Any] = {"code": code, "reason": reason}
+        payload = ExitOrder(code, reason)
         # a hung rank's training thread, stuck, would not log before the exit
         waiting = [r.rank for r in rows if r.health is not Health.HUNG]
         if code == host.config.dump_exit_code and waiting and self.incident.lock_step is not None:
             # the dump holds the lock step: iterations up to it the stop cut off are logged
             # now, by one surviving rank (the logging rank may be the one that failed)
             inc = self.incident
-            payload["iterations"] = [inc.iterations[i] for i in sorted(inc.iterations)
-                                     if i <= inc.lock_step]
-            payload["logger"] = max(waiting)
+            payload = ExitOrder(code, reason, tuple(inc.iterations[i] for i in sorted(
+                inc.iterations) if i <= inc.lock_step), logger=max(waiting))
         host.send_action_many([r.rank for r in rows], host.new_action_id(), "exit", payload,
                               host.config.action_time_limit)
         for row in rows:
