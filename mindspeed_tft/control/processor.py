@@ -30,13 +30,13 @@ order worker thread; its return value (plain data) goes back as the result, an e
 a failure. `payload` is the typed order (`order_types`: `StopOrder`, `RepairOrder`,
 `RollbackOrder`, `DumpOrder`, `ExitOrder`) for those five, the plain map for the others; an
 order whose payload does not match its type fails without running (its error names the
-field), but an exit is obeyed even then, with the failure exit code. Built in: `hold` (no callback) holds the rank before its next update and
-answers its `step` and `status` at once; `stop` first marks the rank
-stopped, lets it catch up to the payload's lock step and waits (bounded) for an update in
-progress to finish, then calls the callback (which should make a stuck training thread raise,
-e.g. by aborting communicators); its result always carries `step` and `status`. `resume`
-clears the stop and hands a `Decision` to the training thread waiting in
-`wait_decision`. `exit` hands an exit `Decision` over and, if the process is still alive
+field), but an exit is obeyed even then, with the failure exit code. Built in: `hold` (no
+callback) holds the rank before its next update and answers its `step` and `status` at
+once; `stop` first marks the rank stopped, lets it catch up to the payload's lock step and
+waits (bounded) for an update in progress to finish, then calls the callback (which should
+make a stuck training thread raise, e.g. by aborting communicators); its result always
+carries `step` and `status`. `resume` clears the stop and hands a `Decision` to the training
+thread waiting in `wait_decision`. `exit` hands an exit `Decision` over and, if the process is still alive
 after `exit_grace` seconds (a hung training thread), ends it with `os._exit(code)`.
 
 If the controller goes silent for interval x (misses + 1), the processor fails over to the next

@@ -178,7 +178,8 @@ class _LocalCollectives:
         def gather_object(outputs: list[Any], obj: Any, *args: Any, **kwargs: Any) -> None:
             outputs[:] = [obj] * len(outputs)
 
-        stand_ins: dict[str, Callable[..., Any]] = {"barrier": barrier, "all_reduce": unchanged, "broadcast": unchanged,
+        stand_ins: dict[str, Callable[..., Any]] = {
+                     "barrier": barrier, "all_reduce": unchanged, "broadcast": unchanged,
                      "all_gather": all_gather, "all_gather_into_tensor": gather_into,
                      "_all_gather_base": gather_into, "all_gather_object": gather_object,
                      "broadcast_object_list": unchanged}

@@ -115,7 +115,11 @@ def test_to_wire_checks_what_it_sends() -> None:
 
 def _results(p: Processor) -> queue.Queue[tuple[str, dict[str, Any]]]:
     sent: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
-    p._channel.post = lambda mtype, payload: sent.put((mtype, payload))  # type: ignore[method-assign]
+    def post(mtype: str, payload: dict[str, Any]) -> None:
+        sent.put((mtype, payload))
+
+    # the results this processor would send (it is not connected)
+    p._channel.post = post  # type: ignore[method-assign]
     return sent
 
 

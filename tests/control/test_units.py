@@ -294,7 +294,8 @@ def test_dump_holders_first_healthy() -> None:
                    details={1: {"target": "activation"}})
     assert sorted(planner.dump_holders(inc, t).values()) == [0, 1]
     payloads, renamer = planner.dump_payloads(inc, t, range(4))
-    assert renamer == 0 and payloads[2].shards == () and payloads[0].to_wire()["shards"][0]["shard"] == 0
+    assert renamer == 0 and payloads[2].shards == ()
+    assert payloads[0].to_wire()["shards"][0]["shard"] == 0
 
 
 def test_stop_counts_an_update_under_way() -> None:
