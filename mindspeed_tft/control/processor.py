@@ -36,8 +36,9 @@ once; `stop` first marks the rank stopped, lets it catch up to the payload's loc
 waits (bounded) for an update in progress to finish, then calls the callback (which should
 make a stuck training thread raise, e.g. by aborting communicators); its result always
 carries `step` and `status`. `resume` clears the stop and hands a `Decision` to the training
-thread waiting in `wait_decision`. `exit` hands an exit `Decision` over and, if the process is still alive
-after `exit_grace` seconds (a hung training thread), ends it with `os._exit(code)`.
+thread waiting in `wait_decision`. `exit` hands an exit `Decision` over and, if the process
+is still alive after `exit_grace` seconds (a hung training thread), ends it with
+`os._exit(code)`.
 
 If the controller goes silent for interval x (misses + 1), the processor fails over to the next
 controller address (backups from `TTP_BACKUP_ADDRS` and from the registration reply).
