@@ -410,7 +410,7 @@ class FaultInjector:
         elif item.kind == "uce":
             corrupt: Callable[[str], None] | None = context.get("corrupt")
             if corrupt is not None:
-                corrupt(item.target)
+                corrupt(item.target or DEFAULT_TARGET)  # parse_spec sets it for every uce
             raise RuntimeError(
                 f"UCE ERROR: TFT_INJECT uce: injected on-chip memory fault in {item.target} "
                 f"at {where}"

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Runs the test suite: sets up .venv if needed (CPU torch), then ruff and pytest.
+# Runs the test suite: sets up .venv if needed (CPU torch), then ruff, mypy (the files and
+# settings in pyproject.toml's [tool.mypy]) and pytest.
 # Extra arguments go to pytest, e.g. ./scripts/test.sh -k replica -x
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh
 ruff check .
+mypy
 python -m pytest "$@"

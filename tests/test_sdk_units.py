@@ -11,6 +11,8 @@ from mindio_ttp._faults import FaultTable
 from mindio_ttp.framework_ttp import ttp_decorator
 from mindio_ttp.utils import uce_utils
 
+from mindspeed_tft.control.wire.order_types import DumpOrder, DumpShard, RepairOrder
+
 #: every name MindSpeed-LLM 2.3.0 / master imports from mindio_ttp (core/high_availability)
 MINDSPEED_LLM_NAMES = {
     ft: ["tft_exception_handler", "tft_init_controller", "tft_start_controller",
@@ -114,27 +116,31 @@ REPAIR = {"incident": 1, "strategy": "retry", "lock_step": 7, "source": "replica
           "faulty": [1], "new_ranks": [], "involved": [1, 3]}
 
 
+def _repair(**fields: object) -> RepairOrder:
+    return RepairOrder.from_wire({**REPAIR, **fields})
+
+
 def test_repair_calls_of_a_uce_receiver_and_its_source():
-    [receive] = tr.repair_calls({**REPAIR, "receive": [{"optimizer": "dense", "shard": 0,
-                                                        "from": 3}], "send": []}, 1, 4, True,
+    [receive] = tr.repair_calls(_repair(**{"receive": [{"optimizer": "dense", "shard": 0,
+                                                        "from": 3}], "send": []}), 1, 4, True,
                                 ["dense"])
     assert (receive.step, receive.need_rebuild, receive.error_ranks) == (7, True, [1])
     assert receive.repair_info == {"type": [0], "repair_type": 1, "src": [3], "dst": [1],
                                    "rank_list": [1, 3]}
-    [send] = tr.repair_calls({**REPAIR, "receive": [], "send": [{"optimizer": "dense",
-                                                                 "shard": 0, "to": 1}]},
+    [send] = tr.repair_calls(_repair(**{"receive": [], "send": [{"optimizer": "dense",
+                                                                 "shard": 0, "to": 1}]}),
                              3, 4, False, ["dense"])
     assert (send.need_rebuild, send.error_ranks, send.repair_info["repair_type"],
             send.repair_info["src"]) == (False, [1], 0, [3])
     # a restarted worker (not a UCE) receives with RT_RECV_REPAIR; a bystander gets no call
-    [arf] = tr.repair_calls({**REPAIR, "receive": [{"optimizer": "dense", "shard": 0,
-                                                    "from": 0}], "send": []}, 1, 4, False, [])
+    [arf] = tr.repair_calls(_repair(**{"receive": [{"optimizer": "dense", "shard": 0,
+                                                    "from": 0}], "send": []}), 1, 4, False, [])
     assert (arf.repair_info["repair_type"], arf.need_rebuild) == (3, False)
-    assert tr.repair_calls({**REPAIR, "receive": [], "send": []}, 0, 4, False, ["dense"]) == []
+    assert tr.repair_calls(_repair(receive=[], send=[]), 0, 4, False, ["dense"]) == []
 
 
 def test_repair_calls_from_the_checkpoint():
-    payload = {**REPAIR, "source": "checkpoint", "receive": [], "send": []}
+    payload = _repair(source="checkpoint", receive=[], send=[])
     [plain] = tr.repair_calls(payload, 2, 4, False, ["dense", "moe"])
     assert plain.repair_info == {"type": [0, 1], "repair_type": 5, "src": [2, 2],
                                  "dst": [2, 2], "rank_list": [0, 1, 2, 3]}
@@ -143,11 +149,11 @@ def test_repair_calls_from_the_checkpoint():
 
 
 def test_save_info_names_the_writers_of_the_rank_s_group():
-    payload = {"lock_step": 5, "shards": [{"optimizer": "dense", "shard": 1,
-                                           "holders": [2, 6]}], "writers": [0, 2, 5, 7]}
+    payload = DumpOrder.from_wire({"incident": 1, "lock_step": 5, "strategy": "dump", "shards": [
+        {"optimizer": "dense", "shard": 1, "holders": [2, 6]}], "writers": [0, 2, 5, 7]})
     assert tr.save_info(payload, 2, {"dense": [0, 2, 4, 6]}) == [{"type": 0, "ranks": [0, 2]}]
-    assert tr.save_info({"shards": [{"optimizer": "rank", "shard": 3, "holders": [3]}]}, 3,
-                        {}) == [{"type": 0, "ranks": [3]}]
+    alone = DumpOrder(1, 5, (DumpShard("rank", 3, (3,)),), ())
+    assert tr.save_info(alone, 3, {}) == [{"type": 0, "ranks": [3]}]
 
 
 def test_repair_type_names():

@@ -330,12 +330,14 @@ class TFTElasticAgent(LocalElasticAgent):
         worker_group.workers = [Worker(local_rank=w[0], global_rank=w[1], role_rank=w[2],
                                        world_size=w[3], role_world_size=w[4])
                                 for w in record["workers"]]
-        worker_group.store = info.store
-        worker_group.group_rank = info.rank
-        worker_group.group_world_size = info.world_size
+        # torch leaves WorkerGroup's rendezvous fields un-annotated (`= None` in its __init__):
+        # its stub types them None; they are ints and a Store once a rendezvous ran
+        worker_group.store = info.store  # type: ignore[assignment]
+        worker_group.group_rank = info.rank  # type: ignore[assignment]
+        worker_group.group_world_size = info.world_size  # type: ignore[assignment]
         worker_group.master_addr = record["master_addr"]
         worker_group.master_port = record["master_port"]
-        self._store = info.store
+        self._store = info.store  # type: ignore[assignment]
         self._remaining_restarts = max(0, spec.max_restarts - int(record["restart_count"]))
         self.adopted = True
         ranks = [w.global_rank for w in worker_group.workers]
@@ -371,7 +373,8 @@ class TFTElasticAgent(LocalElasticAgent):
         world_size = worker_group.workers[0].world_size
         setup_logging(self.control_config)
         config = self.control_config
-        if not config.backups and worker_group.group_world_size > 1:
+        # torch's WorkerGroup stub types it None (see _adopt_running_job)
+        if not config.backups and worker_group.group_world_size > 1:  # type: ignore[operator]
             config = config.replace(backups=self._published_backups(worker_group))
         # this launcher reports its workers' deaths itself (`report_process_exit`)
         controller = Controller(world_size, config, watch_processes=False,
@@ -387,7 +390,8 @@ class TFTElasticAgent(LocalElasticAgent):
 
         if self.control_config.backups:
             return 0
-        return min(MAX_BACKUPS, worker_group.group_world_size - 1)
+        # torch's WorkerGroup stub types it None (see _adopt_running_job)
+        return min(MAX_BACKUPS, worker_group.group_world_size - 1)  # type: ignore[operator]
 
     def _published_backups(self, worker_group: WorkerGroup) -> list[tuple[str, int]]:
         """Node 0: the endpoints the backups of nodes 1 and 2 published (bounded wait)."""
@@ -422,7 +426,10 @@ class TFTElasticAgent(LocalElasticAgent):
         """Nodes 1 and 2 (no `TTP_BACKUP_ADDRS`): start a backup and publish its endpoint."""
         from mindspeed_tft.control import Controller, Features, setup_logging
 
-        index = worker_group.group_rank - 1
+        # torch's WorkerGroup stub types it None (see _adopt_running_job)
+
+        # torch's WorkerGroup stub types it None (see _adopt_running_job)
+        index = worker_group.group_rank - 1  # type: ignore[operator]
         if self.backup_controller is not None or index >= self._auto_backup_count(worker_group):
             return
         config = self.control_config

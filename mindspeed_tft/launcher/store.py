@@ -26,7 +26,7 @@ def listen_socket(addr: str, port: int) -> socket.socket | None:
     a wildcard address (then torch listens everywhere, as it would anyway)."""
     infos = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
     family, _, _, _, sockaddr = infos[0]
-    if ipaddress.ip_address(sockaddr[0].split("%")[0]).is_unspecified:
+    if ipaddress.ip_address(str(sockaddr[0]).split("%")[0]).is_unspecified:
         return None
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:

@@ -178,7 +178,8 @@ class _LocalCollectives:
         def gather_object(outputs: list[Any], obj: Any, *args: Any, **kwargs: Any) -> None:
             outputs[:] = [obj] * len(outputs)
 
-        stand_ins = {"barrier": barrier, "all_reduce": unchanged, "broadcast": unchanged,
+        stand_ins: dict[str, Callable[..., Any]] = {
+                     "barrier": barrier, "all_reduce": unchanged, "broadcast": unchanged,
                      "all_gather": all_gather, "all_gather_into_tensor": gather_into,
                      "_all_gather_base": gather_into, "all_gather_object": gather_object,
                      "broadcast_object_list": unchanged}
@@ -351,6 +352,18 @@ def wrap_build_datasets(original: Callable[..., Any]) -> Callable[..., Any]:
 # --- the training loop -------------------------------------------------------------------
 
 
+class _CachedDatasets:
+    """A datasets provider answering with the datasets built at start-up; Megatron-LM reads
+    its `is_distributed` as it reads the user's provider's."""
+
+    def __init__(self, datasets: Any, is_distributed: bool) -> None:
+        self.datasets = datasets
+        self.is_distributed = is_distributed
+
+    def __call__(self, num_samples: Any) -> Any:
+        return self.datasets
+
+
 def _rebuild_iterators(consumed_samples: int) -> Iterator | None:
     """The data iterators again at `consumed_samples`, from the datasets built at start-up
     (Megatron-LM's own loaders and iterators; collective: the loader-flag broadcast)."""
@@ -360,10 +373,7 @@ def _rebuild_iterators(consumed_samples: int) -> Iterator | None:
     args.consumed_train_samples = consumed_samples
     datasets = _host.datasets
 
-    def cached(num_samples: Any) -> Any:
-        return datasets
-
-    cached.is_distributed = getattr(_host.datasets_provider, "is_distributed", False)
+    cached = _CachedDatasets(datasets, getattr(_host.datasets_provider, "is_distributed", False))
     train_it, valid_it, _test_it = training.build_train_valid_test_data_iterators(cached)
     if _host.state is not None:
         _host.state.valid_data_iterator = valid_it

@@ -180,16 +180,22 @@ def apply() -> None:
         return
     for name in _FACTORIES:
         setattr(torch, name, _redirect_device_kwarg(getattr(torch, name)))
-    torch.Tensor.cuda = _tensor_cuda
-    torch.cuda.current_device = lambda: _CPU
-    torch.cuda.Stream = _CpuStream
-    torch.cuda.stream = _stream_context
-    torch.cuda.current_stream = _current_stream
-    torch.cuda.default_stream = _current_stream
-    torch.cuda.synchronize = lambda device=None: None
-    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
-    torch.cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
-    torch.cuda.manual_seed = torch.manual_seed
+    # stand-ins with the CPU's answers, not torch.cuda's signatures: set as a table
+    # (assigned one by one, the type checker would hold each to torch's own signature)
+    standins: list[tuple[Any, str, Any]] = [(torch.Tensor, "cuda", _tensor_cuda)]
+    standins += [(torch.cuda, name, standin) for name, standin in {
+        "current_device": lambda: _CPU,
+        "Stream": _CpuStream,
+        "stream": _stream_context,
+        "current_stream": _current_stream,
+        "default_stream": _current_stream,
+        "synchronize": lambda device=None: None,
+        "get_rng_state": lambda device="cuda": torch.get_rng_state(),
+        "set_rng_state": lambda new_state, device="cuda": torch.set_rng_state(new_state),
+        "manual_seed": torch.manual_seed,
+    }.items()]
+    for owner, name, standin in standins:
+        setattr(owner, name, standin)
     _patch_megatron()
     gloo_device.share()
     _APPLIED = True

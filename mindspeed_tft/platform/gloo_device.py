@@ -125,7 +125,8 @@ class SharedDeviceGloo(_TorchGloo, metaclass=_AnswersAsTorchGloo):
     def __init__(self, store: Any, rank: int, size: int, options: Any = None, *,
                  timeout: timedelta | None = None) -> None:
         if options is None:  # torch's own calls: (store, rank, size, timeout=)
-            options = _TorchGloo._Options()
+            # torch's stub lacks ProcessGroupGloo._Options (the class has it at run time)
+            options = _TorchGloo._Options()  # type: ignore[attr-defined]
             options._devices = devices_for(size)
             options._threads = 2 * len(options._devices)
             if timeout is not None:
@@ -137,4 +138,5 @@ def share() -> None:
     """Build every later gloo process group of this process on one shared device, or,
     from `LAZY_MIN_SIZE` ranks up, on a lazily connected one of its own (idempotent;
     before the first group, so the default group is made so too)."""
-    c10d.ProcessGroupGloo = SharedDeviceGloo
+    # a declared run-time patch (patches.py): the type checker refuses any class assignment
+    c10d.ProcessGroupGloo = SharedDeviceGloo  # type: ignore[misc,assignment]

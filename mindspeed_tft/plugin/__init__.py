@@ -277,7 +277,7 @@ class TFTPlugin:
 
     def setup(self) -> None:
         """Build what needs torch.distributed (call after the parallel state exists)."""
-        if self.high_availability or getattr(self.args, "tft_check_replicas_interval", 0):
+        if self.high_availability or bool(getattr(self.args, "tft_check_replicas_interval", 0)):
             self.replica_groups = ReplicaGroups(ReplicaLayout(self.features))
             self.replica_groups.build()
             use_replica_groups(self.replica_groups)
@@ -376,15 +376,16 @@ class TFTPlugin:
         assert self.features.parallel.data == dp_size, (self.features.parallel, dp_size)
         apply_scale(args, self.features, world.index(me))
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(args.rank), str(args.world_size)
-        member = self.state is not None
-        if member:
-            self.state.model, self.state.optimizer = [], None  # free the old replicas' memory
+        state = self.state
+        member = state is not None
+        if state is not None:
+            state.model, state.optimizer = [], None  # free the old replicas' memory
         self.rebuild_process_groups(generation, survivor=False)
         iteration = None
         reconfigure_num_microbatches_calculator(args.rank, None, args.global_batch_size,
                                                 args.micro_batch_size, dp_size)
-        if member:
-            iteration = self.state.rebuild(root)
+        if state is not None:
+            iteration = state.rebuild(root)
         release_retired_groups()
         assert self.replica_groups is not None
         self.actions.scale_to(world, self.replica_groups.dense)

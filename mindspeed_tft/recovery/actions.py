@@ -43,6 +43,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from mindspeed_tft.control.wire.order_types import DumpOrder, RepairOrder, RollbackOrder, StopOrder
 from mindspeed_tft.events import emit, emit_work, iteration_log
 from mindspeed_tft.recovery import collectives
 from mindspeed_tft.recovery.dump import (
@@ -136,11 +137,11 @@ class RecoveryActions:
         return self.state
 
     # -- stop -----------------------------------------------------------------------------
-    def stop(self, payload: dict[str, Any]) -> dict[str, Any]:
+    def stop(self, order: StopOrder) -> dict[str, Any]:
         closed = collectives.abandon(
-            f"incident {payload.get('incident')}: stopped by the controller", self.keep_ports
+            f"incident {order.incident}: stopped by the controller", self.keep_ports
         )
-        self._mark_work("stop", int(payload.get("incident", 0)))
+        self._mark_work("stop", order.incident)
         # the iterations this rank completed; the stop may have cut the logging rank's line off
         return {"connections_closed": closed, "iterations": iteration_log.records()}
 
@@ -148,8 +149,8 @@ class RecoveryActions:
     def clean(self, payload: dict[str, Any]) -> dict[str, Any]:
         return {}
 
-    def repair(self, payload: dict[str, Any]) -> dict[str, Any]:
-        generation = int(payload["incident"])
+    def repair(self, order: RepairOrder) -> dict[str, Any]:
+        generation = order.incident
         rejoining = self.state is None
         run = self.processor.run_in_training_thread
         started = time.perf_counter()
@@ -158,7 +159,7 @@ class RecoveryActions:
         if rejoining:
             self._wait_attached()
         try:
-            return run(lambda: self._restore(payload))
+            return run(lambda: self._restore(order))
         except BaseException:
             self._release_old_groups(generation)
             raise
@@ -174,13 +175,13 @@ class RecoveryActions:
         if released:
             emit("groups_released", self.rank, groups=released, incident=incident)
 
-    def _restore(self, payload: dict[str, Any]) -> dict[str, Any]:
+    def _restore(self, order: RepairOrder) -> dict[str, Any]:
         state = self._training_state()
-        lock_step = int(payload["lock_step"])
+        lock_step = order.lock_step
         self.received_snapshot = None
         self.loaded_step = None
         self.params_restored = False
-        if payload.get("source") == "checkpoint":
+        if order.source == "checkpoint":
             root = state.args.save or state.args.load
             if not root:
                 raise RuntimeError("no --save or --load directory: no checkpoint to repair from")
@@ -188,24 +189,24 @@ class RecoveryActions:
             if self.loaded_step == 0:
                 raise RuntimeError(f"no periodic checkpoint under {root} to repair from")
             return {"step": self.loaded_step}
-        new_ranks = set(payload.get("new_ranks", []))
-        receive = [{**e, "from": self.global_rank_of(int(e["from"])), "params": self.rank in new_ranks}
-                   for e in payload.get("receive", [])]
-        send = [{**e, "to": self.global_rank_of(int(e["to"])), "params": int(e["to"]) in new_ranks}
-                for e in payload.get("send", [])]
+        new_ranks = set(order.new_ranks)
+        receive = [{"optimizer": e.optimizer, "shard": e.shard,
+                    "from": self.global_rank_of(e.source), "params": self.rank in new_ranks}
+                   for e in order.receive]
+        send = [{"optimizer": e.optimizer, "shard": e.shard,
+                 "to": self.global_rank_of(e.target), "params": e.target in new_ranks}
+                for e in order.send]
         self.received_snapshot, got_params = transfer_shards(state, self.snapshots, lock_step,
                                                              receive, send)
         if got_params:  # the complete params of the lock step: nothing to gather for them
             self.snapshots.params_iteration = lock_step
             self.params_restored = True
-        return {"received": len(payload.get("receive", [])),
-                "sent": len(payload.get("send", []))}
+        return {"received": len(order.receive), "sent": len(order.send)}
 
-    def rollback(self, payload: dict[str, Any]) -> dict[str, Any]:
-        damaged = self.rank in payload.get("params_damaged", [])
+    def rollback(self, order: RollbackOrder) -> dict[str, Any]:
+        damaged = self.rank in order.params_damaged
         return self.processor.run_in_training_thread(
-            lambda: self._rollback(int(payload["step"]), damaged,
-                                   int(payload.get("incident", 0))))
+            lambda: self._rollback(order.step, damaged, order.incident))
 
     def _rollback(self, step: int, params_damaged: bool = True,
                   incident: int = 0) -> dict[str, Any]:
@@ -303,9 +304,9 @@ class RecoveryActions:
             raise DumpError("no --save directory: there is nowhere to write the dump")
         return root
 
-    def dump(self, payload: dict[str, Any]) -> dict[str, Any]:
-        lock_step = int(payload["lock_step"])
-        shards = [entry for entry in payload.get("shards", []) if entry["optimizer"] == "dense"]
+    def dump(self, order: DumpOrder) -> dict[str, Any]:
+        lock_step = order.lock_step
+        shards = [entry for entry in order.shards if entry.optimizer == "dense"]
         if not shards:
             return {"written": []}
         root = self._checkpoint_root()
@@ -316,9 +317,9 @@ class RecoveryActions:
         assembler = my_shard.index == 0
         own = None
         for entry in shards:
-            if int(entry["shard"]) != my_shard.index:
+            if entry.shard != my_shard.index:
                 raise DumpError(
-                    f"rank {self.rank} holds {my_shard}, not dense shard {entry['shard']}"
+                    f"rank {self.rank} holds {my_shard}, not dense shard {entry.shard}"
                 )
             if distributed and assembler:  # kept in memory for the assembly below
                 own = shard_record(state, lock_step, self.map.chunk_size, my_shard.index)

@@ -157,10 +157,12 @@ class CountingStore(dist.Store):
     trampoline), and those of the iteration log and the fault-injection ledger (which find
     the default group's store)."""
 
+    # the `type: ignore`s below: torch's stub of `Store` lacks `timeout`, `multi_set`,
+    # `append`, `has_extended_api` and `clone`, which the class has at run time
     def __init__(self, inner: dist.Store) -> None:
         super().__init__()
         self.inner = inner
-        self.set_timeout(inner.timeout)
+        self.set_timeout(inner.timeout)  # type: ignore[attr-defined]
 
     @staticmethod
     def _count(op: str, nbytes: int = 0) -> None:
@@ -211,17 +213,17 @@ class CountingStore(dist.Store):
 
     def multi_set(self, keys: list[str], values: list[Any]) -> None:
         self._count("multi_set", sum(len(v) for v in values))
-        self.inner.multi_set(keys, values)
+        self.inner.multi_set(keys, values)  # type: ignore[attr-defined]
 
     def append(self, key: str, value: Any) -> None:
         self._count("append", len(value))
-        self.inner.append(key, value)
+        self.inner.append(key, value)  # type: ignore[attr-defined]
 
     def has_extended_api(self) -> bool:
-        return self.inner.has_extended_api()
+        return self.inner.has_extended_api()  # type: ignore[attr-defined]
 
     def clone(self) -> CountingStore:
-        return CountingStore(self.inner.clone())
+        return CountingStore(self.inner.clone())  # type: ignore[attr-defined]
 
 
 def _store_client(timeout: timedelta) -> CountingStore:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True, order=True)
@@ -127,7 +128,7 @@ class ReplicaMap:
             for index in range(self.chunk_size):
                 yield ShardId(self.optimizer, group_index, index)
 
-    def describe_rank(self, rank: int) -> dict[str, object]:
+    def describe_rank(self, rank: int) -> dict[str, Any]:
         """What the rank registers with the controller (schema of the control plane)."""
         shard = self.shard_of(rank)
         return {

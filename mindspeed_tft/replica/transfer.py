@@ -148,12 +148,21 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     return _flat(tensor).view(torch.uint8)
 
 
+def _posted(work: dist.Work | None) -> dist.Work:
+    """The request of a point-to-point op (torch returns None to a rank outside the group:
+    never so here, where both ends are members)."""
+    if work is None:
+        raise RuntimeError("a shard transfer was posted on a group this rank is not in")
+    return work
+
+
 def shard_digest(optimizer: Any, model: list[torch.nn.Module]) -> str:
     """CRC-32 of this rank's optimizer shard (main params, moments, step), read in place."""
     shard = local_shard(optimizer, model)
     value = zlib.crc32(shard.step.to_bytes(8, "little"))
     for tensor in shard.tensors:
-        value = zlib.crc32(_bytes_of(tensor).numpy(), value)
+        # numpy's stub lacks ndarray.__buffer__ (the array has the buffer protocol)
+        value = zlib.crc32(_bytes_of(tensor).numpy(), value)  # type: ignore[arg-type]
     return f"{value:08x}"
 
 
@@ -227,17 +236,18 @@ def _header(shard: Shard, tensors: list[torch.Tensor], plan: list[_Message],
 def _send(shard: Shard, params: list[torch.Tensor], dst: int,
           group: dist.ProcessGroup | None, entered_ns: int) -> None:
     go = torch.empty(1, dtype=torch.int64)
-    ready = dist.irecv(go, src=dst, group=group, tag=_GO_TAG)
+    ready = _posted(dist.irecv(go, src=dst, group=group, tag=_GO_TAG))
     tensors = shard.tensors + params
     plan = _plan(tensors)
     # the header does not wait for the receiver: the sender packs while it travels (every
     # packed message: small tensors add up to little at any model size)
     header = _header(shard, tensors, plan, len(params), entered_ns)
-    works = [dist.isend(header, dst=dst, group=group)]
+    works = [_posted(dist.isend(header, dst=dst, group=group))]
     buffers = [_bytes_of(tensors[m.indices[0]]) if m.direct
                else torch.cat([_flat(tensors[j]) for j in m.indices]) for m in plan]
     ready.wait()  # every receive is posted: the messages go out back to back
-    works += [dist.isend(b, dst=dst, group=group, tag=i + 1) for i, b in enumerate(buffers)]
+    works += [_posted(dist.isend(b, dst=dst, group=group, tag=i + 1))
+              for i, b in enumerate(buffers)]
     for work in works:
         work.wait()
 
@@ -288,11 +298,12 @@ def _receive(shard: Shard, params: list[torch.Tensor], header: torch.Tensor, pen
             f"messages, this rank holds {mine} bytes in {len(tensors)} tensors "
             f"and {len(plan)} messages: not a replica of this rank's shard"
         )
-    works = [dist.irecv(b, src=src, group=group, tag=i + 1) for i, b in enumerate(layout.buffers)]
+    works = [_posted(dist.irecv(b, src=src, group=group, tag=i + 1))
+             for i, b in enumerate(layout.buffers)]
     # only now may the sender post its messages: a receive posted while a message arrives
     # on the same connection waits for its last byte (the connection's lock), and the
     # sender would see one receive at a time
-    go = dist.isend(torch.ones(1, dtype=torch.int64), dst=src, group=group, tag=_GO_TAG)
+    go = _posted(dist.isend(torch.ones(1, dtype=torch.int64), dst=src, group=group, tag=_GO_TAG))
     for message, buffer, work in zip(plan, layout.buffers, works, strict=True):
         work.wait()
         if not message.direct:  # while the next messages arrive

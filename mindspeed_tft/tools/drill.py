@@ -482,6 +482,7 @@ def run_fault_pass(options: DrillOptions, number: int, fault: str, rank: int, st
                    reference: dict[int, float]) -> Row:
     """Run one fault pass and certify it."""
     spec = inject_spec(fault, rank, step, options.phase)
+    assert options.workdir is not None, "run_drill sets the workdir first"
     pass_dir = options.workdir / f"{number:02d}-{fault.replace(':', '-')}"
     extra = hang_env(options) if fault == "hang" else None
     _log(f"pass {number}: TFT_INJECT={spec}"

@@ -54,9 +54,10 @@ MISSING_CHECKPOINT_EXIT_CODE = 1
 
 
 def _model_state(model: list[torch.nn.Module]) -> dict[str, Any]:
-    if len(model) == 1:
-        return {"model": model[0].state_dict_for_save_checkpoint()}
-    return {f"model{i}": chunk.state_dict_for_save_checkpoint() for i, chunk in enumerate(model)}
+    chunks: list[Any] = list(model)  # megatron-core's modules (it ships no type information)
+    if len(chunks) == 1:
+        return {"model": chunks[0].state_dict_for_save_checkpoint()}
+    return {f"model{i}": chunk.state_dict_for_save_checkpoint() for i, chunk in enumerate(chunks)}
 
 
 def _load_model_state(model: list[torch.nn.Module], state_dict: dict[str, Any]) -> None:
@@ -146,7 +147,9 @@ def _fsync_file(path: str) -> None:
         os.close(fd)
 
 
-def _checkpoint_args_value(checkpoint_args: argparse.Namespace, name: str, default: Any) -> Any:
+def _checkpoint_args_value(checkpoint_args: argparse.Namespace | None, name: str,
+                           default: Any) -> Any:
+    """`name` of the checkpoint's args (`default` when it has none, or no args at all)."""
     return getattr(checkpoint_args, name, default)
 
 

@@ -27,11 +27,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sized
+from typing import cast
 
 import torch
 from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
 from megatron.core.datasets.gpt_dataset import (
     GPTDataset,
     GPTDatasetConfig,
@@ -71,7 +73,7 @@ def parse_data_path(data_path: list[str]) -> Blend:
             f"prefix ('w1 p1 w2 p2 ...'); these weight positions are not numbers: "
             f"{', '.join(e for e, w in zip(weight_entries, parsed_weights, strict=True) if w is None)}"
         )
-    weights = [float(weight) for weight in parsed_weights]
+    weights = [weight for weight in parsed_weights if weight is not None]  # none is None
     if any(weight < 0 for weight in weights) or sum(weights) <= 0:
         raise ValueError(
             f"--data-path weights {weight_entries}: must be non-negative with a positive sum"
@@ -203,6 +205,7 @@ class _DatasetBuilder(BlendedMegatronDatasetBuilder):
     ) -> object:
         if cls is BlendedDataset and not _distributed_is_initialized():
             *dataset_args, config = args
+            assert isinstance(config, BlendedMegatronDatasetConfig), type(config)
             args = (*dataset_args, dataclasses.replace(config, path_to_cache=None))
         return BlendedMegatronDatasetBuilder.build_generic_dataset(
             cls, is_built_on_rank, synchronize_ranks, *args
@@ -352,7 +355,7 @@ def build_data_loader(
         raise ValueError(f"--num-workers {num_workers}: allowed: 0 (load in the training "
                          "process) or a positive number of worker processes")
     sampler = MegatronPretrainingSampler(
-        total_samples=len(dataset),
+        total_samples=len(cast(Sized, dataset)),  # torch's Dataset type has no __len__
         consumed_samples=consumed_samples,
         micro_batch_size=micro_batch_size,
         data_parallel_rank=data_parallel_rank,

@@ -157,11 +157,12 @@ def setup_model_and_optimizer(
     from megatron.core.optimizer import get_megatron_optimizer
 
     model = get_model(model_provider, args, broadcast_params)
-    config = model[0].config
+    chunks: list[Any] = list(model)  # megatron-core's DDP (it ships no type information)
+    config = chunks[0].config
     config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = model[0].no_sync if len(model) == 1 else [m.no_sync for m in model]
+    config.no_sync_func = chunks[0].no_sync if len(chunks) == 1 else [m.no_sync for m in chunks]
     if args.overlap_grad_reduce:
-        config.grad_sync_func = model[0].start_grad_sync
+        config.grad_sync_func = chunks[0].start_grad_sync
     optimizer = get_megatron_optimizer(
         optimizer_config_from_args(args),
         model,
@@ -198,6 +199,7 @@ def train_step(
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     args = state.args
+    chunk: Any  # megatron-core's DDP (it ships no type information)
     for chunk in state.model:
         chunk.zero_grad_buffer()
     state.optimizer.zero_grad()

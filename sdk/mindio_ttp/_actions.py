@@ -27,6 +27,13 @@ import os
 from typing import Any
 
 from mindspeed_tft.control import Processor
+from mindspeed_tft.control.wire.order_types import (
+    DumpOrder,
+    ExitOrder,
+    RepairOrder,
+    RollbackOrder,
+    StopOrder,
+)
 
 from ._enums import RET_NO_REBUILD, RET_OK
 from ._runtime import Runtime
@@ -64,10 +71,10 @@ class SdkActions:
         return self.rt.handlers.get(name) is not None
 
     # -- orders -------------------------------------------------------------------------
-    def stop(self, payload: dict[str, Any]) -> dict[str, Any]:
+    def stop(self, order: StopOrder) -> dict[str, Any]:
         rt = self.rt
         rt.cleaned = False
-        rt.repair_step = int(payload.get("lock_step") or 0)
+        rt.repair_step = order.lock_step
         if not self._has("stop"):
             raise HandlerError("no stop handler registered (tft_register_stop_handler)")
         self._call("stop", rt.args)
@@ -95,27 +102,27 @@ class SdkActions:
                                "nothing to rebuild)")
         return {}
 
-    def repair(self, payload: dict[str, Any]) -> dict[str, Any]:
+    def repair(self, order: RepairOrder) -> dict[str, Any]:
         rt, processor = self.rt, self.processor
         assert processor is not None and rt.rank is not None and rt.world_size is not None
-        rt.repair_type = repair_type_name(payload.get("strategy"))
-        rt.repair_step = int(payload["lock_step"])
+        rt.repair_type = repair_type_name(order.strategy)
+        rt.repair_step = order.lock_step
         rt.loaded_step = None
-        if payload.get("strategy") == "recover":
+        if order.strategy == "recover":
             if processor.rejoining:
                 # the SDK rebuilds a restarted worker's groups once it is ready (its training
                 # function raised "ARF FINISH" and waits in the decorator)
                 processor.run_in_training_thread(lambda: None)
-            self._call("rebuild_group", list(payload.get("new_ranks", [])), rt.args)
-        for call in repair_calls(payload, rt.rank, rt.world_size, rt.uce_damaged,
+            self._call("rebuild_group", list(order.new_ranks), rt.args)
+        for call in repair_calls(order, rt.rank, rt.world_size, rt.uce_damaged,
                                  list(rt.groups)):
             self._call("repair", call.step, call.need_rebuild, call.error_ranks,
                        call.repair_info, rt.args)
         rt.uce_damaged = False
         return {} if rt.loaded_step is None else {"step": rt.loaded_step}
 
-    def rollback(self, payload: dict[str, Any]) -> dict[str, Any]:
-        step = int(payload["step"])
+    def rollback(self, order: RollbackOrder) -> dict[str, Any]:
+        step = order.step
         self.rt.repair_step = step
         self._call("rollback", step, self.rt.args)
         assert self.processor is not None
@@ -124,19 +131,19 @@ class SdkActions:
         self.processor.report_update_end(step)
         return {"step": step}
 
-    def dump(self, payload: dict[str, Any]) -> dict[str, Any]:
+    def dump(self, order: DumpOrder) -> dict[str, Any]:
         rt = self.rt
         rt.repair_type = "dump"
-        step = int(payload["lock_step"])
+        step = order.lock_step
         rt.repair_step = step
-        if not payload.get("shards"):
+        if not order.shards:
             return {"written": []}
         if not self._has("save_ckpt"):
             raise HandlerError("no save handler registered (tft_register_save_ckpt_handler)")
         if os.environ.get("TTP_STOP_CLEAN_BEFORE_DUMP") == "1" and not rt.cleaned:
             self._clean()
         assert rt.rank is not None
-        info = save_info(payload, rt.rank, rt.groups)
+        info = save_info(order, rt.rank, rt.groups)
         self._call("save_ckpt", step, info, rt.args)
         return {"written": [entry["ranks"] for entry in info]}
 
@@ -145,7 +152,7 @@ class SdkActions:
         self._call("rename", step, self.rt.args)
         return {"iteration": step}
 
-    def exit(self, payload: dict[str, Any]) -> dict[str, Any]:
+    def exit(self, order: ExitOrder) -> dict[str, Any]:
         try:
             self._call("exit")
         except Exception:  # the exit goes on

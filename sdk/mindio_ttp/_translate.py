@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from mindspeed_tft.control.wire.order_types import DumpOrder, RepairOrder
+
 from ._enums import OptimizerType, RepairType
 
 #: the layout names of the optimizers `tft_set_optimizer_replica` describes, in its order
@@ -89,39 +91,39 @@ def _call(step: int, repair_type: RepairType, src: list[int], dst: list[int],
         "rank_list": rank_list})
 
 
-def repair_calls(payload: dict[str, Any], rank: int, world_size: int, uce_reported: bool,
+def repair_calls(order: RepairOrder, rank: int, world_size: int, uce_reported: bool,
                  optimizers: list[str]) -> list[RepairCall]:
     """The repair handler calls of `rank` for one `repair` order (none: nothing to repair
     here, as the SDK sends no repair message to such a rank)."""
-    step = int(payload["lock_step"])
-    if payload.get("source") == "checkpoint":
+    step = order.lock_step
+    if order.source == "checkpoint":
         kind = RepairType.RT_LOAD_REBUILD if uce_reported else RepairType.RT_LOAD_CKPT
         names = optimizers or [OPTIMIZER_NAMES[0]]
         return [_call(step, kind, [rank] * len(names), [rank] * len(names),
                       [optimizer_index(n) for n in names], list(range(world_size)))]
     calls = []
-    receive, send = payload.get("receive", []), payload.get("send", [])
-    involved = list(payload.get("involved") or sorted(
-        {rank, *(int(e["from"]) for e in receive), *(int(e["to"]) for e in send)}))
+    receive, send = order.receive, order.send
+    involved = list(order.involved or sorted(
+        {rank, *(e.source for e in receive), *(e.target for e in send)}))
     if receive:
         kind = RepairType.RT_UCE_HIGHLEVEL if uce_reported else RepairType.RT_RECV_REPAIR
-        calls.append(_call(step, kind, [int(e["from"]) for e in receive], [rank] * len(receive),
-                           [optimizer_index(e["optimizer"]) for e in receive], involved))
+        calls.append(_call(step, kind, [e.source for e in receive], [rank] * len(receive),
+                           [optimizer_index(e.optimizer) for e in receive], involved))
     if send:
         calls.append(_call(step, RepairType.RT_SEND, [rank] * len(send),
-                           [int(e["to"]) for e in send],
-                           [optimizer_index(e["optimizer"]) for e in send], involved))
+                           [e.target for e in send],
+                           [optimizer_index(e.optimizer) for e in send], involved))
     return calls
 
 
-def save_info(payload: dict[str, Any], rank: int,
+def save_info(order: DumpOrder, rank: int,
               groups: dict[str, list[int]]) -> list[dict[str, Any]]:
     """`save_info` of a save handler call: per optimizer this rank writes, the ranks of its
     data-parallel group that write it (one per shard; DP order)."""
-    writers = set(payload.get("writers") or [rank])
+    writers = set(order.writers or [rank])
     info = []
-    for entry in payload.get("shards", []):
-        name = str(entry["optimizer"])
+    for entry in order.shards:
+        name = entry.optimizer
         group = groups.get(name, [rank])
         info.append({"type": optimizer_index(name),
                      "ranks": [r for r in group if r in writers] or [rank]})

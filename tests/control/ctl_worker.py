@@ -93,7 +93,9 @@ def main(argv: list[str] | None = None) -> None:
     slow_name, _, slow_secs = args.slow.partition("=")
 
     def callback(name: str):
-        def fn(payload: dict[str, Any]) -> dict[str, Any]:
+        def fn(order: Any) -> dict[str, Any]:
+            # the typed orders (order_types) are recorded as they travelled
+            payload = order if isinstance(order, dict) else order.to_wire()
             record("callback", name=name, payload=payload)
             if name == slow_name:
                 time.sleep(float(slow_secs))

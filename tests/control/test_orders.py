@@ -12,6 +12,7 @@ from typing import Any
 
 from mindspeed_tft.control import ControlConfig, Processor
 from mindspeed_tft.control.processor.orders import Order, Orders
+from mindspeed_tft.control.wire.order_types import StopOrder
 from tests.jobs import wait_for
 
 
@@ -119,7 +120,7 @@ def _stuck_stop(p: Processor) -> threading.Event:
     """Rank 0 stopped, its stop callback blocked (its result not sent yet)."""
     unblock = threading.Event()
     p.register_callback("stop", lambda payload: {"waited": unblock.wait(10)})
-    p._orders.submit(_order(1, "stop", payload={"lock_step": 3}))
+    p._orders.submit(_order(1, "stop", payload=StopOrder(1, 3, {}).to_wire()))
     wait_for(lambda: p.stopped, 5, what="the stop")
     return unblock
 

@@ -294,7 +294,8 @@ def test_dump_holders_first_healthy() -> None:
                    details={1: {"target": "activation"}})
     assert sorted(planner.dump_holders(inc, t).values()) == [0, 1]
     payloads, renamer = planner.dump_payloads(inc, t, range(4))
-    assert renamer == 0 and payloads[2]["shards"] == [] and payloads[0]["shards"][0]["shard"] == 0
+    assert renamer == 0 and payloads[2].shards == ()
+    assert payloads[0].to_wire()["shards"][0]["shard"] == 0
 
 
 def test_stop_counts_an_update_under_way() -> None:
@@ -306,12 +307,12 @@ def test_stop_counts_an_update_under_way() -> None:
     for r in range(4):
         t.get(r).step = 7
     inc = Incident(1, 0.0, faults={2: FaultKind.COMM})
-    assert planner.stop_payload(inc, t)["lock_step"] == 7
+    assert planner.stop_payload(inc, t).lock_step == 7
     t.get(2).status = "updating"
-    assert planner.stop_payload(inc, t)["lock_step"] == 8
+    assert planner.stop_payload(inc, t).lock_step == 8
     assert planner.lock_step(inc, t) == 7  # the lock step itself: only completed updates
     t.get(2).fresh = True  # a restarted process's position does not count
-    assert planner.stop_payload(inc, t)["lock_step"] == 7
+    assert planner.stop_payload(inc, t).lock_step == 7
 
 
 def test_repair_plan_sources() -> None:
@@ -323,9 +324,9 @@ def test_repair_plan_sources() -> None:
     inc = Incident(1, 0.0, faults={2: FaultKind.LOST}, lock_step=9, source="replica",
                    strategy=Strategy.RECOVER, new_ranks={2})
     plan = planner.repair_payloads(inc, t, range(4))
-    assert plan[2]["receive"] == [{"optimizer": "dense", "shard": 0, "from": 0}]
-    assert plan[0]["send"] == [{"optimizer": "dense", "shard": 0, "to": 2}]
-    assert plan[1]["receive"] == plan[3]["receive"] == []
+    assert plan[2].to_wire()["receive"] == [{"optimizer": "dense", "shard": 0, "from": 0}]
+    assert plan[0].to_wire()["send"] == [{"optimizer": "dense", "shard": 0, "to": 2}]
+    assert plan[1].receive == plan[3].receive == ()
     t.get(0).health = Health.LOST
     with pytest.raises(PlanError, match="rank 2 needs dense shard 0"):
         planner.repair_payloads(inc, t, range(1, 4))

@@ -52,6 +52,7 @@ from ...events import CONTROLLER_RANK, emit
 from ...features import Features
 from ..wire.classify import FaultKind
 from ..wire.config import ControlConfig, parse_hostport
+from ..wire.order_types import ExitOrder, Payload
 from ..wire.protocol import CONTROLLER, DropCounter, Message, MsgType, ProtocolError, decode, encode
 from ..wire.transport import CurveKeys, connect_dealer, hostport, new_routing_id, token_ok
 from .ranktable import CONNECTED, Health, RankInfo, RankTable
@@ -77,7 +78,7 @@ class BackupHost(Protocol):
     def next_seq(self) -> int: ...
     def raw_send(self, identity: bytes, frame: bytes) -> None: ...
     def mark_dirty(self) -> None: ...
-    def broadcast(self, name: str, payload: dict[str, Any]) -> None: ...
+    def broadcast(self, name: str, payload: Payload) -> None: ...
     def send_registered(self, row: RankInfo) -> None: ...
     def fault(self, rank: int, kind: FaultKind, message: str) -> None: ...
 
@@ -314,8 +315,8 @@ class BackupSync:
         faulty = self._survey(now)
         if synced in (State.EXIT, State.FINAL):
             self.sm.force(State.EXIT, "took over a job that was exiting")
-            host.broadcast("exit", {"code": self.config.failure_exit_code,
-                                    "reason": "controller failover during exit"})
+            host.broadcast("exit", ExitOrder(self.config.failure_exit_code,
+                                             "controller failover during exit"))
             self.sm.to(State.FINAL, "took over a job that was exiting")
         else:
             self._carry_on(synced, faulty)

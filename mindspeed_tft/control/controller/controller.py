@@ -49,6 +49,7 @@ from ...features import Features
 from ..wire import local
 from ..wire.classify import FaultKind
 from ..wire.config import ControlConfig, ControlConfigError, setup_logging
+from ..wire.order_types import ExitOrder, Payload
 from ..wire.priority import raise_priority
 from ..wire.protocol import (
     CONTROLLER,
@@ -424,7 +425,7 @@ class Controller:
     def rank_returned(self, row: RankInfo, replica: dict[str, Any] | None) -> None:
         self.incidents.rank_returned(row, replica)
 
-    def order(self, rank: int, name: str, payload: dict[str, Any]) -> None:
+    def order(self, rank: int, name: str, payload: Payload) -> None:
         self.incidents.order(rank, name, payload)
 
     def ack_frame(self) -> bytes:
@@ -483,7 +484,7 @@ class Controller:
         code = self.config.failure_exit_code
         self.exit_code = code
         emit("exit", CONTROLLER_RANK, code=code, reason=reason)
-        self.broadcast("exit", {"code": code, "reason": reason})
+        self.broadcast("exit", ExitOrder(code, reason))
         self.sm.to(State.FINAL, reason)
 
     # -- BackupHost (the rest: next_seq, raw_send, broadcast, send_registered, fault) ------
@@ -519,7 +520,7 @@ class Controller:
     def raw_send(self, identity: bytes, frame: bytes) -> None:
         self.sockets.raw_send(identity, frame)
 
-    def broadcast(self, name: str, payload: dict[str, Any]) -> None:
+    def broadcast(self, name: str, payload: Payload) -> None:
         self.incidents.send_action_many([r.rank for r in self.table.connected()],
                                         self.incidents.new_action_id(), name, payload,
                                         self.config.action_time_limit)

@@ -18,6 +18,7 @@ import zmq
 
 from ..wire.classify import FaultKind
 from ..wire.config import ControlConfig
+from ..wire.order_types import ExitOrder, Payload
 from ..wire.protocol import (
     TO_CONTROLLER,
     DropCounter,
@@ -57,7 +58,7 @@ class InboxHost(Protocol):
     def send(self, identity: bytes, mtype: str, payload: dict[str, Any]) -> None: ...
     def raw_send(self, identity: bytes, frame: bytes) -> None: ...
     def ack_frame(self) -> bytes: ...
-    def order(self, rank: int, name: str, payload: dict[str, Any]) -> None: ...
+    def order(self, rank: int, name: str, payload: Payload) -> None: ...
     def training_finished(self) -> None: ...
 
 
@@ -165,8 +166,8 @@ class Inbox:
                 if self.sm.state is State.INIT:
                     self.registration.arrived(row.rank)
             else:  # declared lost and handled as such: this process must go
-                self.host.order(row.rank, "exit", {"code": self.config.failure_exit_code,
-                                                   "reason": "this rank was declared lost"})
+                self.host.order(row.rank, "exit", ExitOrder(self.config.failure_exit_code,
+                                                            "this rank was declared lost"))
                 row.health = Health.EXITING
                 return
         now = self.sockets.now

@@ -50,13 +50,14 @@ from __future__ import annotations
 import logging
 import statistics
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ...events import CONTROLLER_RANK, emit, validate_record
 from ..wire.classify import FaultKind
 from ..wire.config import ControlConfig
+from ..wire.order_types import ExitOrder, Payload
 from .elasticity import Elasticity
 from .ranktable import CONNECTED, Health, RankTable
 from .scaling import Scaling, fail_text
@@ -192,10 +193,10 @@ class FlowHost(Protocol):
 
     def now(self) -> float: ...
     def new_action_id(self) -> int: ...
-    def send_action(self, rank: int, action_id: int, name: str, payload: dict[str, Any],
+    def send_action(self, rank: int, action_id: int, name: str, payload: Payload,
                     timeout: float) -> None: ...
     def send_action_many(self, ranks: list[int], action_id: int, name: str,
-                         payload: dict[str, Any], timeout: float) -> None: ...
+                         payload: Payload, timeout: float) -> None: ...
     def flow_finished(self, flow: IncidentFlow) -> None: ...
 
 
@@ -314,8 +315,8 @@ class IncidentFlow:
         state = self.host.sm.state
         if self.done or state in (State.DUMP, State.EXIT, State.FINAL) or (
                 inc.strategy is not None and inc.strategy is not Strategy.RECOVER):
-            self._send(rank, "exit", {"code": self.host.config.failure_exit_code,
-                                      "reason": "the job is not being recovered"})
+            self._send(rank, "exit", ExitOrder(self.host.config.failure_exit_code,
+                                               "the job is not being recovered"))
             row = self.host.table.get(rank)
             if row is not None:
                 row.health = Health.EXITING
@@ -396,12 +397,12 @@ class IncidentFlow:
         if status in ("updated", "updating"):
             row.status = status
 
-    def _send(self, rank: int, name: str, payload: dict[str, Any], action_id: int | None = None) -> None:
+    def _send(self, rank: int, name: str, payload: Payload, action_id: int | None = None) -> None:
         aid = self.host.new_action_id() if action_id is None else action_id
         self.host.send_action(rank, aid, name, payload, self.host.config.action_time_limit)
 
-    def _start_phase(self, name: str, targets: list[int], payload: dict[str, Any] | None = None,
-                     per_rank: dict[int, dict[str, Any]] | None = None) -> None:
+    def _start_phase(self, name: str, targets: list[int], payload: Payload | None = None,
+                     per_rank: Mapping[int, Payload] | None = None) -> None:
         aid = self.host.new_action_id()
         limit = self.host.config.action_time_limit
         self.phase = Phase(name, aid, self.host.now() + limit, set(targets))
@@ -436,7 +437,7 @@ class IncidentFlow:
         self.incident.stopped.update(targets)
         payload = self.host.planner.stop_payload(self.incident, self.host.table)
         log.info("incident %d: stop sent to %d ranks, provisional lock step %d",
-                 self.incident.id, len(targets), payload["lock_step"])
+                 self.incident.id, len(targets), payload.lock_step)
         self._start_phase("stop", targets, payload)
 
     def _mark_hung(self, phase: Phase, why: str) -> None:
@@ -492,8 +493,8 @@ class IncidentFlow:
                 row = table.get(r)
                 if kind in PROCESS_KINDS and row is not None and not row.fresh:
                     if row.connected:  # hung: end the process so its launcher restarts it
-                        self._send(r, "exit", {"code": self.host.config.reboot_exit_code,
-                                               "reason": "hung rank restarted (ARF)"})
+                        self._send(r, "exit", ExitOrder(self.host.config.reboot_exit_code,
+                                                        "hung rank restarted (ARF)"))
                         row.health = Health.EXITING
                     inc.awaiting.add(r)
             inc.awaiting -= {r for r in inc.new_ranks if (row := table.get(r)) and row.connected}
@@ -616,7 +617,7 @@ class IncidentFlow:
         except PlanError as e:
             self._exit(host.config.failure_exit_code, f"dump impossible: {e}")
             return
-        self.writers = {r for r, p in payloads.items() if p.get("shards")}
+        self.writers = {r for r, p in payloads.items() if p.shards}
         self._start_phase("dump", targets, per_rank=payloads)
 
     def _after_dump(self, phase: Phase) -> None:
@@ -656,16 +657,15 @@ class IncidentFlow:
         emit("exit", CONTROLLER_RANK, code=code, reason=reason, incident=self.incident.id)
         (log.info if code == 0 else log.error)("exit with code %d: %s", code, reason)
         rows = host.table.connected()
-        payload: dict[str, Any] = {"code": code, "reason": reason}
+        payload = ExitOrder(code, reason)
         # a hung rank's training thread, stuck, would not log before the exit
         waiting = [r.rank for r in rows if r.health is not Health.HUNG]
         if code == host.config.dump_exit_code and waiting and self.incident.lock_step is not None:
             # the dump holds the lock step: iterations up to it the stop cut off are logged
             # now, by one surviving rank (the logging rank may be the one that failed)
             inc = self.incident
-            payload["iterations"] = [inc.iterations[i] for i in sorted(inc.iterations)
-                                     if i <= inc.lock_step]
-            payload["logger"] = max(waiting)
+            payload = ExitOrder(code, reason, tuple(inc.iterations[i] for i in sorted(
+                inc.iterations) if i <= inc.lock_step), logger=max(waiting))
         host.send_action_many([r.rank for r in rows], host.new_action_id(), "exit", payload,
                               host.config.action_time_limit)
         for row in rows:

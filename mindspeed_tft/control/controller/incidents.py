@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from ..wire.classify import FaultKind
 from ..wire.config import ControlConfig
+from ..wire.order_types import ExitOrder, Payload, to_wire
 from ..wire.protocol import CONTROLLER, MsgType, encode
 from .elasticity import Elasticity
 from .incident import Incident, IncidentFlow, IncidentStats
@@ -85,7 +86,7 @@ class Incidents:
         """The lock step of the incident under way; None when there is none."""
         return self.flow.incident.lock_step if self.flow is not None else None
 
-    def order(self, rank: int, name: str, payload: dict[str, Any]) -> None:
+    def order(self, rank: int, name: str, payload: Payload) -> None:
         """One order to one rank, with a new action id and the action time limit."""
         self.send_action(rank, self.new_action_id(), name, payload,
                          self.config.action_time_limit)
@@ -96,9 +97,9 @@ class Incidents:
         if self.flow is not None:
             self.flow.on_registered(row.rank)
         else:
-            self.order(row.rank, "exit", {
-                "code": self.config.failure_exit_code,
-                "reason": f"rank {row.rank} restarted while no recovery was under way"})
+            self.order(row.rank, "exit", ExitOrder(
+                self.config.failure_exit_code,
+                f"rank {row.rank} restarted while no recovery was under way"))
             row.health = Health.EXITING
 
     # -- FlowHost ---------------------------------------------------------------------------
@@ -109,21 +110,21 @@ class Incidents:
         self._action_id += 1
         return self._action_id
 
-    def send_action(self, rank: int, action_id: int, name: str, payload: dict[str, Any],
+    def send_action(self, rank: int, action_id: int, name: str, payload: Payload,
                     timeout: float) -> None:
         row = self.table.get(rank)
         if row is None or not row.identity:
             return
         self.host.send(row.identity, MsgType.ACTION,
                        {"id": action_id, "name": name, "timeout": float(timeout),
-                        "payload": payload})
+                        "payload": to_wire(payload)})
 
     def send_action_many(self, ranks: list[int], action_id: int, name: str,
-                         payload: dict[str, Any], timeout: float) -> None:
+                         payload: Payload, timeout: float) -> None:
         """The same order to many ranks (encoded once)."""
         frame = encode(MsgType.ACTION, CONTROLLER, self.host.next_seq(),
                        {"id": action_id, "name": name, "timeout": float(timeout),
-                        "payload": payload})
+                        "payload": to_wire(payload)})
         for rank in ranks:
             row = self.table.get(rank)
             if row is not None and row.identity:
@@ -178,5 +179,5 @@ class Incidents:
     def dismiss_returning(self, reason: str) -> None:
         """The job ends: returning ranks still waiting to join exit cleanly."""
         for rank in sorted(self.returning):
-            self.order(rank, "exit", {"code": 0, "reason": reason})
+            self.order(rank, "exit", ExitOrder(0, reason))
         self.returning.clear()

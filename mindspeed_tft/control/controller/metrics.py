@@ -244,7 +244,7 @@ class MetricsServer:
         server_class = type("_MetricsServer", (_Server,), {
             "address_family": _family(addr)})
         try:
-            self._httpd = make_server(addr, port, client.make_wsgi_app(self.registry),
+            self._httpd: WSGIServer = make_server(addr, port, client.make_wsgi_app(self.registry),
                                       server_class, handler_class=_QuietHandler)
         except OSError as e:
             raise ControlConfigError(

@@ -12,10 +12,12 @@ results and resume training in the new world. It reaches back into the flow only
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 from ...events import CONTROLLER_RANK, emit
 from ..wire.config import ControlConfig
+from ..wire.order_types import ExitOrder, Payload
 from .elasticity import Elasticity
 from .ranktable import Health, RankTable
 from .states import State, StateMachine
@@ -60,10 +62,10 @@ class ScaleFlow(Protocol):
     def incident(self) -> _Numbered: ...
     @property
     def host(self) -> _ScaleHost: ...
-    def _send(self, rank: int, name: str, payload: dict[str, Any],
+    def _send(self, rank: int, name: str, payload: Payload,
               action_id: int | None = None) -> None: ...
-    def _start_phase(self, name: str, targets: list[int], payload: dict[str, Any] | None = None,
-                     per_rank: dict[int, dict[str, Any]] | None = None) -> None: ...
+    def _start_phase(self, name: str, targets: list[int], payload: Payload | None = None,
+                     per_rank: Mapping[int, Payload] | None = None) -> None: ...
     def _exit(self, code: int, reason: str) -> None: ...
     def _resume(self, *, false_alarm: bool) -> None: ...
 
@@ -114,9 +116,9 @@ class Scaling:
         for rank in self.leaving:  # the lost ranks' peers in their replicas leave too
             row = host.table.get(rank)
             if row is not None and row.connected:
-                flow._send(rank, "exit", {"code": 0, "reason": "left the job: elastic training "
-                                          f"shrank it without data-parallel replica(s) of ranks "
-                                          f"{sorted(self.shrinking)}"})
+                flow._send(rank, "exit", ExitOrder(0, "left the job: elastic training "
+                                                   f"shrank it without data-parallel replica(s) "
+                                                   f"of ranks {sorted(self.shrinking)}"))
                 row.health = Health.EXITING
         flow._start_phase("scale_in", staying, {"incident": inc.id, "lock_step": inc.lock_step,
                                                 "path": path, "ranks": staying})
@@ -131,8 +133,8 @@ class Scaling:
         staying = sorted(r for r, res in results.items() if res.get("stays"))
         standby = sorted(r for r in results if r not in staying)
         for rank in standby:  # the DP size the global batch splits evenly over is smaller
-            flow._send(rank, "exit", {"code": 0, "reason": "left the job: the global batch "
-                                      f"splits evenly over {len(staying)} ranks only"})
+            flow._send(rank, "exit", ExitOrder(0, "left the job: the global batch "
+                                               f"splits evenly over {len(staying)} ranks only"))
         for rank in [*self.leaving, *standby]:
             row = host.table.get(rank)
             if row is not None:
@@ -160,8 +162,8 @@ class Scaling:
         back later) and stay out of the job."""
         host = self.flow.host
         for rank in self.joining:
-            self.flow._send(rank, "exit", {"code": host.config.failure_exit_code,
-                                           "reason": f"the job did not grow by this rank: {why}"})
+            self.flow._send(rank, "exit", ExitOrder(host.config.failure_exit_code,
+                                                    f"the job did not grow by this rank: {why}"))
             row = host.table.get(rank)
             if row is not None:
                 row.health = Health.LEFT

@@ -184,7 +184,7 @@ class ControllerSockets:
             value = int.from_bytes(frames[0][2:6], "little")
         except (IndexError, TypeError):
             return False
-        name = MONITOR_NAMES.get(event)  # type: ignore[call-overload]  # an int keys an IntEnum
+        name = MONITOR_NAMES.get(event)
         if name is None:
             return False
         self.admission.on_event(event, value, self.now)  # accepted/disconnected: by fd

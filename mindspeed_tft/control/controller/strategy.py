@@ -26,11 +26,21 @@ module does not depend on the incident flow that uses it.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from enum import Enum
 from typing import Any, Protocol
 
 from ...features import Features
 from ..wire.classify import FaultKind
+from ..wire.order_types import (
+    DumpOrder,
+    DumpShard,
+    Receive,
+    RepairOrder,
+    RollbackOrder,
+    Send,
+    StopOrder,
+)
 from .ranktable import CONNECTED, Health, RankInfo, RankTable
 
 
@@ -168,30 +178,29 @@ class StrategyPlanner:
                 and not row.fresh and row.status == "updated" and row.step == lock_step)
 
     # -- payloads ---------------------------------------------------------------------
-    def stop_payload(self, incident: IncidentFacts, table: RankTable) -> dict[str, Any]:
+    def stop_payload(self, incident: IncidentFacts, table: RankTable) -> StopOrder:
         """Stop orders carry the provisional lock step (`lock_step(under_way=True)`): a rank
         behind it may catch up."""
-        return {"incident": incident.id,
-                "lock_step": self.lock_step(incident, table, under_way=True),
-                "faults": {str(r): k.value for r, k in incident.faults.items()}}
+        return StopOrder(incident.id, self.lock_step(incident, table, under_way=True),
+                         {r: k.value for r, k in incident.faults.items()})
 
     def clean_payload(self, incident: IncidentFacts) -> dict[str, Any]:
         return {"incident": incident.id, "strategy": str(incident.strategy),
                 "lock_step": incident.lock_step, "faulty": sorted(self.faulty(incident))}
 
     def repair_payloads(self, incident: IncidentFacts, table: RankTable,
-                        targets: Iterable[int]) -> dict[int, dict[str, Any]]:
+                        targets: Iterable[int]) -> dict[int, RepairOrder]:
         """Per-rank repair orders: who receives which shard from whom (replica source),
         or everyone reloads the last checkpoint (checkpoint source)."""
         lock = incident.lock_step
-        base = {"incident": incident.id, "strategy": str(incident.strategy), "lock_step": lock,
-                "source": incident.source, "faulty": sorted(self.faulty(incident)),
-                "new_ranks": sorted(incident.new_ranks)}
-        targets = list(targets)
-        out: dict[int, dict[str, Any]] = {r: {**base, "receive": [], "send": []} for r in targets}
-        if incident.source == "checkpoint":
-            return out
         faulty = self.faulty(incident)
+        base = RepairOrder(incident.id, str(incident.strategy), lock, incident.source,
+                           tuple(sorted(faulty)), tuple(sorted(incident.new_ranks)))
+        targets = list(targets)
+        if incident.source == "checkpoint":
+            return dict.fromkeys(targets, base)
+        receive: dict[int, list[Receive]] = {r: [] for r in targets}
+        send: dict[int, list[Send]] = {r: [] for r in targets}
         for r in targets:
             row = table.get(r)
             if row is None:
@@ -207,18 +216,17 @@ class StrategyPlanner:
                         f"rank {r} needs {name} shard {shard} at step {lock} but no other "
                         f"holder is healthy ({self._describe(table, holders, faulty)})"
                     )
-                out[r]["receive"].append({"optimizer": name, "shard": shard, "from": src})
-                if src in out:
-                    out[src]["send"].append({"optimizer": name, "shard": shard, "to": r})
+                receive[r].append(Receive(name, shard, src))
+                if src in send:
+                    send[src].append(Send(name, shard, r))
         # every rank that sends or receives, on every rank's order: an SDK host's handler
         # builds its repair group of them (`repair_info["rank_list"]`)
-        involved = sorted(r for r, p in out.items() if p["receive"] or p["send"])
-        for payload in out.values():
-            payload["involved"] = involved
-        return out
+        involved = tuple(sorted(r for r in targets if receive[r] or send[r]))
+        return {r: replace(base, receive=tuple(receive[r]), send=tuple(send[r]),
+                           involved=involved) for r in targets}
 
     def rollback_payload(self, incident: IncidentFacts,
-                         repair_results: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
+                         repair_results: Mapping[int, Mapping[str, Any]]) -> RollbackOrder:
         """Everyone back to the lock step (or to the step a checkpoint load reported)."""
         step = incident.lock_step
         loaded = {res.get("step") for res in repair_results.values() if "step" in res}
@@ -227,8 +235,8 @@ class StrategyPlanner:
         if loaded:
             step = int(next(iter(loaded)))  # type: ignore[arg-type]
         incident.rollback_step = step
-        return {"incident": incident.id, "step": step, "strategy": str(incident.strategy),
-                "params_damaged": sorted(self.params_damaged(incident))}
+        return RollbackOrder(incident.id, step, str(incident.strategy),
+                             tuple(sorted(self.params_damaged(incident))))
 
     def params_damaged(self, incident: IncidentFacts) -> set[int]:
         """Ranks whose model params cannot be trusted outside their own shard: every faulty
@@ -262,20 +270,19 @@ class StrategyPlanner:
         return chosen
 
     def dump_payloads(self, incident: IncidentFacts, table: RankTable,
-                      targets: Iterable[int]) -> tuple[dict[int, dict[str, Any]], int]:
+                      targets: Iterable[int]) -> tuple[dict[int, DumpOrder], int]:
         """Per-rank dump orders and the rank that renames the finished dump."""
         chosen = self.dump_holders(incident, table)
-        base = {"incident": incident.id, "lock_step": incident.lock_step, "strategy": "dump"}
-        out: dict[int, dict[str, Any]] = {r: {**base, "shards": []} for r in targets}
+        shards: dict[int, list[DumpShard]] = {r: [] for r in targets}
         for (name, shard, holders), rank in chosen.items():
-            if rank in out:
-                out[rank]["shards"].append({"optimizer": name, "shard": shard,
-                                            "holders": list(holders)})
-        writers = sorted({r for r in chosen.values()})
+            if rank in shards:
+                shards[rank].append(DumpShard(name, shard, holders))
+        writers = tuple(sorted({r for r in chosen.values()}))
         if not writers:
             raise PlanError("no rank can write the dump")
-        for payload in out.values():  # an SDK host's save handler is told its group's writers
-            payload["writers"] = writers
+        # an SDK host's save handler is told its group's writers
+        out = {r: DumpOrder(incident.id, incident.lock_step, tuple(mine), writers)
+               for r, mine in shards.items()}
         return out, writers[0]
 
     @staticmethod

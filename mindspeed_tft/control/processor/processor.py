@@ -27,14 +27,18 @@ Trainer hooks (all cheap, none talks to the network on the calling thread):
 Actions and callbacks: `register_callback(name, fn)` for stop, clean, repair, rollback,
 dump, rename, exit (and optionally pause, resume). `fn(payload) -> dict | None` runs on an
 order worker thread; its return value (plain data) goes back as the result, an exception as
-a failure. Built in: `hold` (no callback) holds the rank before its next update and
-answers its `step` and `status` at once; `stop` first marks the rank
-stopped, lets it catch up to the payload's lock step and waits (bounded) for an update in
-progress to finish, then calls the callback (which should make a stuck training thread raise,
-e.g. by aborting communicators); its result always carries `step` and `status`. `resume`
-clears the stop and hands a `Decision` to the training thread waiting in
-`wait_decision`. `exit` hands an exit `Decision` over and, if the process is still alive
-after `exit_grace` seconds (a hung training thread), ends it with `os._exit(code)`.
+a failure. `payload` is the typed order (`order_types`: `StopOrder`, `RepairOrder`,
+`RollbackOrder`, `DumpOrder`, `ExitOrder`) for those five, the plain map for the others; an
+order whose payload does not match its type fails without running (its error names the
+field), but an exit is obeyed even then, with the failure exit code. Built in: `hold` (no
+callback) holds the rank before its next update and answers its `step` and `status` at
+once; `stop` first marks the rank stopped, lets it catch up to the payload's lock step and
+waits (bounded) for an update in progress to finish, then calls the callback (which should
+make a stuck training thread raise, e.g. by aborting communicators); its result always
+carries `step` and `status`. `resume` clears the stop and hands a `Decision` to the training
+thread waiting in `wait_decision`. `exit` hands an exit `Decision` over and, if the process
+is still alive after `exit_grace` seconds (a hung training thread), ends it with
+`os._exit(code)`.
 
 If the controller goes silent for interval x (misses + 1), the processor fails over to the next
 controller address (backups from `TTP_BACKUP_ADDRS` and from the registration reply).
@@ -57,6 +61,7 @@ from typing import Any
 from ..wire import local
 from ..wire.classify import FaultKind
 from ..wire.config import ControlConfig, setup_logging
+from ..wire.order_types import ExitOrder, OrderError, Payload, StopOrder, from_wire
 from ..wire.protocol import ACTIONS, DropCounter, MsgType
 from .channel import Channel
 from .gate import Callback, Decision, Gate, ProcessorError, WaitLog
@@ -67,7 +72,8 @@ __all__ = ["ActionCallback", "Decision", "Processor", "ProcessorError"]
 
 log = logging.getLogger("mindspeed_tft.control.processor")
 
-ActionCallback = Callable[[dict[str, Any]], "dict[str, Any] | None"]
+#: a callback gets the typed order (`order_types`) or, for the other orders, the plain map
+ActionCallback = Callable[[Any], "dict[str, Any] | None"]
 
 
 class Processor:
@@ -283,9 +289,9 @@ class Processor:
         """Run one order (on an order worker thread) and send its result back."""
         name = order.name
         try:
+            payload = self._payload(order)
             builtin = getattr(self, f"_do_{name}", None)
-            result = builtin(order.payload) if builtin is not None else self._call(
-                name, order.payload)
+            result = builtin(payload) if builtin is not None else self._call(name, payload)
             if result is None:
                 result = {}
             if not isinstance(result, dict) or not all(isinstance(k, str) for k in result):
@@ -298,14 +304,24 @@ class Processor:
                 "id": order.id, "action": name, "ok": False, "result": {},
                 "error": f"{type(e).__name__}: {e}"[:4000]})
 
-    def _call(self, name: str, payload: dict[str, Any]) -> dict[str, Any] | None:
+    def _payload(self, order: Order) -> Payload:
+        """The order's payload as its callback gets it (see the module docstring)."""
+        try:
+            return from_wire(order.name, order.payload)
+        except OrderError as e:
+            if order.name != "exit":
+                raise
+            log.error("rank %d: %s; exiting with the failure code", self.rank, e)
+            return ExitOrder(self.config.failure_exit_code, f"a bad exit order ({e})")
+
+    def _call(self, name: str, payload: Payload) -> dict[str, Any] | None:
         fn = self._callbacks.get(name)
         if fn is None:
             log.info("rank %d: no %s callback registered; nothing to do", self.rank, name)
             return {"skipped": True}
         return fn(payload)
 
-    def _callback(self, name: str, payload: dict[str, Any]) -> Callback | None:
+    def _callback(self, name: str, payload: Payload) -> Callback | None:
         """The registered callback for `name` bound to `payload`; None if there is none."""
         if name not in self._callbacks:
             return None
@@ -314,10 +330,8 @@ class Processor:
     def _do_hold(self, payload: dict[str, Any]) -> dict[str, Any]:
         return self._gate.hold()
 
-    def _do_stop(self, payload: dict[str, Any]) -> dict[str, Any]:
-        lock = payload.get("lock_step")
-        return self._gate.stop(lock if isinstance(lock, int) else None,
-                               lambda: self._call("stop", payload))
+    def _do_stop(self, payload: StopOrder) -> dict[str, Any]:
+        return self._gate.stop(payload.lock_step, lambda: self._call("stop", payload))
 
     def _do_pause(self, payload: dict[str, Any]) -> dict[str, Any]:
         return self._gate.pause(self._callback("pause", payload))
@@ -345,15 +359,14 @@ class Processor:
                   f"{self.config.controller_lost_timeout:g})")
         print(f"[mindspeed-tft] rank {self.rank}: {reason}; exiting with {code}", flush=True)
         now = time.monotonic()
-        self._orders.submit(Order(-1, "exit", {"code": code, "reason": reason},
+        self._orders.submit(Order(-1, "exit", ExitOrder(code, reason).to_wire(),
                                   now + self.config.action_time_limit), now)
 
-    def _do_exit(self, payload: dict[str, Any]) -> dict[str, Any]:
-        code = payload.get("code")
-        code = code if isinstance(code, int) else self.config.failure_exit_code
+    def _do_exit(self, payload: ExitOrder) -> dict[str, Any]:
+        code = payload.code
         if self._exit_ordered is None:
             self._exit_ordered = code
-        reason = str(payload.get("reason", ""))
+        reason = payload.reason
         log.warning("rank %d ordered to exit with code %d: %s", self.rank, code, reason)
         self._gate.halt()
         if self.hard_exit and self._exit_timer is None:
@@ -364,7 +377,7 @@ class Processor:
             callback = self._callback("exit", payload)
             result = callback() if callback is not None else {}
         finally:
-            self._gate.decide(Decision("exit", code, reason=reason, payload=payload))
+            self._gate.decide(Decision("exit", code, reason=reason, payload=payload.to_wire()))
         return result or {}
 
     def _hard_exit(self, code: int) -> None:

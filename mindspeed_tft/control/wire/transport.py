@@ -77,7 +77,7 @@ def new_routing_id() -> bytes:
 
 def bound_port(sock: zmq.Socket) -> int:
     """The TCP port a socket is bound to (after binding to port `*`)."""
-    last = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+    last = sock.getsockopt_string(zmq.LAST_ENDPOINT)
     return int(last.rsplit(":", 1)[1])
 
 
@@ -403,7 +403,8 @@ def bind_router(ctx: zmq.Context, addr: str, port: int, *, max_bytes: int,
 MONITOR_EVENTS = (zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPT_FAILED
                   | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
                   | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-MONITOR_NAMES = {zmq.EVENT_ACCEPTED: "accepted", zmq.EVENT_DISCONNECTED: "disconnected",
+MONITOR_NAMES: dict[int, str] = {
+                 zmq.EVENT_ACCEPTED: "accepted", zmq.EVENT_DISCONNECTED: "disconnected",
                  zmq.EVENT_ACCEPT_FAILED: "accept_failed",
                  zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake_failed",
                  zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake_failed",

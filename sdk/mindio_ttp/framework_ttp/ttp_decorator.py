@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from mindspeed_tft.control import ForceStop
@@ -335,9 +335,9 @@ def tft_exception_handler(func: Callable[..., Any]) -> Callable[..., Any]:
         raise TypeError("tft_exception_handler: func must be a callable")
 
     @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if RUNTIME.export_version not in FRAMEWORKS:
-            args = list(args)  # type: ignore[assignment]  (the SDK's: handlers may change it)
+    def wrapper(*given: Any, **kwargs: Any) -> Any:
+        # the SDK's: without a framework version, handlers get a list they may change
+        args: Sequence[Any] = given if RUNTIME.export_version in FRAMEWORKS else list(given)
         RUNTIME.args = args
         processor = RUNTIME._processor("tft_exception_handler")
         while True:
