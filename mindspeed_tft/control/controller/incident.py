@@ -491,7 +491,11 @@ class IncidentFlow:
         if inc.strategy is Strategy.RECOVER:
             for r, kind in inc.faults.items():
                 row = table.get(r)
-                if kind in PROCESS_KINDS and row is not None and not row.fresh:
+                # a rank whose process came back into a shrunk job meanwhile (it registered
+                # between the fault and now: `unreplaceable`) is awaited too, so that the
+                # rejoin round fails for it and the job shrinks, as when it comes back later
+                if kind in PROCESS_KINDS and row is not None and (
+                        not row.fresh or r in inc.unreplaceable):
                     if row.connected:  # hung: end the process so its launcher restarts it
                         self._send(r, "exit", ExitOrder(self.host.config.reboot_exit_code,
                                                         "hung rank restarted (ARF)"))
