@@ -101,6 +101,28 @@ def test_kill_without_replacement_shrinks_and_finishes_every_iteration(
                for line in describe_incident(incident))
 
 
+def test_a_shrunk_job_repairs_a_uce_in_place(reference_job, tmp_path):
+    """DP4, two optimizer copies: rank 2 is killed at step 3 with no replacement (the job
+    shrinks to DP2, ranks 0 and 1); then a UCE corrupts rank 0's optimizer shard at step 8.
+    The ranks that left in the shrink are no part of that repair: it is done in place from
+    rank 1's copy and the job finishes every iteration (before the fix it ended in a dump,
+    "ranks [2, 3] are gone")."""
+    config = {"layout": "dp4", **STANDARD}
+    reference = reference_job(ha_args=HA_ARGS, **config)
+    job = run_tiny_job(tmp_path, inject="kill:rank=2,step=3,phase=forward;"
+                                        "uce:rank=0,step=8,phase=backward,target=optimizer",
+                       ha_args=f"{ELASTIC_ARGS} --enable-hbmfault-repair "
+                               "--optimizer-replica-num 2",
+                       launcher="tft-run", **{**config, "env": NO_RESTARTS})
+    assert job.returncode == 0, job.describe()
+    assert [(e["strategy"], e["lock_step"]) for e in job.named("strategy")] == [
+        ("recover", 3), ("retry", 8)]
+    assert [(e["ranks"], e["dp_size"]) for e in job.named("scale_in")] == [([0, 1], 2)]
+    assert not job.named("repair_failed")
+    assert [e["iteration"] for e in job.named("dump_saved")] == [3]
+    _assert_the_fault_free_stream(job, reference, fault_step=3)
+
+
 def _start_node(run_dir, node_rank: int, ports: tuple[int, int], config: dict, inject: str,
                 extra_env: dict[str, str] | None = None):
     """One of two launchers (`--nnodes 2`, 2 ranks each) of the job in `run_dir`."""

@@ -59,7 +59,7 @@ from ..wire.classify import FaultKind
 from ..wire.config import ControlConfig
 from ..wire.order_types import ExitOrder, Payload
 from .elasticity import Elasticity
-from .ranktable import CONNECTED, Health, RankTable
+from .ranktable import CONNECTED, Health, RankInfo, RankTable
 from .scaling import Scaling, fail_text
 from .states import State, StateMachine
 from .strategy import PROCESS_KINDS, REPAIR_STRATEGIES, PlanError, Strategy, StrategyPlanner
@@ -547,7 +547,7 @@ class IncidentFlow:
         host.sm.to(State.REPAIR, f"{inc.strategy} from {inc.source}")
         missing = [r for r in range(host.table.world_size)
                    if (row := host.table.get(r)) is None
-                   or row.health not in (*CONNECTED, Health.DONE)]
+                   or row.health not in (*CONNECTED, Health.DONE, *self._outside(r, row))]
         if missing:
             self._repair_failed(f"ranks {missing} are gone: nothing to repair them into")
             return
@@ -558,6 +558,14 @@ class IncidentFlow:
             self._repair_failed(f"repair impossible: {e}")
             return
         self._start_phase("repair", targets, per_rank=payloads)
+
+    def _outside(self, rank: int, row: RankInfo) -> tuple[Health, ...]:
+        """(LEFT,) when `rank` is outside the job since an earlier shrink (its process, back
+        or not, waits to grow the job: no part of this repair); () otherwise. A rank that
+        came back during this incident, or that is one of its faults, is not excused."""
+        inc = self.incident
+        left_before = rank not in inc.faults and rank not in inc.unreplaceable
+        return (Health.LEFT,) if left_before and row.health is Health.LEFT else ()
 
     def _after_repair(self, phase: Phase) -> None:
         if phase.failures:
