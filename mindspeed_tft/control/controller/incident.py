@@ -200,6 +200,14 @@ class FlowHost(Protocol):
     def flow_finished(self, flow: IncidentFlow) -> None: ...
 
 
+def _left_before(inc: Incident, row: RankInfo) -> bool:
+    """True when `row`'s rank is outside the job since an earlier shrink (its process, back
+    or not, waits to grow the job: no part of this incident's repair). A rank that came
+    back during this incident, or that is one of its faults, is not."""
+    return (row.health is Health.LEFT and row.rank not in inc.faults
+            and row.rank not in inc.unreplaceable)
+
+
 class IncidentFlow:
     """Drives one incident through its phases (called from the controller's loop thread)."""
 
@@ -547,7 +555,7 @@ class IncidentFlow:
         host.sm.to(State.REPAIR, f"{inc.strategy} from {inc.source}")
         missing = [r for r in range(host.table.world_size)
                    if (row := host.table.get(r)) is None
-                   or row.health not in (*CONNECTED, Health.DONE, *self._outside(r, row))]
+                   or row.health not in (*CONNECTED, Health.DONE) and not _left_before(inc, row)]
         if missing:
             self._repair_failed(f"ranks {missing} are gone: nothing to repair them into")
             return
@@ -558,14 +566,6 @@ class IncidentFlow:
             self._repair_failed(f"repair impossible: {e}")
             return
         self._start_phase("repair", targets, per_rank=payloads)
-
-    def _outside(self, rank: int, row: RankInfo) -> tuple[Health, ...]:
-        """(LEFT,) when `rank` is outside the job since an earlier shrink (its process, back
-        or not, waits to grow the job: no part of this repair); () otherwise. A rank that
-        came back during this incident, or that is one of its faults, is not excused."""
-        inc = self.incident
-        left_before = rank not in inc.faults and rank not in inc.unreplaceable
-        return (Health.LEFT,) if left_before and row.health is Health.LEFT else ()
 
     def _after_repair(self, phase: Phase) -> None:
         if phase.failures:
