@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Runs the test suite: sets up .venv if needed (CPU torch), then ruff, mypy (the files and
-# settings in pyproject.toml's [tool.mypy]) and pytest.
+# Runs the test suite: sets up .venv if needed (CPU torch), finds or fetches the Megatron-LM
+# clones (scripts/megatron_clones.sh), then ruff, mypy (the files and settings in
+# pyproject.toml's [tool.mypy]), the API reference (scripts/docs.sh) and pytest.
 # Extra arguments go to pytest, e.g. ./scripts/test.sh -k replica -x
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/megatron_clones.sh || exit 1
 source scripts/setup_env.sh
 ruff check .
 mypy

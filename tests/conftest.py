@@ -37,7 +37,8 @@ def reference_job(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Job
     return get
 
 
-#: Megatron-LM core_v0.12.1, unmodified (shared/ beside the repository; MEGATRON_LM overrides)
+#: Megatron-LM core_v0.12.1, unmodified: MEGATRON_LM as scripts/test.sh sets it
+#: (scripts/megatron_clones.sh finds or fetches it), else shared/ beside the repository
 MEGATRON_LM_SOURCE = Path(os.environ.get("MEGATRON_LM") or REPO.parent / "shared" / "megatron-lm")
 #: the one line a user adds at the top of their own pretrain_gpt.py
 ADAPTOR_LINE = "import mindspeed_tft.megatron_adaptor  # noqa: F401\n"
@@ -49,7 +50,8 @@ def megatron_lm(tmp_path_factory: pytest.TempPathFactory) -> Path:
     its own tree), with `pretrain_gpt_tft.py`: its pretrain_gpt.py plus the one-line import."""
     source = MEGATRON_LM_SOURCE
     assert (source / "pretrain_gpt.py").is_file(), (
-        f"Megatron-LM core_v0.12.1 not found at {source} (set MEGATRON_LM)")
+        f"Megatron-LM core_v0.12.1 not found at {source}: set MEGATRON_LM to a clone, or run "
+        "scripts/megatron_clones.sh (it finds or fetches one)")
     copy = tmp_path_factory.mktemp("megatron-lm") / "Megatron-LM"
     shutil.copytree(source, copy)
     for path in copy.rglob("*"):
