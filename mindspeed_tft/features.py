@@ -90,7 +90,7 @@ class Features:
     #: shard its state; without it every rank holds a whole copy
     distributed_optimizer: bool = False
     #: the replica number the job started with (0: ``replica_num``): a scale change re-forms
-    #: the replicas from it (`mindspeed_tft.recovery.elastic.replica_num_for`)
+    #: the replicas from it (`mindspeed_tft.elastic.replica_num_for`)
     launch_replica_num: int = 0
 
     def __post_init__(self) -> None:

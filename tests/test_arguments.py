@@ -511,7 +511,7 @@ def test_a_scale_change_replaces_the_features_and_megatrons_args_come_from_them(
     """DP4 (TP2, 8 ranks) with N = 4 shrinks to DP3 (N' = 3, the largest divisor <= 4) and
     grows back: the launch N comes back, and Megatron's sizes and instance count follow."""
     from mindspeed_tft.arguments import apply_scale
-    from mindspeed_tft.recovery.elastic import replica_num_for
+    from mindspeed_tft.elastic import replica_num_for
 
     args = validate(HA + ["--enable-worker-reboot", "--optimizer-replica-num", "4"])
     launched = args.tft_features

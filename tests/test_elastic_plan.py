@@ -4,7 +4,7 @@ evenly, the ranks that stay, the replica number that still fits."""
 import pytest
 
 from mindspeed_tft.control.controller.elasticity import Elasticity
-from mindspeed_tft.recovery.elastic import even_dp_size, replica_num_for, shrunk_world
+from mindspeed_tft.elastic import even_dp_size, replica_num_for, shrunk_world
 
 
 @pytest.mark.parametrize(("gbs", "mbs", "replicas", "size"), [

@@ -68,7 +68,7 @@ SETUP_IMPORTS = (
     "mindspeed_tft.launcher.lifetime",
     "mindspeed_tft.recovery.actions",
     "mindspeed_tft.recovery.collectives",
-    "mindspeed_tft.recovery.elastic",
+    "mindspeed_tft.elastic",
     "mindspeed_tft.recovery.memory_fault",
     "mindspeed_tft.recovery.rebuild",
     "megatron.core.num_microbatches_calculator",
@@ -310,10 +310,10 @@ class TFTPlugin:
     def scale_in(self, generation: int, ranks: list[int], root: str) -> dict[str, Any]:
         """Elastic training (training thread): continue in the smaller world of the DP
         replicas of `ranks` (control-plane ranks) that split the global batch evenly
-        (`recovery.elastic`), from the checkpoint under `root`. Returns whether this rank
+        (`mindspeed_tft.elastic`), from the checkpoint under `root`. Returns whether this rank
         stays, the new DP size and, for the controller, the rank's new replica layout with
         control-plane ranks and the global batch in micro-batches."""
-        from mindspeed_tft.recovery.elastic import shrunk_world
+        from mindspeed_tft.elastic import shrunk_world
         from mindspeed_tft.recovery.rebuild import leave_generation
 
         args, me = self.args, self.actions.rank
@@ -358,7 +358,7 @@ class TFTPlugin:
         )
 
         from mindspeed_tft.arguments import apply_scale
-        from mindspeed_tft.recovery.elastic import replica_num_for
+        from mindspeed_tft.elastic import replica_num_for
         from mindspeed_tft.recovery.rebuild import release_retired_groups
 
         args, me, launched = self.args, self.actions.rank, self.features.launch_replica_num

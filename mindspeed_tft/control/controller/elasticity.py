@@ -4,7 +4,7 @@ A shrink (`IncidentFlow._start_scale_in`) leaves whole data-parallel (DP) replic
 job. When their ranks come back (a replacement launcher for the lost node, a restarted
 worker), they register again; the controller grows the job at the next step boundary once
 the returning ranks complete one or more DP replicas and the larger DP size still splits the
-global batch evenly (`recovery.elastic.even_dp_size`, megatron-core's condition).
+global batch evenly (`mindspeed_tft.elastic.even_dp_size`, megatron-core's condition).
 
 What that takes:
 - `home`: the DP index each control-plane rank had at launch (from its first registration's
@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from ...recovery.elastic import even_dp_size
+from ...elastic import even_dp_size
 
 
 class Elasticity:

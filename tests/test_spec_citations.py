@@ -1,0 +1,90 @@
+"""Every "SPEC n" the code cites names a numbered section of docs/design.md that exists.
+
+The code cites the design contract as ``SPEC n`` (``SPEC 3, 7``, ``SPEC 1, 2 and 10``) and the
+docs as ``docs/design.md, section n``, sometimes with a part of it in quotes (``section 11,
+"Exit codes"``): that part must be a heading or a bold lead-in of that section.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DESIGN = REPO / "docs" / "design.md"
+#: where citations live: the code, its tests, benchmarks and scripts, and the docs
+SOURCES = ("mindspeed_tft", "sdk", "tests", "bench", "scripts", "docs", "README.md")
+
+_NUMBERS = r"(\d+[a-z]?(?:(?:,? and |, )\d+[a-z]?)*)"
+_SPEC = re.compile(r"\bSPEC\s+" + _NUMBERS)
+_SECTION = re.compile(r"design\.md`?,?\s+sections?\s+" + _NUMBERS + r'(?:,\s+"([^"]+)")?')
+_HEADING = re.compile(r"^## (\d+[a-z]?)\. ", re.M)
+
+
+def sections(design: str) -> dict[str, str]:
+    """Section number -> its text, from the ``## n. Title`` headings."""
+    marks = list(_HEADING.finditer(design))
+    return {m[1]: design[m.start(): marks[i + 1].start() if i + 1 < len(marks) else len(design)]
+            for i, m in enumerate(marks)}
+
+
+def citations(text: str) -> list[tuple[str, str | None]]:
+    """(section number, quoted part or None) for every citation in `text`."""
+    # a citation may wrap: "(SPEC\n    #  2)" or a docstring's next line
+    flat = re.sub(r"\s*\n\s*(?:#+\s*|\*\s*)?", " ", text)
+    found: list[tuple[str, str | None]] = []
+    for match in _SPEC.finditer(flat):
+        found += [(n, None) for n in re.split(r",? and |, ", match[1])]
+    for match in _SECTION.finditer(flat):
+        numbers = re.split(r",? and |, ", match[1])
+        found += [(n, None) for n in numbers[:-1]] + [(numbers[-1], match[2])]
+    return found
+
+
+def problems(files: dict[str, str], design: str) -> list[str]:
+    """Every citation in `files` (name -> text) that names no section (or part) of `design`."""
+    known = sections(design)
+    bad = []
+    for name, text in sorted(files.items()):
+        for number, part in citations(text):
+            if number not in known:
+                bad.append(f"{name}: cites section {number} of docs/design.md, which has "
+                           f"sections {', '.join(known)}")
+            elif part and not re.search(
+                    r"^(?:#{3,4} |(?:- )?\*\*)" + re.escape(part), known[number], re.M):
+                bad.append(f'{name}: cites "{part}" in section {number} of docs/design.md, '
+                           "which has no heading or bold lead-in of that name")
+    return bad
+
+
+def cited_files() -> dict[str, str]:
+    files = {}
+    for source in SOURCES:
+        path = REPO / source
+        for file in [path] if path.is_file() else sorted(path.rglob("*")):
+            if (file.suffix in {".py", ".sh", ".md", ".cfg", ".toml"} and file.is_file()
+                    and file != Path(__file__).resolve()):
+                files[str(file.relative_to(REPO))] = file.read_text(errors="replace")
+    return files
+
+
+def test_every_cited_section_exists() -> None:
+    bad = problems(cited_files(), DESIGN.read_text())
+    assert not bad, "\n".join(bad)
+
+
+def test_the_code_cites_the_contract() -> None:
+    """The scan finds the code's citations (a regex that finds none would pass anything)."""
+    cited = {n for text in cited_files().values() for n, _ in citations(text)}
+    assert {"2", "5", "6", "7", "11"} <= cited, sorted(cited)
+
+
+def test_a_missing_section_fails() -> None:
+    design = "## 1. One\n**Exit codes:** 0\n## 2. Two\ntext\n"
+    files = {"a.py": '"""Kept (SPEC 1, 2 and 3); see docs/design.md, section 1, "Exit codes"."""',
+             "b.py": "# the lock (SPEC\n#  2) and docs/design.md, section 2, \"Events file\""}
+    assert problems(files, design) == [
+        "a.py: cites section 3 of docs/design.md, which has sections 1, 2",
+        'b.py: cites "Events file" in section 2 of docs/design.md, which has no heading or '
+        "bold lead-in of that name",
+    ]
