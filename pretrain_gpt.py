@@ -25,7 +25,7 @@ import_megatron_core()  # first: on CPU, megatron-core's fused helpers stay eage
 from megatron.core import parallel_state as ps  # noqa: E402
 
 from mindspeed_tft.arguments import add_tft_args, validate_tft_args  # noqa: E402
-from mindspeed_tft.plugin import exit_without_teardown  # noqa: E402
+from mindspeed_tft.control.processor.termination import exit_without_teardown  # noqa: E402
 from mindspeed_tft.training import pretrain  # noqa: E402
 from mindspeed_tft.training.data import build_train_valid_test_datasets  # noqa: E402
 from mindspeed_tft.training.global_vars import get_args, get_tokenizer  # noqa: E402

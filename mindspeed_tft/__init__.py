@@ -5,3 +5,7 @@ on-chip memory fault repair (UCE) and worker reboot (ARF). See README.md.
 """
 
 __version__ = "0.1.0"
+
+#: the package root holds its version only; the Stable API (docs/architecture.md) names the
+#: modules users import: `plugin`, `arguments`, `events`, `megatron_adaptor`, `torchrun_adaptor`
+__all__ = ["__version__"]

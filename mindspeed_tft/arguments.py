@@ -70,6 +70,9 @@ from collections.abc import Mapping, MutableMapping
 from mindspeed_tft.events import EVENTS_FILE_ENV, events_file_from_env
 from mindspeed_tft.features import DEFAULT_OPTIMIZER_REPLICA_NUM, Features
 
+#: the Stable API of this module (a Megatron `extra_args_provider`); the rest is internal
+__all__ = ["add_tft_args"]
+
 logger = logging.getLogger(__name__)
 
 ARGUMENT_GROUP_TITLE = "mindspeed-tft high availability"

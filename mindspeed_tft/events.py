@@ -19,6 +19,10 @@ import threading
 import time
 from typing import Any
 
+#: the Stable API of this module: the events file's check (the schema is docs/design.md,
+#: section 11, "Events file"); the rest is internal
+__all__ = ["validate_record"]
+
 CONTROLLER_RANK = -1
 #: the environment variable naming the events file (`--tft-events-file` wins over it)
 EVENTS_FILE_ENV = "TFT_EVENTS_FILE"

@@ -9,6 +9,8 @@ it is, with `mindspeed_tft.torchrun_adaptor`, the only module whose import chang
 
 from mindspeed_tft.startup import defer_gc
 
+__all__: list[str] = []  # imported for its effect only
+
 defer_gc()  # until Megatron-LM's pretrain() begins: see mindspeed_tft.startup
 
 from mindspeed_tft.megatron import install  # noqa: E402

@@ -10,4 +10,6 @@ only module of the package whose import changes anything.
 
 from mindspeed_tft import patches
 
+__all__: list[str] = []  # imported for its effect only
+
 patches.install("torchrun")

@@ -24,30 +24,21 @@ every rank runs `p = Processor(rank, world_size, replica=...)`, registers callba
 
 from ..features import Features
 from .controller.controller import Controller
-from .controller.states import TRANSITIONS, State
-from .controller.strategy import PlanError, Strategy, StrategyPlanner, choose_strategy
 from .processor.handler import run_with_fault_tolerance
-from .processor.processor import Decision, Processor, ProcessorError
-from .wire.classify import FaultKind, ForceStop, classify_error
-from .wire.config import ControlConfig, ControlConfigError, setup_logging
+from .processor.processor import Processor, ProcessorError
+from .wire.classify import ForceStop
+from .wire.config import ControlConfig, ControlConfigError
 
+#: internal, all of it (docs/architecture.md, "Stable API"): the names the hosts of this
+#: repository and the `mindio_ttp` SDK of the same version (sdk/, pinned to it) take from here;
+#: everything else is imported from its module
 __all__ = [
-    "TRANSITIONS",
     "ControlConfig",
     "ControlConfigError",
     "Controller",
-    "Decision",
-    "FaultKind",
     "Features",
     "ForceStop",
-    "PlanError",
     "Processor",
     "ProcessorError",
-    "State",
-    "Strategy",
-    "StrategyPlanner",
-    "choose_strategy",
-    "classify_error",
     "run_with_fault_tolerance",
-    "setup_logging",
 ]

@@ -366,7 +366,8 @@ class TFTElasticAgent(LocalElasticAgent):
         if worker_group.group_rank != 0:
             self._start_backup_controller(worker_group)
             return
-        from mindspeed_tft.control import Controller, Features, setup_logging
+        from mindspeed_tft.control import Controller, Features
+        from mindspeed_tft.control.wire.config import setup_logging
 
         if self.controller is not None:  # a group restart (--max-restarts): all new workers
             self._stop_controller(wait=0.0)
@@ -424,7 +425,8 @@ class TFTElasticAgent(LocalElasticAgent):
 
     def _start_auto_backup(self, worker_group: WorkerGroup) -> None:
         """Nodes 1 and 2 (no `TTP_BACKUP_ADDRS`): start a backup and publish its endpoint."""
-        from mindspeed_tft.control import Controller, Features, setup_logging
+        from mindspeed_tft.control import Controller, Features
+        from mindspeed_tft.control.wire.config import setup_logging
 
         # torch's WorkerGroup stub types it None (see _adopt_running_job)
 
@@ -455,7 +457,8 @@ class TFTElasticAgent(LocalElasticAgent):
         """Host a backup controller: one of the launchers' own (see the module docstring),
         or the one `TTP_BACKUP_ADDRS` names at an address of this host (SPEC 4: up to 2
         backups, on other nodes than the active controller's)."""
-        from mindspeed_tft.control import Controller, Features, setup_logging
+        from mindspeed_tft.control import Controller, Features
+        from mindspeed_tft.control.wire.config import setup_logging
 
         if not self.control_config.backups:
             self._start_auto_backup(worker_group)
@@ -485,7 +488,7 @@ class TFTElasticAgent(LocalElasticAgent):
         controller, self.controller = self.controller, None
         if controller is None:
             return
-        from mindspeed_tft.control import State
+        from mindspeed_tft.control.controller.states import State
 
         if controller.state is State.INIT:
             wait = 0.0  # no rank registered everywhere: nothing left to bring to an end

@@ -42,10 +42,3 @@ def install_torchrun_hook() -> None:
     torch_run.run = hooked_run
     torch_run.get_args_parser = get_args_parser
     torch_run._mindspeed_tft_hooked = True  # type: ignore[attr-defined]
-
-
-def torchrun_hook_installed() -> bool:
-    """True once `install_torchrun_hook` ran in this process."""
-    import torch.distributed.run as torch_run
-
-    return bool(getattr(torch_run, "_mindspeed_tft_hooked", False))

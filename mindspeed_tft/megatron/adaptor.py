@@ -58,9 +58,10 @@ import torch
 import torch.distributed as dist
 
 from mindspeed_tft.arguments import TFTArgumentError, add_tft_args, validate_tft_args
+from mindspeed_tft.control.processor.termination import exit_without_teardown
 from mindspeed_tft.events import iteration_log
 from mindspeed_tft.megatron.helpers import build_problem
-from mindspeed_tft.plugin import SETUP_IMPORTS, TFTPlugin, exit_without_teardown
+from mindspeed_tft.plugin import SETUP_IMPORTS, TFTPlugin
 from mindspeed_tft.plugin.hooks import (
     TrainerHooks,
     phase_reporting_forward_step,

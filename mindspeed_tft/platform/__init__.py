@@ -100,14 +100,6 @@ def distributed_backend(requested: str | None = None) -> str:
     return native
 
 
-def device_for_rank(local_rank: int) -> torch.device:
-    """The device a rank trains on: its local accelerator, or the CPU."""
-    platform = detect_platform()
-    if platform == CPU:
-        return torch.device("cpu")
-    return torch.device(platform, local_rank)
-
-
 def apply_platform_adaptor() -> str:
     """Make megatron-core usable on this platform; idempotent. Returns the platform name."""
     from mindspeed_tft import patches

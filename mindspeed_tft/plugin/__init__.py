@@ -40,11 +40,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from mindspeed_tft.control.processor.termination import (  # noqa: F401 (hosts import them from here)
-    SIGTERM_EXIT_CODE,
-    Termination,
-    exit_without_teardown,
-)
+from mindspeed_tft.control.processor.termination import Termination, exit_without_teardown
 from mindspeed_tft.envvars import launcher_value
 from mindspeed_tft.events import configure_events, emit, iteration_log, validate_record
 from mindspeed_tft.faults import FaultInjector
@@ -55,6 +51,10 @@ from mindspeed_tft.recovery.snapshot import StepSnapshots
 from mindspeed_tft.replica.check import ReplicaConsistencyCheck
 from mindspeed_tft.replica.groups import ReplicaGroups, ReplicaLayout
 from mindspeed_tft.replica.optimizer import use_replica_groups
+
+#: the Stable API of this package (docs/architecture.md, "Stable API"); every other name here
+#: is internal
+__all__ = ["TFTPlugin", "TrainerHooks", "TrainingState"]
 
 log = logging.getLogger("mindspeed_tft.plugin")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,7 +43,6 @@ class TrainingState:
     #: parallel state, load the latest checkpoint under a directory into them and rebuild
     #: the data iterator; returns the iteration loaded (None: the host cannot)
     rebuild_model_and_optimizer: Callable[[str], int] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def iteration(self) -> int:

@@ -13,7 +13,8 @@ import threading
 import time
 from pathlib import Path
 
-from mindspeed_tft.control import ControlConfig, Controller, State
+from mindspeed_tft.control import ControlConfig, Controller
+from mindspeed_tft.control.controller.states import State
 from mindspeed_tft.control.processor.gate import Decision, Gate
 from mindspeed_tft.control.wire.classify import ForceStop
 from tests.control.ctl_harness import Job, wait_for

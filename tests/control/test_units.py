@@ -11,24 +11,23 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from mindspeed_tft.control import (
+from mindspeed_tft.control import ControlConfig, ControlConfigError, Features, ForceStop
+from mindspeed_tft.control.controller.incident import Incident
+from mindspeed_tft.control.controller.ranktable import Health, RankTable
+from mindspeed_tft.control.controller.states import (
     TRANSITIONS,
-    ControlConfig,
-    ControlConfigError,
-    FaultKind,
-    Features,
-    ForceStop,
-    PlanError,
+    IllegalTransition,
     State,
+    StateMachine,
+)
+from mindspeed_tft.control.controller.strategy import (
+    PlanError,
     Strategy,
     StrategyPlanner,
     choose_strategy,
-    classify_error,
 )
-from mindspeed_tft.control.controller.incident import Incident
-from mindspeed_tft.control.controller.ranktable import Health, RankTable
-from mindspeed_tft.control.controller.states import IllegalTransition, StateMachine
 from mindspeed_tft.control.processor.watchdog import ProgressWatchdog
+from mindspeed_tft.control.wire.classify import FaultKind, classify_error
 from mindspeed_tft.control.wire.keys import main as keys_main
 from mindspeed_tft.control.wire.protocol import (
     PROTOCOL_VERSION,
