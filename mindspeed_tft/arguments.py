@@ -109,10 +109,17 @@ def _metrics_port(value: str) -> int:
 
 
 def add_tft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the mindspeed-tft argument group to ``parser`` and return it.
+    """Add the mindspeed-tft argument group to ``parser``.
 
     Usable as Megatron-LM's ``extra_args_provider``. The default of ``--tft-events-file`` is
-    the ``TFT_EVENTS_FILE`` environment variable at the time of this call.
+    the ``TFT_EVENTS_FILE`` environment variable at the time of this call. The values are
+    checked later, before the model is built (a bad one stops the start with exit code 2).
+
+    Args:
+        parser: the training script's argument parser.
+
+    Returns:
+        The same parser, with the group "mindspeed-tft high availability" added.
     """
     group = parser.add_argument_group(title=ARGUMENT_GROUP_TITLE)
     group.add_argument(

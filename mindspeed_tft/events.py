@@ -253,8 +253,16 @@ def _fill_line(rec: dict[str, Any], train_iters: int | None, why: str) -> str:
 
 
 def validate_record(value: Any) -> dict[str, Any] | None:
-    """An iteration record from the network, or None if it is not one (ints/floats only,
-    known keys only)."""
+    """Check an iteration record (an ``iteration`` event's fields) from an untrusted source.
+
+    Args:
+        value: the decoded record, e.g. one line of the events file or a network message.
+
+    Returns:
+        The record with its known keys (``iteration``, ``loss``, ``grad_norm``, ``lr``,
+        ``consumed_samples``), or None when it is not one: another type, an unknown key, an
+        iteration below 1, or a value that is not an int or float where one is required.
+    """
     if not isinstance(value, dict) or set(value) - {"iteration", *RECORD_FIELDS}:
         return None
     iteration = value.get("iteration")

@@ -9,4 +9,5 @@ source scripts/megatron_clones.sh || exit 1
 source scripts/setup_env.sh
 ruff check .
 mypy
+./scripts/docs.sh
 python -m pytest "$@"

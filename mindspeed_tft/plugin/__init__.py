@@ -191,9 +191,16 @@ InitializeModelParallel = Callable[[argparse.Namespace], None]
 class TFTPlugin:
     """The plugin's state in one training process.
 
-    `initialize_model_parallel(args)` is the host's own call that builds megatron-core's
-    parallel state on the current default process group (recovery calls it again when it
-    rebuilds the groups after a fault)."""
+    A host calls, in order: `register`, `setup`, `attach`, `hooks` and `run`, then `finish`
+    (a restarted worker calls `join_job` instead of initializing torch.distributed).
+
+    Args:
+        args: the training script's parsed arguments, with the flags of
+            `mindspeed_tft.arguments.add_tft_args` (checked: `args.tft_features`).
+        initialize_model_parallel: the host's own call that builds megatron-core's parallel
+            state on the current default process group from `args`; recovery calls it again
+            when it rebuilds the groups after a fault.
+    """
 
     def __init__(self, args: argparse.Namespace,
                  initialize_model_parallel: InitializeModelParallel) -> None:
@@ -213,6 +220,7 @@ class TFTPlugin:
 
     @property
     def high_availability(self) -> bool:
+        """Whether high availability is on (`--enable-high-availability`)."""
         return self.features.high_availability
 
     @property
@@ -221,7 +229,18 @@ class TFTPlugin:
         return self.processor is not None and self.processor.rejoining
 
     def register(self) -> None:
-        """Join the control plane (high availability only; before torch.distributed)."""
+        """Join the control plane; call it before initializing torch.distributed.
+
+        Without high availability it only opens the events file. With it, rank 0 starts the
+        controller (unless `tft-run` hosts it), every rank starts its processor and installs
+        the SIGTERM handler; afterwards `rejoining` says whether this process restarted into
+        a running job.
+
+        Raises:
+            mindspeed_tft.control.ControlConfigError: a control-plane environment variable
+                (`TTP_*`) is not allowed; the process exits 2 instead when the controller's
+                port was taken after the start-up check.
+        """
         configure_events(getattr(self.args, "tft_events_file", None))
         if not self.high_availability:
             return
@@ -265,8 +284,15 @@ class TFTPlugin:
         self.termination.install()
 
     def join_job(self) -> None:
-        """A restarted worker: wait (serving the repair) until it is part of the rebuilt
-        process groups; then the host sets up its model as usual, without collectives."""
+        """A restarted worker: wait, serving the repair, until it is in the rebuilt groups.
+
+        Called instead of initializing torch.distributed when `rejoining`; afterwards the
+        host sets up its model as usual, without collectives.
+
+        Raises:
+            mindspeed_tft.control.ProcessorError: no repair brought it in within the
+                decision timeout.
+        """
         assert self.processor is not None
         print(f"[mindspeed-tft] rank {self.args.rank} restarted into a running job: waiting for "
               "the repair", flush=True)
@@ -276,7 +302,11 @@ class TFTPlugin:
         )
 
     def setup(self) -> None:
-        """Build what needs torch.distributed (call after the parallel state exists)."""
+        """Build the replica groups and install the replica optimizer.
+
+        Call it once torch.distributed and megatron-core's parallel state exist, before the
+        optimizer is built. Does nothing without high availability or the replica check.
+        """
         if self.high_availability or bool(getattr(self.args, "tft_check_replicas_interval", 0)):
             self.replica_groups = ReplicaGroups(ReplicaLayout(self.features))
             self.replica_groups.build()
@@ -400,7 +430,12 @@ class TFTPlugin:
                 "micro_batches": args.global_batch_size // args.micro_batch_size}
 
     def attach(self, state: TrainingState) -> None:
-        """The trainer's state exists: recovery may act on it."""
+        """Hand the trainer's state to the plugin: from now on recovery may act on it.
+
+        Args:
+            state: the host's model, optimizer, scheduler, data iterators and checkpoint
+                callbacks, once they exist.
+        """
         from mindspeed_tft.launcher.spare import setup_report
 
         self.state = state
@@ -411,7 +446,13 @@ class TFTPlugin:
             self.actions.attach(state)
 
     def hooks(self) -> TrainerHooks:
-        """The trainer hooks of this process."""
+        """The trainer hooks of this process, for the host to call at each point of a step.
+
+        Returns:
+            One `TrainerHooks` combining the processor's hold and step reports, the step
+            snapshots, the stop points, `TFT_INJECT` fault injection and the replica check,
+            as the flags ask.
+        """
         hooks = HookList()
         if self.processor is not None:
             assert self.termination is not None and self.snapshots is not None
@@ -434,7 +475,17 @@ class TFTPlugin:
         return self.replica_groups
 
     def run(self, train_fn: Callable[[], T]) -> T:
-        """Run the training function, under the fault handler with high availability."""
+        """Run the training function, under the fault handler with high availability.
+
+        Args:
+            train_fn: the host's training loop; after a repair it is called again and
+                resumes at the lock step (the state's `iteration`).
+
+        Returns:
+            What `train_fn` returns. When the controller decides that the process exits
+            instead, it does not return: the process ends with the decided code (75 after a
+            dump, 76 to be restarted, 1 when nothing could be saved; see the exit codes).
+        """
         if self.processor is None:
             return train_fn()
         from mindspeed_tft.control import run_with_fault_tolerance
@@ -467,7 +518,7 @@ class TFTPlugin:
                 if r is not None]
 
     def finish(self) -> None:
-        """Training ended normally: leave the control plane."""
+        """Training ended normally: leave the control plane (the processor says bye)."""
         if self.processor is not None:
             self.processor.stop(0)
         if self.controller is not None:

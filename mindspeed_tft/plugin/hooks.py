@@ -39,25 +39,59 @@ PHASES = ("forward", "backward", "optimizer", "save", "after")
 
 
 class TrainerHooks:
-    """No-op hooks; subclasses override what they need."""
+    """The points of a training step where the plugin acts; each does nothing here.
+
+    A host calls them from its loop (`TFTPlugin.hooks` returns the plugin's); the plugin's
+    parts subclass it and override what they need. Every method gets the host's
+    `TrainingState`; `step` is the number of completed updates when the step began.
+    """
 
     def on_train_start(self, state: TrainingState) -> None:
-        """Training is set up (model, optimizer, data) and about to run its first step."""
+        """Training is set up (model, optimizer, data) and about to run its first step.
+
+        Args:
+            state: the host's training state.
+        """
 
     def on_phase(self, state: TrainingState, phase: str, step: int) -> None:
-        """The step `step` reached `phase` (one of PHASES)."""
+        """The step reached a phase.
+
+        Args:
+            state: the host's training state.
+            phase: one of `PHASES`: ``forward``, ``backward``, ``optimizer``, ``save``,
+                ``after``.
+            step: completed updates when the step began.
+        """
 
     def on_update_start(self, state: TrainingState, step: int) -> None:
-        """An optimizer is about to modify its state in place for step `step`."""
+        """An optimizer is about to modify its state in place.
+
+        Args:
+            state: the host's training state.
+            step: the step whose update starts.
+        """
 
     def on_update_end(self, state: TrainingState, step: int) -> None:
-        """The optimizer finished modifying its state for step `step`."""
+        """The optimizer finished modifying its state.
+
+        Args:
+            state: the host's training state.
+            step: the step whose update ended.
+        """
 
     def on_step_end(self, state: TrainingState) -> None:
-        """A step completed; `state.iteration` counts it."""
+        """A step completed; `state.iteration` counts it.
+
+        Args:
+            state: the host's training state.
+        """
 
     def on_train_end(self, state: TrainingState) -> None:
-        """Training finished (all iterations, or exit interval)."""
+        """Training finished (all iterations, or the exit interval).
+
+        Args:
+            state: the host's training state.
+        """
 
 
 class HookList(TrainerHooks):

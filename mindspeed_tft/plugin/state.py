@@ -23,19 +23,31 @@ import torch
 
 @dataclass
 class TrainingState:
-    """Everything a step reads or writes, owned by the host's trainer."""
+    """Everything a step reads or writes, owned by the host's trainer.
 
+    The host builds it once model, optimizer and data exist and hands it to
+    `TFTPlugin.attach`; recovery (dump, repair, rollback, group rebuild) acts on it alone.
+    """
+
+    #: the training arguments; `iteration` and `consumed_train_samples` live here, as in
+    #: Megatron-LM
     args: argparse.Namespace
+    #: the model chunks (one per virtual pipeline stage), as megatron-core wraps them
     model: list[torch.nn.Module]
-    optimizer: Any  # megatron.core.optimizer.MegatronOptimizer
-    opt_param_scheduler: Any  # megatron.core.optimizer_param_scheduler.OptimizerParamScheduler
+    #: megatron.core.optimizer.MegatronOptimizer
+    optimizer: Any
+    #: megatron.core.optimizer_param_scheduler.OptimizerParamScheduler
+    opt_param_scheduler: Any
+    #: the training data iterator again, at a consumed-sample count (after a rollback)
     build_train_data_iterator: Callable[[int], Iterator | None]
     #: the content of `model_optim_rng.pt` at `iteration`, with the given RNG state
     checkpoint_state_dict: Callable[[dict[str, Any]], dict[str, Any]]
     #: load the latest checkpoint under a directory into this state; returns its iteration
     #: (0: none there)
     load_checkpoint: Callable[[str], int]
+    #: the training data iterator in use (replaced after a rollback)
     train_data_iterator: Iterator | None = None
+    #: the validation data iterator, if any
     valid_data_iterator: Iterator | None = None
     #: called after a rollback (host-specific state to reset: timers, rerun state machine)
     after_rollback: Callable[[], None] | None = None
