@@ -15,7 +15,7 @@ connections a lazily connected group makes at its first use are in); the replace
 process of ARF counts from its start to its `resumed` mark (a warm spare's import and
 registration included).
 
-Ranks are grouped as the issue asks: the failed rank (ARF: its replacement), its group
+Ranks are grouped by where they stand to the fault: the failed rank (ARF: its replacement), its group
 peers (the ranks that share a process group smaller than the world with it: its TP group,
 its DP group when TP > 1, its optimizer chunk and replica groups) and the ranks outside its
 groups. For each group the table gives the largest count of its ranks; the JSON line every

@@ -1,4 +1,4 @@
-"""A repair's work per rank does not grow with the world size (issue 43): the same UCE repair
+"""A repair's work per rank does not grow with the world size (SPEC 9): the same UCE repair
 (optimizer state of rank 1, data parallel only, 2 optimizer replicas) at 8 and at 16 ranks,
 counted by the code that does the work (`events.work_counts`, the `work` events of the
 repair's marks; `report.repair_work` reads them, as `bench/repair_work.py` does for
