@@ -88,3 +88,39 @@ def test_a_missing_section_fails() -> None:
         'b.py: cites "Events file" in section 2 of docs/design.md, which has no heading or '
         "bold lead-in of that name",
     ]
+
+
+#: a part of another page cited by its title: docs/usage.md, "Environment variables"
+_TITLED = re.compile(r"((?:bench/)?(?:README|HISTORY)\.md|docs/\w+\.md)`?,?\s+\"([^\"]+)\"")
+
+
+def titled_problems(files: dict[str, str], pages: dict[str, str]) -> list[str]:
+    """Every `page, "Title"` citation in `files` whose page (`pages`: path -> text) has no
+    heading or bold lead-in starting with that title."""
+    bad = []
+    for name, text in sorted(files.items()):
+        flat = re.sub(r"\s*\n\s*(?:#+\s*|\*\s*)?", " ", text)
+        for match in _TITLED.finditer(flat):
+            page = "bench/HISTORY.md" if match[1] == "HISTORY.md" else match[1]
+            if page not in pages:
+                bad.append(f"{name}: cites {page}, which does not exist")
+            elif not re.search(r"^(?:#+ (?:\d+[a-z]?\. )?|(?:- )?\*\*)" + re.escape(match[2]),
+                               pages[page], re.M):
+                bad.append(f'{name}: cites "{match[2]}" in {page}, which has no heading or '
+                           "bold lead-in of that name")
+    return bad
+
+
+def test_every_cited_title_exists() -> None:
+    pages = {str(p.relative_to(REPO)): p.read_text()
+             for p in [REPO / "README.md", *REPO.glob("docs/*.md"), *REPO.glob("bench/*.md")]}
+    bad = titled_problems(cited_files(), pages)
+    assert not bad, "\n".join(bad)
+
+
+def test_a_missing_title_fails() -> None:
+    pages = {"docs/usage.md": "# Guide\n## Environment variables\n"}
+    files = {"a.py": 'see docs/usage.md, "Environment variables" and docs/usage.md, "Security"'}
+    assert titled_problems(files, pages) == [
+        'a.py: cites "Security" in docs/usage.md, which has no heading or bold lead-in of '
+        "that name"]

@@ -135,8 +135,8 @@ def gather_chunk_params(chunk: Any) -> None:
     hold (collective in each group). On gloo as point-to-point sends around a ring
     (`_ring_gather`): gloo's all-gather moves the same bytes 4-5x slower than its sends here
     (0.51 s against 0.11-0.15 s for 114 MiB between the two ranks of each of two groups at
-    once; bench/README.md, "The rollback's gather"). Elsewhere megatron-core's own
-    all-gather."""
+    once; docs/decisions.md, "The rollback's param gather on gloo goes around a ring").
+    Elsewhere megatron-core's own all-gather."""
     groups = [*chunk.bucket_groups, *getattr(chunk, "expert_parallel_bucket_groups", [])]
     for bucket_group in groups:  # what an all-gather moves, by whatever path it runs
         size = bucket_group.intra_distributed_optimizer_instance_size
