@@ -41,17 +41,24 @@ CLIS = (
 )
 
 
-def _help(command: list[str]) -> str:
-    """The tool's --help output, as a user's terminal of 100 columns shows it."""
+def _helps(commands: list[list[str]]) -> list[str]:
+    """Each tool's --help output, as a user's terminal of 100 columns shows it (the tools run
+    side by side: each imports torch)."""
     scripts = Path(sys.executable).parent
-    if (scripts / command[0]).exists():
-        command = [str(scripts / command[0]), *command[1:]]
     env = {**os.environ, "COLUMNS": "100"}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120,
-                          check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} exited {done.returncode}: {done.stderr}")
-    return done.stdout
+    runs = []
+    for command in commands:
+        if (scripts / command[0]).exists():
+            command = [str(scripts / command[0]), *command[1:]]
+        runs.append((command, subprocess.Popen(command, stdout=subprocess.PIPE,
+                                               stderr=subprocess.PIPE, text=True, env=env)))
+    outputs = []
+    for command, run in runs:
+        out, err = run.communicate(timeout=300)
+        if run.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} exited {run.returncode}: {err}")
+        outputs.append(out)
+    return outputs
 
 
 def _flags_help() -> str:
@@ -74,8 +81,8 @@ def _cli_page() -> str:
     out += ["Flags of the training script", "----------------------------", "",
             "Registered by :func:`mindspeed_tft.arguments.add_tft_args` (a Megatron "
             "``extra_args_provider``)", _literal(_flags_help())]
-    for title, command in CLIS:
-        out += [title, "-" * len(title), "", _literal(_help(command))]
+    for (title, _), text in zip(CLIS, _helps([command for _, command in CLIS]), strict=True):
+        out += [title, "-" * len(title), "", _literal(text)]
     return "\n".join(out)
 
 
