@@ -9,6 +9,8 @@
 # (${XDG_CACHE_HOME:-~/.cache}/mindspeed-tft/megatron-lm-<tag>); else it is cloned into that
 # cache (`git clone --depth 1 --branch <tag>`). When none of this works it stops with one line
 # saying which variable to set. The clones are read, never edited: the tests copy them.
+# TFT_MEGATRON_LM_URL replaces the repository cloned from (a mirror; the tests use a local one),
+# TFT_CLONE_TIMEOUT the clone's time limit in seconds (default 900).
 
 _tft_mlm_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 _tft_mlm_cache="${XDG_CACHE_HOME:-${HOME}/.cache}/mindspeed-tft"
