@@ -23,13 +23,28 @@ RET_ERROR = 1
 
 def tft_init_controller(rank: int, world_size: int, enable_local_copy: bool,
                         enable_arf: bool = False, enable_zit: bool = False) -> None:
-    """The controller of a job of `world_size` ranks (worker reboot with `enable_arf`)."""
+    """Set up the controller of a job (before `tft_start_controller`).
+
+    Args:
+        rank: this process's global rank.
+        world_size: the number of training ranks.
+        enable_local_copy: the SDK's local copy of the optimizer state; refused when true.
+        enable_arf: worker reboot.
+        enable_zit: the SDK's zero-interruption training switch.
+    """
     RUNTIME.init_controller(rank, world_size, enable_local_copy, enable_arf, enable_zit)
 
 
 def tft_start_controller(bind_ip: str, port: int, enable_tls: bool = True,
                          tls_info: str = "") -> None:
-    """Start the controller, bound to `bind_ip:port` (returns once bound)."""
+    """Start the controller; returns once it is bound.
+
+    Args:
+        bind_ip: the address to bind.
+        port: the port to bind.
+        enable_tls: the SDK's TLS switch (CURVE keys and a per-job token are used instead).
+        tls_info: ignored (see `enable_tls`).
+    """
     if mindcluster_task() and not launched_by_tft(os.environ):
         log.warning("MINDX_TASK_ID is set: MindSpeed-LLM leaves the controller to MindCluster; "
                     "this one starts anyway (no cluster manager talks to this control plane)")

@@ -81,18 +81,41 @@ _KINDS: dict[ReportState, tuple[FaultKind, dict[str, Any] | None]] = {
 def tft_init_processor(rank: int, world_size: int, enable_local_copy: bool, enable_tls: bool = True,
                        tls_info: str = "", enable_uce: bool = True, enable_arf: bool = False,
                        enable_zit: bool = False) -> None:
-    """Set this rank up (before `tft_start_processor`, before the first process group)."""
+    """Set this rank up (before `tft_start_processor`, before the first process group).
+
+    Args:
+        rank: this process's global rank.
+        world_size: the number of training ranks.
+        enable_local_copy: the SDK's local copy of the optimizer state; refused when true.
+        enable_tls: the SDK's TLS switch; this control plane authenticates with CURVE keys
+            and a per-job token whatever it says.
+        tls_info: ignored (see `enable_tls`).
+        enable_uce: repair device memory and communication faults in place.
+        enable_arf: restart only failed workers (worker reboot).
+        enable_zit: the SDK's zero-interruption training switch.
+    """
     RUNTIME.init_processor(rank, world_size, enable_local_copy, enable_tls, enable_uce,
                            enable_arf)
 
 
 def tft_start_processor(master_ip: str, port: int, local_ip: str = "") -> None:
-    """Register with the controller at `master_ip:port` (returns once registered)."""
+    """Register with the controller; returns once registered.
+
+    Args:
+        master_ip: the controller's address.
+        port: the controller's port.
+        local_ip: ignored (the connection's own address is used).
+    """
     RUNTIME.start_processor(master_ip, port, ACTIONS)
 
 
 def tft_is_reboot_node() -> bool:
-    """True once, right after `tft_start_processor` of a worker restarted into the job."""
+    """Whether this process is a worker restarted into a running job.
+
+    Returns:
+        True on the first call after `tft_start_processor` of a restarted worker (call it
+        once), else False.
+    """
     return RUNTIME.is_reboot_node()
 
 
@@ -106,8 +129,13 @@ def tft_destroy_processor() -> None:
 
 
 def tft_set_optimizer_replica(rank: int, replica_info: list[dict[str, Any]]) -> None:
-    """This rank's optimizer replicas: `[{"rank_list", "replica_cnt", "replica_shift"}]`
-    (the dense optimizer, then the MoE one)."""
+    """Tell the controller this rank's optimizer replicas.
+
+    Args:
+        rank: this process's global rank.
+        replica_info: one dict per optimizer (the dense one, then the MoE one) with
+            ``rank_list``, ``replica_cnt`` and ``replica_shift``.
+    """
     RUNTIME.set_replica(rank, replica_info)
 
 
@@ -142,13 +170,23 @@ def tft_set_step_args(args: Any) -> None:
 
 # -- the training step ---------------------------------------------------------------------------
 def tft_start_updating_os(backup_step: int = -1) -> None:
-    """The optimizer update starts; raises RuntimeError "FORCE STOP" once the controller
-    stopped this rank (a rank held by a pause or a stop waits here first)."""
+    """The optimizer update starts (a rank held by a pause or a stop waits here first).
+
+    Args:
+        backup_step: the SDK's backup step; not used.
+
+    Raises:
+        RuntimeError: "FORCE STOP" once the controller stopped this rank.
+    """
     RUNTIME.start_updating()
 
 
 def tft_end_updating_os(step: int) -> None:
-    """The optimizer update that produces iteration `step` is done."""
+    """The optimizer update is done.
+
+    Args:
+        step: the iteration the update produced.
+    """
     RUNTIME.end_updating(step)
 
 
@@ -158,8 +196,14 @@ def tft_start_copy_os() -> None:
 
 
 def tft_pause_train(cur_step: int) -> None:
-    """End of iteration `cur_step`: a rank the controller paused waits here until it is let
-    go; one it stopped raises "FORCE STOP"."""
+    """End of an iteration: a rank the controller paused waits here until it is let go.
+
+    Args:
+        cur_step: the iteration that ended (an invalid one is logged and ignored).
+
+    Raises:
+        RuntimeError: "FORCE STOP" when the controller stopped this rank.
+    """
     if type(cur_step) is not int or cur_step < 0:
         log.error("pause train failed, cur_step: %r invalid!", cur_step)
         return
@@ -171,7 +215,14 @@ def tft_reset_limit_step() -> None:
 
 
 def tft_report_load_ckpt_step(step: int) -> None:
-    """A repair handler loaded the checkpoint of iteration `step`: the rollback goes there."""
+    """A repair handler loaded a checkpoint: the rollback goes to its iteration.
+
+    Args:
+        step: the checkpoint's iteration.
+
+    Raises:
+        ValueError: `step` is not a positive int.
+    """
     if type(step) is not int or step <= 0:
         raise ValueError(f"report step failed while load from ckpt: step={step!r} must be a "
                          "positive int")
@@ -210,8 +261,18 @@ def _report(state: ReportState, message: str) -> None:
 
 
 def tft_report_error(error_type: ReportState | int, error_code: str = "") -> None:
-    """Report an error of this rank. As in the SDK, an unknown error waits here until the
-    controller decides: the process then ends with the decided code."""
+    """Report an error of this rank to the controller.
+
+    As in the SDK, an unknown error (``RS_UNKNOWN``) waits here until the controller
+    decides; the process then ends with the decided code.
+
+    Args:
+        error_type: a `ReportState` or its value.
+        error_code: text sent with the report.
+
+    Raises:
+        ValueError: `error_type` is no `ReportState` value.
+    """
     state = _state(error_type)
     _report(state, f"{state.name} {error_code}".strip())
     if state is ReportState.RS_UNKNOWN:
@@ -219,8 +280,11 @@ def tft_report_error(error_type: ReportState | int, error_code: str = "") -> Non
 
 
 def tft_wait_next_action() -> int:
-    """After a report: wait for the controller's decision; Action.RETRY (train again) or
-    Action.EXIT (the process is being ended)."""
+    """After a report: wait for the controller's decision.
+
+    Returns:
+        ``Action.RETRY`` (train again) or ``Action.EXIT`` (the process is being ended).
+    """
     decision = RUNTIME._processor("tft_wait_next_action").wait_decision()
     return Action.RETRY.value if decision.action == "resume" else Action.EXIT.value
 
@@ -243,7 +307,9 @@ def _registrar(name: str) -> Callable[..., None]:
         RUNTIME.handlers.register(name, func, ctx)
 
     register.__name__ = register.__qualname__ = f"tft_register_{name}_handler"
-    register.__doc__ = f"Register the {name.replace('_', ' ')} handler (and its ctx)."
+    register.__doc__ = (f"Register the {name.replace('_', ' ')} handler.\n\n"
+                        "Args:\n    func: the handler, called with the SDK's arguments.\n"
+                        "    ctx: passed to the handler as its context.\n")
     return register
 
 
@@ -264,8 +330,13 @@ tft_register_zit_downgrade_rebuild_handler = _registrar("zit_downgrade_rebuild")
 
 def tft_register_exception_handler(fault_pattern: str, fault_type: str,
                                    fault_handle: Callable[[str], str]) -> None:
-    """A message pattern, the ReportState name its key reports, and the handle that maps a
-    message to that key (`_faults`)."""
+    """Register a fault pattern of the training function's errors.
+
+    Args:
+        fault_pattern: a text the error message contains.
+        fault_type: the `ReportState` name its key reports.
+        fault_handle: maps a message to that key.
+    """
     RUNTIME.faults.register(fault_pattern, fault_type, fault_handle)
 
 
@@ -330,7 +401,19 @@ def _training_ended() -> None:
 
 
 def tft_exception_handler(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Decorate the training function (see the module docstring)."""
+    """Decorate the training function: its errors are reported and it runs again after a
+    repair (see the module docstring).
+
+    Args:
+        func: the training function.
+
+    Returns:
+        The decorated function; an exit decided by the controller ends the process instead
+        of returning.
+
+    Raises:
+        TypeError: `func` is not callable.
+    """
     if not callable(func):
         raise TypeError("tft_exception_handler: func must be a callable")
 
