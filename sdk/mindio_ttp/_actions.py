@@ -7,6 +7,7 @@ handler, with the SDK's arguments and return-code conventions:
 
 | order | handler call (the SDK's signature) |
 | --- | --- |
+| pause | once the training thread waits in `tft_pause_train` (bounded): `stream_sync()` |
 | stop | `stop(train_args, ctx)` |
 | clean | `clean(is_uce_error, train_args, ctx)` -> 0 ok, 2 (UCE, nothing to rebuild: no repair for this rank), else the clean failed (the job falls back to a dump) |
 | repair | worker reboot: `rebuild_group(fault_ranks, train_args, ctx)` on every rank (a restarted one once its training function waits in the decorator); then, on each rank that sends or receives, `repair(step, need_rebuild, error_ranks, repair_info, train_args, ctx)` (`_translate.repair_calls`) |
@@ -55,7 +56,7 @@ class SdkActions:
 
     def register(self, processor: Processor) -> None:
         self.processor = processor
-        for name in ("stop", "clean", "repair", "rollback", "dump", "rename", "exit",
+        for name in ("pause", "stop", "clean", "repair", "rollback", "dump", "rename", "exit",
                      "scale_in", "scale_out"):
             processor.register_callback(name, getattr(self, name))
 
@@ -67,10 +68,27 @@ class SdkActions:
         func, ctx = entry
         return func(*args) if name == "rename" else func(*args, ctx)
 
+    def _call_bare(self, name: str) -> Any:
+        """Call handler `name` with no arguments (the SDK passes the stream sync none)."""
+        entry = self.rt.handlers.get(name)
+        return None if entry is None else entry[0]()
+
     def _has(self, name: str) -> bool:
         return self.rt.handlers.get(name) is not None
 
     # -- orders -------------------------------------------------------------------------
+    def pause(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """The SDK's pause callback: once the training thread is held at its next hold point
+        (`tft_pause_train`; bounded wait), the stream-sync handler runs on this thread, as
+        the SDK calls it at the end of its pause callback (also when that wait timed out)."""
+        assert self.processor is not None
+        held = self.processor.wait_held()
+        if not held:
+            log.warning("rank %s: the training thread did not reach a hold point of the pause; "
+                        "syncing the stream anyway, as the SDK does", self.rt.rank)
+        self._call_bare("stream_sync")
+        return {}
+
     def stop(self, order: StopOrder) -> dict[str, Any]:
         rt = self.rt
         rt.cleaned = False
