@@ -305,3 +305,36 @@ def test_another_user_cannot_read_the_token(monkeypatch):
         assert probe.returncode != 0 and "Permission denied" in probe.stderr, probe.stderr
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_group_names_carry_the_repair_id(monkeypatch):
+    """torch 2.13 restarts its group counter when every group is destroyed: a group rebuilt
+    on the same store gets an old group's name (and so its store keys, `<name>/...`). With
+    the `group-names` moment that `tft_init_processor` installs, as Huawei's SDK does, the
+    names of a repair's groups carry its id and never meet an earlier repair's."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    from mindspeed_tft.recovery import group_names
+
+    def generation() -> list[str]:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            groups = [dist.group.WORLD, dist.new_group([0]), dist.new_group([0]),
+                      dist.new_group([0], use_local_synchronization=True)]
+            return [c10d._world.pg_names[g] for g in groups]
+        finally:
+            dist.destroy_process_group()
+
+    plain = [generation(), generation()]
+    assert plain[0] == plain[1] and plain[0][:3] == ["0", "1", "2"]  # the hazard
+    monkeypatch.setattr(group_names, "_repair_id", 0)
+    monkeypatch.setattr(c10d, "_process_group_name", group_names.process_group_name)
+    first = generation()
+    group_names.set_repair_id(1)
+    second = generation()
+    assert first[:3] == ["0__", "0_0", "1_0"] and second[:3] == ["1__", "0_1", "1_1"]
+    assert first[3].endswith("_0") and second[3].endswith("_1")
+    assert not set(first) & set(second)
+    with pytest.raises(ValueError, match="repair id"):
+        group_names.set_repair_id(-1)

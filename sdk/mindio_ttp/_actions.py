@@ -35,6 +35,7 @@ from mindspeed_tft.control.wire.order_types import (
     RollbackOrder,
     StopOrder,
 )
+from mindspeed_tft.recovery import group_names
 
 from ._enums import RET_NO_REBUILD, RET_OK
 from ._runtime import Runtime
@@ -93,6 +94,7 @@ class SdkActions:
         rt = self.rt
         rt.cleaned = False
         rt.repair_step = order.lock_step
+        group_names.set_repair_id(order.incident)  # the groups made from now on carry it
         if not self._has("stop"):
             raise HandlerError("no stop handler registered (tft_register_stop_handler)")
         self._call("stop", rt.args)
@@ -126,6 +128,7 @@ class SdkActions:
         rt.repair_type = repair_type_name(order.strategy)
         rt.repair_step = order.lock_step
         rt.loaded_step = None
+        group_names.set_repair_id(order.incident)  # also in a restarted worker (no stop)
         if order.strategy == "recover":
             if processor.rejoining:
                 # the SDK rebuilds a restarted worker's groups once it is ready (its training

@@ -210,6 +210,7 @@ class Runtime:
 
             patches.install("connection-tracking")
             patches.install("gloo-collectives")
+            patches.install("group-names")  # as the SDK replaces _process_group_name here
 
     def start_processor(self, master_ip: str, port: int, actions: Any) -> None:
         if self.rank is None or self.world_size is None:
