@@ -315,6 +315,22 @@ def test_standalone_controller_runs_the_sdks_own_client(tmp_path):
                if (t := ours.first(r, "stop")) is not None), ours.describe()
 
 
+@pytest.mark.multiproc
+def test_ranks_started_before_the_controller_wait_for_its_token(tmp_path):
+    """Here: torchrun starts every rank at once, so a processor may look for the job's
+    token before the controller made it: the 4 processors of example_proc.py start 1.5 s
+    before its standalone controller, wait for the token file, register and are stopped
+    by a UCE as before."""
+    from tests.sdk_compat import standalone
+
+    env = {**_env(False), "TTP_LOG_PATH": str(tmp_path / "logs")}
+    outcome = standalone.run(sys.executable, env, EXAMPLE, tmp_path, port=free_port(),
+                             world=WORLD, uce_rank=FAULT_RANK, controller_delay=1.5)
+    started = [outcome.first(r, "started") for r in range(WORLD)]
+    assert all(t is not None for t in started), outcome.describe()
+    assert all(outcome.first(r, "stop") is not None for r in range(WORLD)), outcome.describe()
+
+
 #: (calls, what both SDKs must do): the last call of each either answers or ends the process
 REFUSALS = [
     ([["tft_init_controller", [-1, 4, False]]], "ok"),

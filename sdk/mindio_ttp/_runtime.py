@@ -217,27 +217,13 @@ class Runtime:
             raise RuntimeError("tft_start_processor before tft_init_processor")
         if self.processor is not None:
             raise RuntimeError(f"the processor of rank {self.rank} is already started")
-        if launched_by_tft(os.environ):
-            config = ControlConfig.from_env()  # the launcher's address and port
-            if int(port) != config.port:
-                log.info("the launcher's controller listens on port %d (TTP_PORT), not %s",
-                         config.port, port)
-        else:
-            config = ControlConfig.from_env(
-                processor_addr=_address(master_ip, "tft_start_processor master_ip",
-                                        wildcard=False),
-                port=parse_port(port, "tft_start_processor port"))
-            if config.job_token is None and not config.curve:
-                # the token a controller of this host made for the job (see _token)
-                config = dataclasses.replace(
-                    config, job_token=_token.read(config.processor_addr, config.port))
-        processor = Processor(self.rank, self.world_size, config)
-        actions.register(processor)
         try:
+            config = _processor_config(master_ip, port)
+            processor = Processor(self.rank, self.world_size, config)
+            actions.register(processor)
             processor.start()
-        except ProcessorError as e:
-            if not mindcluster_task() or \
-                    launched_by_tft(os.environ):
+        except (ProcessorError, ControlConfigError) as e:
+            if not mindcluster_task() or launched_by_tft(os.environ):
                 raise
             raise ProcessorError(
                 f"{e}: MINDX_TASK_ID is set, so MindSpeed-LLM started no controller (it leaves "
@@ -306,6 +292,24 @@ class Runtime:
         if self.termination is not None:
             self.termination.check(processor)
         processor.hold_point(step + 1)
+
+
+def _processor_config(master_ip: str, port: int) -> ControlConfig:
+    """Where a processor connects, and the job's token it shows."""
+    if launched_by_tft(os.environ):
+        config = ControlConfig.from_env()  # the launcher's address, port and token
+        if int(port) != config.port:
+            log.info("the launcher's controller listens on port %d (TTP_PORT), not %s",
+                     config.port, port)
+        return config
+    config = ControlConfig.from_env(
+        processor_addr=_address(master_ip, "tft_start_processor master_ip", wildcard=False),
+        port=parse_port(port, "tft_start_processor port"))
+    if config.job_token is None and not config.curve:
+        # the token a controller of this host made for the job (see _token)
+        config = dataclasses.replace(config, job_token=_token.wait_for(
+            config.processor_addr, config.port, config.register_timeout))
+    return config
 
 
 def _address(value: Any, what: str, *, wildcard: bool) -> str:

@@ -9,8 +9,10 @@ given, `publish` makes a token, puts it into this process' environment (its own 
 and its children read it there, as tft-run's workers do) and writes it to a file that only
 this user can read: `<tmp>/mindio_ttp-<uid>/controller-<ip>-<port>.token`, mode 0600, in a
 folder of mode 0700 that this user owns (anything else there is refused, never used).
-`read` is the processor's side: a processor without a token of its own, connecting to
-`ip:port` on this host, takes the token from that file. Another user's process can read
+`read` / `wait_for` are the processor's side: a processor without a token of its own,
+connecting to `ip:port`, takes the token from that file (waiting, bounded by
+`TTP_REGISTER_TIMEOUT`, for a controller that starts beside it, as torchrun starts rank 0
+and the others at once). Another user's process can read
 neither, so its REGISTER is refused (`transport.token_ok`). The controller deletes the file
 when it stops (`withdraw`).
 
@@ -25,6 +27,7 @@ import os
 import secrets
 import stat
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -83,6 +86,21 @@ def read(ip: str, port: int) -> str | None:
         raise ControlConfigError(f"the job token file {path} does not hold a token (16..256 "
                                  "printable characters); delete it")
     return raw
+
+
+def wait_for(ip: str, port: int, timeout: float) -> str:
+    """`read`, waiting (at most `timeout` seconds) for a controller starting beside this
+    rank to publish its token; ControlConfigError once the time is up."""
+    deadline = time.monotonic() + timeout
+    while (token := read(ip, port)) is None:
+        if time.monotonic() > deadline:
+            raise ControlConfigError(
+                f"no job token for the controller at {ip}:{port} within {timeout:g}s: a "
+                f"controller started by tft_start_controller writes it to "
+                f"{token_path(ip, port)} when it starts (is it running, on this host, as this "
+                "user?); or set TTP_JOB_TOKEN for the job, or CURVE keys")
+        time.sleep(0.05)
+    return token
 
 
 def withdraw(path: Path | None) -> None:

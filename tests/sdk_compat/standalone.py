@@ -75,8 +75,11 @@ def _wait(what: str, until: Callable[[], bool], timeout: float) -> None:
 def run(python: str, env: dict[str, str], example: Path, run_dir: Path, *, port: int,
         world: int = 4, uce_rank: int = 1, dp_size: int = 2, settle: float = 3.0,
         before_ranks: Callable[[int], None] | None = None,
-        with_ranks: Callable[[int], None] | None = None, timeout: float = 60.0) -> Outcome:
-    """See the module docstring. `settle`: seconds after the last stop, for late ones."""
+        with_ranks: Callable[[int], None] | None = None, timeout: float = 60.0,
+        controller_delay: float | None = None) -> Outcome:
+    """See the module docstring. `settle`: seconds after the last stop, for late ones.
+    `controller_delay`: start the processors first and the controller that many seconds
+    later (as torchrun starts every rank at once; `before_ranks` is then not called)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     procs: dict[str, subprocess.Popen] = {}
     logs = {}
@@ -87,16 +90,23 @@ def run(python: str, env: dict[str, str], example: Path, run_dir: Path, *, port:
             ["nice", "-n", "10", python, str(example), *args], env=env, stdout=logs[who],
             stderr=subprocess.STDOUT, start_new_session=True, cwd=run_dir)
 
-    try:
+    def start_controller() -> None:
         start("controller", ["controller", str(world), str(port), str(run_dir)])
         _wait("the controller's controller.ready",
               lambda: (run_dir / "controller.ready").exists() or
               procs["controller"].poll() is not None, timeout)
-        if before_ranks is not None:
-            before_ranks(port)
+
+    try:
+        if controller_delay is None:
+            start_controller()
+            if before_ranks is not None:
+                before_ranks(port)
         for rank in range(world):
             start(f"rank{rank}", ["processor", str(rank), str(world), str(port), str(run_dir),
                                   str(dp_size)])
+        if controller_delay is not None:
+            time.sleep(controller_delay)
+            start_controller()
         _wait("every rank's first update (step1)",
               lambda: all("step1" in [e.name for e in _events(run_dir, world).get(r, [])]
                           for r in range(world))
