@@ -383,3 +383,10 @@ def test_refusals_are_the_sdks(tmp_path):
         sdk_rows, our_rows = jobs["sdk", i].result()[1], jobs["ours", i].result()[1]
         if expected.startswith("in method"):
             assert sdk_rows[-1]["error"] == our_rows[-1]["error"] == "TypeError"
+    # where the oracle cannot go: its CPU build (the MindSpore path) refuses ZIT, which its
+    # PyTorch path, MindSpeed-LLM's, accepts (as this one does: docs/usage.md)
+    zit = [["tft_init_controller", [0, 4, False, False, True]]]
+    code, rows = _probe(sdk_python(), {**_env(True), "TTP_LOG_PATH": str(tmp_path / "zit")}, zit)
+    assert code == 0 and rows[-1]["message"] == "init controller failed, error num:1", rows
+    code, rows = _probe(sys.executable, {**_env(False), "TTP_LOG_PATH": str(tmp_path / "z")}, zit)
+    assert code == 0 and rows == [{"ok": True}], rows
