@@ -179,13 +179,16 @@ class Gate:
             self._held = False
 
     def wait_held(self, timeout: float) -> bool:
-        """Wait, at most `timeout` seconds and while the rank is paused, until the training
-        thread waits at a hold point of the pause; True if it does."""
+        """Wait, at most `timeout` seconds, until the training thread waits at a hold point
+        of a pause; True if it does. False at once when there is nothing to wait for: the
+        pause ended, or the training thread is in the fault handler or outside the training
+        function (an order behind this one, a stop, must not wait)."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while not self._held:
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or not self._paused:
+                if (remaining <= 0 or not self._paused or self._parked()
+                        or not self._training):
                     return False
                 self._cond.wait(min(remaining, 0.5))
             return True
