@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.sdk_compat.harness import end_all
+
 
 @dataclass
 class Event:
@@ -123,13 +125,7 @@ def run(python: str, env: dict[str, str], example: Path, run_dir: Path, *, port:
             pass  # the caller's assertions say what is missing
         time.sleep(settle)
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-        for proc in procs.values():
-            proc.wait(timeout=30)
-        for f in logs.values():
-            f.close()
+        end_all(procs, logs)
     return Outcome(events=_events(run_dir, world),
                    output={w: (run_dir / f"out.{w}.txt").read_text(errors="replace")
                            for w in procs},

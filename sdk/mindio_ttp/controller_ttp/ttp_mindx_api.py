@@ -30,6 +30,19 @@ def _unsupported(name: str) -> int:
     return RET_ERROR
 
 
+def _order(name: str, what: str) -> int:
+    """Pause or resume the controller this process hosts (RET_ERROR: it hosts none)."""
+    controller = RUNTIME.controller
+    if controller is None:
+        log.warning("%s: no controller in this process", name)
+        return RET_ERROR
+    if what == "pause":
+        controller.pause()
+    else:
+        controller.resume()
+    return RET_OK
+
+
 def tft_register_mindx_callback(action: str, func: Callable[..., Any]) -> int:
     return _unsupported("tft_register_mindx_callback")
 
@@ -40,12 +53,7 @@ def tft_notify_controller_stop_train(fault_ranks: dict, stop_type: str = "stop",
     `tft_notify_controller_change_strategy("continue")` (the controller of this process)."""
     if stop_type != "pause":
         return _unsupported(f"tft_notify_controller_stop_train(stop_type={stop_type!r})")
-    controller = RUNTIME.controller
-    if controller is None:
-        log.warning("tft_notify_controller_stop_train: no controller in this process")
-        return RET_ERROR
-    controller.pause()
-    return RET_OK
+    return _order("tft_notify_controller_stop_train", "pause")
 
 
 def tft_notify_controller_on_global_rank(fault_ranks: dict, time: int = 1) -> int:
@@ -60,12 +68,7 @@ def tft_notify_controller_change_strategy(strategy: str, params: str = "") -> in
     """strategy "continue": end a pause (the controller of this process)."""
     if strategy != "continue":
         return _unsupported(f"tft_notify_controller_change_strategy({strategy!r})")
-    controller = RUNTIME.controller
-    if controller is None:
-        log.warning("tft_notify_controller_change_strategy: no controller in this process")
-        return RET_ERROR
-    controller.resume()
-    return RET_OK
+    return _order("tft_notify_controller_change_strategy", "resume")
 
 
 def tft_notify_controller_dump() -> int:
