@@ -338,3 +338,21 @@ def test_group_names_carry_the_repair_id(monkeypatch):
     assert not set(first) & set(second)
     with pytest.raises(ValueError, match="repair id"):
         group_names.set_repair_id(-1)
+
+
+def test_a_token_file_is_withdrawn_only_while_it_is_ours(tmp_path, monkeypatch):
+    """A controller that ends deletes its token file, but not a later controller's on the
+    same address and port."""
+    import tempfile
+
+    from mindio_ttp import _token
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.delenv("TTP_JOB_TOKEN", raising=False)
+    first, path = _token.publish("127.0.0.1", 45126)
+    second, again = _token.publish("127.0.0.1", 45126)
+    assert again == path and first != second
+    _token.withdraw(path, first)
+    assert _token.read("127.0.0.1", 45126) == second
+    _token.withdraw(path, second)
+    assert _token.read("127.0.0.1", 45126) is None

@@ -26,6 +26,7 @@ this one (SystemExit(2)), without the SDK's 10 s wait.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import ipaddress
 import logging
@@ -157,8 +158,10 @@ class Runtime:
             _exit_refused("start controller failed, error:1", str(e))
         token_file = None
         if config.job_token is None and not config.curve:
-            # no token and no keys: one is made for this job (see _token)
+            # no token and no keys: one is made for this job (see _token), and its file
+            # goes at the latest when this process ends normally (as the SDK's atexit destroy)
             token, token_file = _token.publish(ip, config.port)
+            atexit.register(_token.withdraw, token_file, token)
             config = dataclasses.replace(config, job_token=token)
         features = Features(high_availability=True, hbm_repair=self.enable_uce,
                             worker_reboot=arf, source="mindio_ttp")
@@ -184,7 +187,7 @@ class Runtime:
         if controller is not None:
             controller.stop()
         token_file, self.token_file = self.token_file, None
-        _token.withdraw(token_file)
+        _token.withdraw(token_file, controller.config.job_token if controller else None)
 
     # -- processor --------------------------------------------------------------------------
     def init_processor(self, rank: int, world_size: int, enable_local_copy: bool,

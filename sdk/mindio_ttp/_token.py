@@ -103,13 +103,16 @@ def wait_for(ip: str, port: int, timeout: float) -> str:
     return token
 
 
-def withdraw(path: Path | None) -> None:
-    """Delete a published token file (the controller stopped)."""
-    if path is not None:
-        try:
+def withdraw(path: Path | None, token: str | None = None) -> None:
+    """Delete a published token file (the controller stopped); with `token`, only while the
+    file still holds it (not a later controller's on the same port)."""
+    if path is None:
+        return
+    try:
+        if token is None or path.read_text() == token:
             path.unlink()
-        except FileNotFoundError:
-            pass
+    except FileNotFoundError:
+        pass
 
 
 def _check_private(path: Path, st: os.stat_result, kind: Callable[[int], bool],

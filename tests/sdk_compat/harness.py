@@ -93,7 +93,7 @@ def run_case(python: str, env: dict[str, str], run_dir: Path, case: str, *, worl
             time.sleep(0.05)
     finally:
         seconds = time.monotonic() - start
-        end_all(procs, logs)
+        end_all(procs, logs, port)
     return CaseResult(
         case=case, calls={r: _read_calls(run_dir, r) for r in range(world)},
         codes={r: p.returncode for r, p in procs.items()},
@@ -101,8 +101,11 @@ def run_case(python: str, env: dict[str, str], run_dir: Path, case: str, *, worl
         seconds=seconds)
 
 
-def end_all(procs: dict[Any, subprocess.Popen], logs: dict[Any, Any]) -> None:
-    """SIGKILL what is left of the processes (their sessions) and close their logs."""
+def end_all(procs: dict[Any, subprocess.Popen], logs: dict[Any, Any], port: int) -> None:
+    """SIGKILL what is left of the processes (their sessions), close their logs and delete
+    the job token file a killed controller of this project left for `port`."""
+    from mindio_ttp import _token
+
     for proc in procs.values():
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -110,6 +113,7 @@ def end_all(procs: dict[Any, subprocess.Popen], logs: dict[Any, Any]) -> None:
         proc.wait(timeout=30)
     for f in logs.values():
         f.close()
+    _token.withdraw(_token.token_path("127.0.0.1", port))
 
 
 def calls_view(result: CaseResult) -> dict[int, list[tuple]]:

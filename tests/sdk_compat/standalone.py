@@ -125,7 +125,7 @@ def run(python: str, env: dict[str, str], example: Path, run_dir: Path, *, port:
             pass  # the caller's assertions say what is missing
         time.sleep(settle)
     finally:
-        end_all(procs, logs)
+        end_all(procs, logs, port)
     return Outcome(events=_events(run_dir, world),
                    output={w: (run_dir / f"out.{w}.txt").read_text(errors="replace")
                            for w in procs},
