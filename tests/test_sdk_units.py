@@ -9,6 +9,7 @@ import os
 import mindio_ttp.framework_ttp as ft
 import pytest
 from mindio_ttp import _translate as tr
+from mindio_ttp import _zit
 from mindio_ttp._faults import FaultTable
 from mindio_ttp.framework_ttp import ttp_decorator
 from mindio_ttp.utils import uce_utils
@@ -156,6 +157,34 @@ def test_save_info_names_the_writers_of_the_rank_s_group():
     assert tr.save_info(payload, 2, {"dense": [0, 2, 4, 6]}) == [{"type": 0, "ranks": [0, 2]}]
     alone = DumpOrder(1, 5, (DumpShard("rank", 3, (3,)),), ())
     assert tr.save_info(alone, 3, {}) == [{"type": 0, "ranks": [3]}]
+
+
+def test_zit_downgrade_keeps_a_divisor_of_the_launch_dp_size():
+    """DP4 (pure DP): a lost rank leaves 3 replicas, of which the first 2 stay (3 does not
+    divide 4); TP2 x DP2 (DP groups [0, 2] and [1, 3]): losing rank 3 loses DP replica 1."""
+    assert _zit.downgrade([0, 1, 2], _zit.DpLayout([0, 1, 2, 3])) == ([0, 1], 2)
+    tp2 = _zit.DpLayout([1, 3])
+    assert [tp2.dp_index(r) for r in range(4)] == [0, 0, 1, 1]
+    assert _zit.downgrade([0, 1], tp2) == ([0, 1], 1)
+    assert tp2.dp_group(2, [0, 1, 2, 3]) == [0, 2]
+    with pytest.raises(ValueError, match="rank order"):
+        _zit.DpLayout([0, 1, 3])
+
+
+def test_zit_upgrade_repairs_pair_each_returning_rank_with_a_rank_that_stayed():
+    layout, world = _zit.DpLayout([0, 1, 2, 3]), [0, 1, 2, 3]
+    [send] = _zit.upgrade_repairs(1, world, [2, 3], 8, layout)
+    assert (send.step, send.need_rebuild, send.error_ranks) == (8, False, [3])
+    assert send.repair_info == {"type": [0], "repair_type": ft.RepairType.RT_SEND.value,
+                                "src": [1], "dst": [3], "rank_list": world}
+    [receive] = _zit.upgrade_repairs(2, world, [2, 3], 8, layout)
+    assert receive.repair_info["repair_type"] == ft.RepairType.RT_RECV_REPAIR.value
+    assert (receive.repair_info["src"], receive.error_ranks) == ([0], [2])
+    # one rank stayed: it sends to both
+    [send] = _zit.upgrade_repairs(0, world, [1, 2, 3], 8, layout)
+    assert send.repair_info["dst"] == [1, 2, 3] and send.repair_info["src"] == [0, 0, 0]
+    with pytest.raises(ValueError, match="no rank that kept"):
+        _zit.upgrade_repairs(0, [2, 3], [2, 3], 8, layout)
 
 
 def test_repair_type_names():

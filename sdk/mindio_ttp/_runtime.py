@@ -143,11 +143,6 @@ class Runtime:
         if self.controller is not None:
             raise RuntimeError("the controller of this process is already started")
         _, world_size, arf, zit = self.controller_init
-        if zit:
-            log.warning("enable_zit: elastic training by MindCluster's strategies is not "
-                        "available here; a lost rank without a replacement ends the job with "
-                        "a dump (mindspeed-tft's own elastic training: --enable-elastic-training "
-                        "in its hosts)")
         ip = _controller_ip(bind_ip)
         if not MIN_PORT <= _int_or_none(port, MIN_PORT - 1) <= 65535:
             _exit_refused("start controller failed, error:1",
@@ -163,8 +158,10 @@ class Runtime:
             token, token_file = _token.publish(ip, config.port)
             atexit.register(_token.withdraw, token_file, token)
             config = dataclasses.replace(config, job_token=token)
+        # enable_zit: a lost rank without a replacement shrinks the job and returning ranks
+        # grow it, through the ZIT handlers (`_zit`); it needs worker reboot, as the SDK's
         features = Features(high_availability=True, hbm_repair=self.enable_uce,
-                            worker_reboot=arf, source="mindio_ttp")
+                            worker_reboot=arf, elastic=arf and zit, source="mindio_ttp")
         controller = Controller(world_size, config, features=features)
         try:
             controller.start()
