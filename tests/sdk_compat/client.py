@@ -120,7 +120,10 @@ def operator_pause() -> None:
     1 s later continue (rank 0 hosts the controller)."""
     from mindio_ttp.controller_ttp import ttp_mindx_api
 
-    record("pause_ordered", ret=ttp_mindx_api.tft_notify_controller_stop_train({}, "pause", 30))
+    # the time the order was given: a rank's stream sync may run before the call returns
+    ordered = time.time()
+    record("pause_ordered", ret=ttp_mindx_api.tft_notify_controller_stop_train({}, "pause", 30),
+           t=ordered)
     time.sleep(1.0)
     record("continue_ordered",
            ret=ttp_mindx_api.tft_notify_controller_change_strategy("continue"))
