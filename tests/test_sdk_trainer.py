@@ -4,7 +4,8 @@ runs on this project's `mindio_ttp` under `tft-run` and under plain torchrun wit
 guide's line (`import mindio_ttp.framework_ttp` in the torchrun script). A SIGKILLed rank is
 restarted alone and repaired from its replica (ARF), a UCE report is repaired in place from
 the replica, and an unknown error ends the job with a dying-gasp checkpoint that a new job
-resumes from; every loss equals the fault-free run's, bit for bit.
+resumes from; every loss equals the fault-free run's, bit for bit. With elastic training a
+DP4 job that loses a rank shrinks to DP2 and grows back through the SDK's ZIT handlers.
 """
 
 from __future__ import annotations
