@@ -103,9 +103,10 @@ TABLE: tuple[EnvVar, ...] = (
          "CURVE client secret certificate (processors)"),
     _ttp("TTP_CURVE_AUTHORIZED_KEYS", "the client key", "an existing file or folder",
          "client public certificates the controller accepts"),
-    EnvVar("TTP_JOB_TOKEN", True, "none (tft-run on one node makes one)",
-           "16..256 printable characters", MINDIO, _CONFIG,
-           "the per-job secret every registration carries", ("mindspeed_tft.launcher.run",)),
+    EnvVar("TTP_JOB_TOKEN", True, "none (tft-run on one node makes one; so does mindio_ttp's "
+           "tft_start_controller)", "16..256 printable characters", MINDIO, _CONFIG,
+           "the per-job secret every registration carries",
+           ("mindspeed_tft.launcher.run", "mindio_ttp._token")),
     _ttp("TTP_ALLOW_INSECURE", "0", "0, 1",
          "1: a non-loopback controller or metrics endpoint without authentication"),
     _ttp("TTP_LOG_PATH", "logs", "a folder", "the control plane's log folder"),

@@ -17,6 +17,7 @@ Moments, in the order a training process meets them:
 - ``gloo-collectives``: high availability on gloo (`TFTPlugin.register`);
 - ``data-loader-workers``: high availability, a launcher's stop is the training process's
   grace period (`TFTPlugin.register`);
+- ``group-names``: the `mindio_ttp` API's `tft_init_processor` (sdk/), as Huawei's SDK;
 - ``megatron-lm`` / ``megatron-lm-cpu``: the Megatron-LM host adaptor
   (`mindspeed_tft.megatron.install`, the one-line import `mindspeed_tft.megatron_adaptor`);
 - ``torchrun``: the torchrun hook (`scripts/patch_torchrun.sh`: worker reboot under plain
@@ -172,6 +173,13 @@ TABLE: tuple[Moment, ...] = (
         _p("megatron.core.parallel_state:initialize_model_parallel",
            "its dozens of groups tracked in one window (two socket listings, not two per "
            "group: the listings cost more than the groups)", MCORE),
+    )),
+    Moment("group-names", "mindio_ttp's tft_init_processor, as Huawei's SDK does there",
+           "mindspeed_tft.recovery.group_names:install", (
+        _p("torch.distributed.distributed_c10d:_process_group_name",
+           "groups rebuilt after a repair on the same store would get old groups' names "
+           "and store keys (destroy_process_group restarts the counter at 0): each name "
+           "carries the repair's id, as the SDK's do", TORCH),
     )),
     Moment("megatron-lm", "the Megatron-LM host adaptor is installed",
            "mindspeed_tft.megatron.adaptor:install_patches", (

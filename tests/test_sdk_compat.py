@@ -6,18 +6,28 @@ failure, MindSpeed-LLM's precision error, an unknown error (dump), a SIGKILLed r
 normal end. Every handler call is recorded with its arguments; the two must agree on
 which handlers run on which rank, in which order, with which step, ranks, repair type and
 checkpoint information, except where docs/design.md ("mindio_ttp") says this control plane
-differs, which is asserted as such. All fourteen jobs run at once (~15 s: the SDK takes 9-11 s to
+differs, which is asserted as such. All sixteen jobs run at once (~15 s: the SDK takes 9-11 s to
 see a killed process).
+
+Also against both: a pause ordered through the SDK's cluster-manager API in the controller's
+process (the stream-sync handler runs on every rank once it is held, before the job goes
+on); the SDK's own client (`example_proc.py`, unchanged) as a standalone controller
+(`tft_init_controller(-1, 4, False)`) plus 4 processors, a UCE report on rank 1 reaching
+every rank's stop handler (here within 1 s, with the job's token made by the controller and
+a stranger's REGISTER and report refused); and the SDK's refusals of bad arguments, with
+its words and exit codes.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import json
 import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -32,7 +42,11 @@ WHEEL = PEER / "mindio_ttp-7.3.0-py3-none-linux_x86_64.whl"
 SDK_VENV = REPO / ".cache" / "mindio-sdk-venv"
 WORLD, ITERATIONS, FAULT_RANK, FAULT_ITER = 4, 6, 1, 3
 DP_GROUPS = [[0, 2], [1, 3]]
-CASES = ("uce", "uce_low", "hccl", "precision", "unknown", "kill", "none")
+CASES = ("uce", "uce_low", "hccl", "precision", "unknown", "kill", "none", "pause")
+#: per case: the client's spec beyond the common one (pause: the ranks meet in a barrier
+#: until the pause's iteration, then train on alone, 0.1 s an iteration)
+SPECS = {"pause": {"barrier_until": FAULT_ITER, "step_seconds": 0.1}}
+EXAMPLE = PEER / "example_proc.py"
 
 
 def sdk_python() -> str:
@@ -76,7 +90,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Case
                 jobs[impl, case] = pool.submit(
                     run_case, python, _env(impl == "sdk"), base / impl / case, case,
                     world=WORLD, port=free_port(), dp_groups=DP_GROUPS, iterations=ITERATIONS,
-                    fault_rank=fault[0], fault_iter=fault[1], timeout=60)
+                    fault_rank=fault[0], fault_iter=fault[1], timeout=60,
+                    **SPECS.get(case, {}))
     return {key: job.result() for key, job in jobs.items()}
 
 
@@ -185,3 +200,193 @@ def test_normal_end_calls_no_handler(runs):
         assert [c["iteration"] for r in range(WORLD) for c in result.named(r, "end")] == \
             [ITERATIONS] * WORLD, result.describe()
         assert set(result.codes.values()) == {0}, result.describe()
+
+
+@pytest.mark.multiproc
+def test_pause_runs_the_stream_sync_on_every_held_rank(runs):
+    """Rank 0's process (the controller's) pauses the job at iteration 3 through the SDK's
+    cluster-manager API (`tft_notify_controller_stop_train({}, "pause", 30)`) and continues
+    it 1 s later (`tft_notify_controller_change_strategy("continue")`): every rank's
+    stream-sync handler runs once, after the pause and before the continue, and no other
+    handler; every rank is held about 1 s and ends normally. Where the training thread is
+    held differs (docs/usage.md): the SDK holds it in `tft_pause_train` at its pause step
+    (the ranks' latest step + 1), this control plane at the rank's next hold point
+    (`tft_start_updating_os` here)."""
+    sdk, ours = _pair(runs, "pause")
+    for impl, result in (("sdk", sdk), ("ours", ours)):
+        [ordered] = result.named(0, "pause_ordered")
+        [going_on] = result.named(0, "continue_ordered")
+        assert (ordered["ret"], going_on["ret"]) == (0, 0), result.describe()
+        for rank in range(WORLD):
+            syncs = [c["t"] for c in result.named(rank, "stream_sync")]
+            assert len(syncs) == 1 and ordered["t"] <= syncs[0] <= going_on["t"], \
+                (impl, result.describe())
+            [held] = result.named(rank, "held")
+            assert held["blocked"] > 0.5, (impl, result.describe())
+            assert held["where"] == ("tft_pause_train" if impl == "sdk"
+                                     else "tft_start_updating_os"), result.describe()
+        assert all(rows == [] for rows in calls_view(result).values()), result.describe()
+        assert set(result.codes.values()) == {0}, result.describe()
+
+
+def test_get_device_on_cpu_is_the_same(runs):
+    """`get_device()` after `tft_init_processor`, on this CPU: what the SDK answers."""
+    sdk, ours = _pair(runs, "none")
+    devices = [c["device"] for result in (sdk, ours) for r in range(WORLD)
+               for c in result.named(r, "started")]
+    assert devices == [0] * (2 * WORLD), (sdk.describe(), ours.describe())
+
+
+def _stranger_checks(port: int, before: dict) -> None:
+    """A stranger (a real socket, no token) registers as rank 0 before the ranks do: refused."""
+    import zmq
+
+    from mindspeed_tft.control.wire.protocol import MsgType, decode, encode
+
+    ctx = zmq.Context()
+    try:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(f"tcp://127.0.0.1:{port}")
+        s.send(encode(MsgType.REGISTER, 0, 1, {"world_size": WORLD, "pid": 4242,
+                                                "host": "stranger"}))
+        assert s.poll(5000, zmq.POLLIN), "the stranger's REGISTER got no answer"
+        before["reply"] = decode(s.recv()).type
+    finally:
+        ctx.destroy(linger=0)
+
+
+def _stranger_report(port: int, after: dict) -> None:
+    """Once the ranks registered: a connection that never registered reports a UCE for
+    rank 1 (dropped: no rank's stop handler runs within 2 s)."""
+    import zmq
+
+    from mindspeed_tft.control.wire.protocol import MsgType, encode
+
+    ctx = zmq.Context()
+    try:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(f"tcp://127.0.0.1:{port}")
+        s.send(encode(MsgType.REPORT, 1, 10**6, {"kind": "uce", "message": "UCE ERROR (forged)",
+                                                 "step": 1, "status": "updated"}))
+        after["sent"] = time.time()
+        time.sleep(2.0)
+    finally:
+        ctx.destroy(linger=0)
+
+
+@pytest.mark.multiproc
+def test_standalone_controller_runs_the_sdks_own_client(tmp_path):
+    """`example_proc.py`, unchanged: a standalone controller (`tft_init_controller(-1, 4,
+    False)`) and 4 processors (DP groups of 2), a UCE reported on rank 1. Both SDKs stop all
+    4 ranks; the SDK after its 2 s confirmation, this project within 1 s. Here, with no
+    TTP_JOB_TOKEN and no keys, the controller made the job's token and the processors took
+    it (`_token`); a stranger's REGISTER as rank 0 was refused and a report from a connection
+    that never registered changed nothing."""
+    from tests.sdk_compat import standalone
+
+    before: dict = {}
+    after: dict = {}
+    results = {}
+    for impl, python in (("sdk", sdk_python()), ("ours", sys.executable)):
+        hooks = {} if impl == "sdk" else {
+            "before_ranks": lambda port: _stranger_checks(port, before),
+            "with_ranks": lambda port: _stranger_report(port, after)}
+        env = {**_env(impl == "sdk"), "TTP_LOG_PATH": str(tmp_path / impl / "logs")}
+        results[impl] = standalone.run(python, env, EXAMPLE, tmp_path / impl, port=free_port(),
+                                       world=WORLD, uce_rank=FAULT_RANK, **hooks)
+    for impl, outcome in results.items():
+        reported = outcome.first(FAULT_RANK, "report_uce")
+        assert reported is not None, outcome.describe()
+        stops = {r: outcome.first(r, "stop") for r in range(WORLD)}
+        assert all(t is not None for t in stops.values()), (impl, outcome.describe())
+        delays = [t - reported for t in stops.values() if t is not None]
+        if impl == "sdk":
+            assert min(delays) >= 1.9, outcome.describe()
+        else:
+            assert max(delays) < 1.0, outcome.describe()
+            assert all(outcome.names(r).count("stop") == 1 for r in range(WORLD))
+    from mindspeed_tft.control.wire.protocol import MsgType
+
+    assert before["reply"] == MsgType.REJECT
+    ours = results["ours"]
+    assert all(t > after["sent"] + 1.9 for r in range(WORLD)
+               if (t := ours.first(r, "stop")) is not None), ours.describe()
+
+
+@pytest.mark.multiproc
+def test_ranks_started_before_the_controller_wait_for_its_token(tmp_path):
+    """Here: torchrun starts every rank at once, so a processor may look for the job's
+    token before the controller made it: the 4 processors of example_proc.py start 1.5 s
+    before its standalone controller, wait for the token file, register and are stopped
+    by a UCE as before."""
+    from tests.sdk_compat import standalone
+
+    env = {**_env(False), "TTP_LOG_PATH": str(tmp_path / "logs")}
+    outcome = standalone.run(sys.executable, env, EXAMPLE, tmp_path, port=free_port(),
+                             world=WORLD, uce_rank=FAULT_RANK, controller_delay=1.5)
+    started = [outcome.first(r, "started") for r in range(WORLD)]
+    assert all(t is not None for t in started), outcome.describe()
+    assert all(outcome.first(r, "stop") is not None for r in range(WORLD)), outcome.describe()
+
+
+#: (calls, what both SDKs must do): the last call of each either answers or ends the process
+REFUSALS = [
+    ([["tft_init_controller", [-1, 4, False]]], "ok"),
+    ([["tft_init_controller", [-2, 4, False]]], "init controller failed, error num:1"),
+    ([["tft_init_controller", [4, 4, False]]], "init controller failed, error num:1"),
+    ([["tft_init_controller", [0, 0, False]]], "init controller failed, error num:1"),
+    ([["tft_init_controller", [0, 100001, False]]], "init controller failed, error num:1"),
+    ([["tft_init_controller", ["0", 4, False]]],
+     "in method 'init_controller', argument 1 of type 'int'"),
+    ([["tft_init_processor", [-1, 4, False, False]]], "exit 2"),
+    ([["tft_init_processor", [4, 4, False, False]]], "exit 2"),
+    ([["tft_init_controller", [-1, 4, False]], ["tft_start_controller", ["0.0.0.0", 8000, False]]],
+     "exit 2"),
+    ([["tft_init_controller", [-1, 4, False]], ["tft_start_controller", ["127.0.0.1", 80, False]]],
+     "exit 2"),
+]
+
+
+def _probe(python: str, env: dict[str, str], calls: list) -> tuple[int, list[dict]]:
+    out = subprocess.run(["nice", "-n", "10", python, str(REPO / "tests" / "sdk_compat" /
+                                                          "refusal_probe.py"), json.dumps(calls)],
+                         env=env, capture_output=True, text=True, timeout=60)
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    return out.returncode, rows
+
+
+@pytest.mark.multiproc
+def test_refusals_are_the_sdks(tmp_path):
+    """The same bad arguments to both SDKs: the same acceptance, exception type (an
+    Exception; here a ValueError or TypeError) and words at the start of the message, or
+    the same exit code (2; the SDK exits 10 s after its refusal, this one at once)."""
+    jobs = {}
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        for impl, python in (("sdk", sdk_python()), ("ours", sys.executable)):
+            env = {**_env(impl == "sdk"), "TTP_LOG_PATH": str(tmp_path / impl)}
+            for i, (calls, _) in enumerate(REFUSALS):
+                jobs[impl, i] = pool.submit(_probe, python, env, calls)
+    for i, (calls, expected) in enumerate(REFUSALS):
+        for impl in ("sdk", "ours"):
+            code, rows = jobs[impl, i].result()
+            what = (impl, calls, code, rows)
+            if expected == "exit 2":
+                assert code == 2 and len(rows) == len(calls) - 1, what
+                continue
+            assert code == 0 and len(rows) == len(calls), what
+            if expected == "ok":
+                assert rows[-1] == {"ok": True}, what
+            else:
+                assert rows[-1]["exception"] and rows[-1]["message"].startswith(expected), what
+        sdk_rows, our_rows = jobs["sdk", i].result()[1], jobs["ours", i].result()[1]
+        if expected.startswith("in method"):
+            assert sdk_rows[-1]["error"] == our_rows[-1]["error"] == "TypeError"
+    # where the oracle cannot go: its CPU build (the MindSpore path) refuses ZIT, which its
+    # PyTorch path, MindSpeed-LLM's, accepts (as this one does: docs/usage.md)
+    zit = [["tft_init_controller", [0, 4, False, False, True]]]
+    code, rows = _probe(sdk_python(), {**_env(True), "TTP_LOG_PATH": str(tmp_path / "zit")}, zit)
+    assert code == 0 and rows[-1]["message"] == "init controller failed, error num:1", rows
+    code, rows = _probe(sys.executable, {**_env(False), "TTP_LOG_PATH": str(tmp_path / "z")}, zit)
+    assert code == 0 and rows == [{"ok": True}], rows

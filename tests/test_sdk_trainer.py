@@ -4,7 +4,8 @@ runs on this project's `mindio_ttp` under `tft-run` and under plain torchrun wit
 guide's line (`import mindio_ttp.framework_ttp` in the torchrun script). A SIGKILLed rank is
 restarted alone and repaired from its replica (ARF), a UCE report is repaired in place from
 the replica, and an unknown error ends the job with a dying-gasp checkpoint that a new job
-resumes from; every loss equals the fault-free run's, bit for bit.
+resumes from; every loss equals the fault-free run's, bit for bit. With elastic training a
+DP4 job that loses a rank shrinks to DP2 and grows back through the SDK's ZIT handlers.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.jobs import REPO, free_port
@@ -39,8 +42,8 @@ def guide_torchrun(folder: Path) -> Path:
     return script
 
 
-def launcher_command(launcher: str, folder: Path) -> list[str]:
-    port = ["--nproc-per-node", str(NPROC), "--master-addr", "127.0.0.1",
+def launcher_command(launcher: str, folder: Path, nproc: int = NPROC) -> list[str]:
+    port = ["--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
             "--master-port", str(free_port())]
     if launcher == "tft-run":
         return [str(Path(sys.executable).parent / "tft-run"), *port]
@@ -49,19 +52,29 @@ def launcher_command(launcher: str, folder: Path) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", *port]
 
 
-def run_trainer(run_dir: Path, launcher: str, *args: str, timeout: float = 180) -> dict:
+def trainer_env(run_dir: Path, ttp_port: int, logs: str = "logs") -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TTP_", "TFT_"))}
+    env.update(PYTHONUNBUFFERED="1", TTP_PORT=str(ttp_port), TTP_LOG_PATH=str(run_dir / logs),
+               PATH=str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", ""))
+    return env
+
+
+def read_calls(out: Path, nproc: int) -> dict[int, list[dict]]:
+    return {rank: [json.loads(line) for line in path.read_text().splitlines()]
+            for rank in range(nproc) if (path := out / f"calls.{rank}.jsonl").exists()}
+
+
+def run_trainer(run_dir: Path, launcher: str, *args: str, timeout: float = 180,
+                nproc: int = NPROC, iterations: int = ITERATIONS) -> dict:
     """Run the trainer once; returns exit code, output, losses and handler calls."""
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TTP_", "TFT_"))}
-    env.update(PYTHONUNBUFFERED="1", TTP_PORT=str(free_port()),
-               TTP_LOG_PATH=str(run_dir / "logs"),
-               PATH=str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", ""))
+    env = trainer_env(run_dir, free_port())
     if "--save" not in args:  # as every high-availability launch has (tft-run refuses none)
         args = (*args, "--save", str(run_dir / "save"))
-    command = [*launcher_command(launcher, run_dir), str(TRAINER), "--out", str(run_dir / "out"),
-               "--iterations", str(ITERATIONS), *args]
+    command = [*launcher_command(launcher, run_dir, nproc), str(TRAINER), "--out",
+               str(run_dir / "out"), "--iterations", str(iterations), *args]
     proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -75,10 +88,8 @@ def run_trainer(run_dir: Path, launcher: str, *args: str, timeout: float = 180) 
     for line in (out / "losses.0.jsonl").read_text().splitlines():
         row = json.loads(line)
         losses[row["iteration"]] = row["loss"]  # a recomputed iteration: the later one
-    calls = {rank: [json.loads(line) for line in path.read_text().splitlines()]
-             for rank in range(NPROC)
-             if (path := out / f"calls.{rank}.jsonl").exists()}
-    return {"code": proc.returncode, "output": output, "losses": losses, "calls": calls}
+    return {"code": proc.returncode, "output": output, "losses": losses,
+            "calls": read_calls(out, nproc)}
 
 
 def named(result: dict, rank: int, name: str) -> list[dict]:
@@ -155,3 +166,134 @@ def test_dump_resumes(tmp_path, reference, launcher):
     resumed = run_trainer(tmp_path / "resume", launcher, *HA, "--load", str(save))
     assert resumed["code"] == 0, resumed["output"][-6000:]
     assert resumed["losses"] == {i: reference["losses"][i] for i in range(7, ITERATIONS + 1)}
+
+
+# -- elastic training through the ZIT handlers ------------------------------------------------
+ELASTIC_ITERATIONS = 12
+#: the shrunk job waits before this iteration until the job grew (the file `grown`)
+GATE = 8
+#: |loss - fault-free loss| after the shrink: the fp32 sums run over 2 ranks' slices instead
+#: of 4 (see tests/test_elastic.py); observed: at most 1 ulp (12 iterations, 06:30 UTC run)
+LOSS_ULPS = 4
+
+
+def _start_node(run_dir: Path, node_rank: int, ports: tuple[int, int], args: list[str],
+                logs: str) -> subprocess.Popen:
+    """One of two `tft-run` launchers (2 ranks each) of the job in `run_dir`."""
+    master_port, ttp_port = ports
+    env = {**trainer_env(run_dir, ttp_port, logs), "TFT_MAX_WORKER_RESTARTS": "0",
+           "TFT_REPLACEMENT_WAIT": "2"}
+    command = [str(Path(sys.executable).parent / "tft-run"), "--nnodes", "2", "--node-rank",
+               str(node_rank), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(master_port), str(TRAINER), "--out", str(run_dir / "out"),
+               "--iterations", str(ELASTIC_ITERATIONS), *args]
+    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _rows(out: Path, rank: int) -> list[dict]:
+    path = out / f"losses.{rank}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _grown(out: Path) -> bool:
+    """Every rank ran its upgrade rollback."""
+    calls = read_calls(out, 4)
+    return all(any(c["call"] == "zit_upgrade_rollback" for c in calls.get(r, []))
+               for r in range(4))
+
+
+@pytest.mark.multiproc
+def test_elastic_training_through_the_zit_handlers(tmp_path):
+    """DP4 over two launchers, no restarts allowed: rank 3 is SIGKILLed at iteration 3 and
+    gets no replacement. The job shrinks to DP2 (the largest DP size that divides the
+    launch's; rank 2 leaves with code 0) through `zit_downgrade_rebuild` on ranks 0 and 1,
+    which train on from memory. A replacement launcher brings ranks 2 and 3 back: at the next
+    step boundary every rank calls `zit_upgrade_rebuild([2, 3])`, ranks 0 and 1 send their
+    state to 2 and 3 (`zit_upgrade_repair`, RT_SEND / RT_RECV_REPAIR), all roll back to the
+    lock step (`zit_upgrade_rollback`) and the job finishes at DP4. Every iteration is
+    trained once, on the whole global batch, with the fault-free learning rate; losses
+    bit-identical up to the kill, within LOSS_ULPS fp32 ulps after it."""
+    reference = run_trainer(tmp_path / "reference", "torchrun", *HA, nproc=4,
+                            iterations=ELASTIC_ITERATIONS)
+    assert reference["code"] == 0, reference["output"][-6000:]
+    ref_rows = {row["iteration"]: row for row in _rows(tmp_path / "reference" / "out", 0)}
+    run_dir = tmp_path / "job"
+    out = run_dir / "out"
+    ports = (free_port(), free_port())
+    args = [*HA, "--enable-elastic-training", "--save", str(run_dir / "save"),
+            "--fault", "kill:3:3", "--gate", f"{GATE}:{run_dir / 'grown'}"]
+    node0 = _start_node(run_dir, 0, ports, args, "logs0")
+    node1 = _start_node(run_dir, 1, ports, args, "logs1")
+    replacement = None
+    try:
+        # rank 3 killed, rank 2 left the job: node 1's launcher ends (with rank 3's failure,
+        # as in tests/test_elastic.py)
+        output1, _ = node1.communicate(timeout=180)
+        replacement = _start_node(run_dir, 1, ports, args, "logs1b")  # the node returns
+        deadline = time.monotonic() + 180
+        while not _grown(out):
+            assert node0.poll() is None and time.monotonic() < deadline, "no grow"
+            time.sleep(0.2)
+        (run_dir / "grown").touch()
+        output0, _ = node0.communicate(timeout=180)
+        output1b, _ = replacement.communicate(timeout=60)
+    finally:
+        for proc in (node0, node1, replacement):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+    assert node0.returncode == 0, output0[-6000:]
+    assert replacement.returncode == 0, output1b[-3000:]
+    calls = read_calls(out, 4)
+
+    def named_(rank: int, name: str) -> list[dict]:
+        return [c for c in calls[rank] if c["call"] == name]
+
+    # the shrink: stop and clean, the dump of the lock step, the downgrade on the ranks
+    # that stay
+    for rank in (0, 1):
+        [down] = named_(rank, "zit_downgrade_rebuild")
+        assert (down["new_dp_ranks"], down["new_world_ranks"], down["iteration"]) == \
+            ([0, 1], [0, 1], 3)
+        assert json.loads(down["params"]) == {"scale-in-strategy": "DP"}
+        assert [c["call"] for c in calls[rank]].index("clean") < calls[rank].index(down)
+    assert not named_(2, "zit_downgrade_rebuild")
+    assert "rank 2 exits with code 0" in output1 + output0
+    # the grow: rebuild, repair, rollback on every rank, in that order
+    sources = {0: ("RT_SEND", [0], [2]), 1: ("RT_SEND", [1], [3]),
+               2: ("RT_RECV_REPAIR", [0], [2]), 3: ("RT_RECV_REPAIR", [1], [3])}
+    for rank in range(4):
+        [up] = named_(rank, "zit_upgrade_rebuild")
+        assert up["rank_list"] == [2, 3] and json.loads(up["params"]) == \
+            {"scale-out-strategy": "DP"}
+        [repair] = [c for c in named_(rank, "repair") if c["t"] > up["t"]]
+        assert (repair["repair_type"], repair["src"], repair["dst"], repair["step"],
+                repair["need_rebuild"]) == (*sources[rank], GATE, False)
+        [rollback] = named_(rank, "zit_upgrade_rollback")
+        assert rollback["step"] == GATE
+        order = [calls[rank].index(c) for c in (up, repair, rollback)]
+        assert order == sorted(order), calls[rank]
+    assert [c["step"] for r in range(4) for c in named_(r, "save_ckpt")] == [3, GATE]
+    # every iteration trained once, by the whole world of that moment, on the whole global
+    # batch, with the fault-free learning rate; the losses
+    by_iteration: dict[int, list[dict]] = {}
+    for rank in range(4):
+        for row in _rows(out, rank):
+            by_iteration.setdefault(row["iteration"], []).append({**row, "rank": rank})
+    assert sorted(by_iteration) == list(range(1, ELASTIC_ITERATIONS + 1))
+    for iteration, rows in sorted(by_iteration.items()):
+        world = [0, 1] if 3 < iteration <= GATE else [0, 1, 2, 3]
+        assert sorted(r["rank"] for r in rows) == world, (iteration, rows)
+        assert all(r["world"] == world for r in rows), rows
+        covered = sorted(tuple(r["samples"]) for r in rows)
+        per = 8 // len(world)
+        assert covered == [(i * per, (i + 1) * per) for i in range(len(world))], rows
+        want = ref_rows[iteration]
+        assert {r["lr"] for r in rows} == {want["lr"]}
+        assert len({r["loss"] for r in rows}) == 1, rows
+        loss, expected = float.fromhex(rows[0]["loss"]), float.fromhex(want["loss"])
+        if iteration <= 3:
+            assert loss == expected, (iteration, loss, expected)
+        assert abs(loss - expected) <= LOSS_ULPS * float(np.spacing(np.float32(expected))), \
+            (iteration, loss, expected)

@@ -4,9 +4,12 @@ control plane's repair and dump orders into the SDK's handler arguments."""
 
 from __future__ import annotations
 
+import os
+
 import mindio_ttp.framework_ttp as ft
 import pytest
 from mindio_ttp import _translate as tr
+from mindio_ttp import _zit
 from mindio_ttp._faults import FaultTable
 from mindio_ttp.framework_ttp import ttp_decorator
 from mindio_ttp.utils import uce_utils
@@ -156,6 +159,34 @@ def test_save_info_names_the_writers_of_the_rank_s_group():
     assert tr.save_info(alone, 3, {}) == [{"type": 0, "ranks": [3]}]
 
 
+def test_zit_downgrade_keeps_a_divisor_of_the_launch_dp_size():
+    """DP4 (pure DP): a lost rank leaves 3 replicas, of which the first 2 stay (3 does not
+    divide 4); TP2 x DP2 (DP groups [0, 2] and [1, 3]): losing rank 3 loses DP replica 1."""
+    assert _zit.downgrade([0, 1, 2], _zit.DpLayout([0, 1, 2, 3])) == ([0, 1], 2)
+    tp2 = _zit.DpLayout([1, 3])
+    assert [tp2.dp_index(r) for r in range(4)] == [0, 0, 1, 1]
+    assert _zit.downgrade([0, 1], tp2) == ([0, 1], 1)
+    assert tp2.dp_group(2, [0, 1, 2, 3]) == [0, 2]
+    with pytest.raises(ValueError, match="rank order"):
+        _zit.DpLayout([0, 1, 3])
+
+
+def test_zit_upgrade_repairs_pair_each_returning_rank_with_a_rank_that_stayed():
+    layout, world = _zit.DpLayout([0, 1, 2, 3]), [0, 1, 2, 3]
+    [send] = _zit.upgrade_repairs(1, world, [2, 3], 8, layout)
+    assert (send.step, send.need_rebuild, send.error_ranks) == (8, False, [3])
+    assert send.repair_info == {"type": [0], "repair_type": ft.RepairType.RT_SEND.value,
+                                "src": [1], "dst": [3], "rank_list": world}
+    [receive] = _zit.upgrade_repairs(2, world, [2, 3], 8, layout)
+    assert receive.repair_info["repair_type"] == ft.RepairType.RT_RECV_REPAIR.value
+    assert (receive.repair_info["src"], receive.error_ranks) == ([0], [2])
+    # one rank stayed: it sends to both
+    [send] = _zit.upgrade_repairs(0, world, [1, 2, 3], 8, layout)
+    assert send.repair_info["dst"] == [1, 2, 3] and send.repair_info["src"] == [0, 0, 0]
+    with pytest.raises(ValueError, match="no rank that kept"):
+        _zit.upgrade_repairs(0, [2, 3], [2, 3], 8, layout)
+
+
 def test_repair_type_names():
     assert [tr.repair_type_name(s) for s in ("retry", "load_checkpoint", "recover", "dump",
                                              None)] == ["retry", "retry", "recover", "dump",
@@ -165,9 +196,10 @@ def test_repair_type_names():
 def test_calls_before_the_processor_starts_say_so():
     with pytest.raises(RuntimeError, match="tft_start_processor"):
         ft.tft_start_updating_os()
-    with pytest.raises(ValueError, match="world_size"):
+    with pytest.raises(SystemExit) as refused:  # the SDK's refusal: the process ends with 2
         ft.tft_init_processor(4, 4, False)
-    with pytest.raises(ValueError, match="enable_local_copy"):
+    assert refused.value.code == 2
+    with pytest.raises(SystemExit):
         ft.tft_init_processor(0, 4, True)
     with pytest.raises(ValueError, match="allowed: MindSpeed, MindSpeed-LLM"):
         ft.set_mindio_export_version("Megatron")
@@ -214,3 +246,142 @@ def test_no_controller_under_mindx_says_why(tmp_path):
                                           "TTP_LOG_PATH": str(tmp_path)})
     assert out.returncode == 1
     assert "MINDX_TASK_ID is set" in out.stderr and "tft-run" in out.stderr, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("args,error,words", [
+    ((-2, 4, False), ValueError, "init controller failed, error num:1"),
+    ((4, 4, False), ValueError, "init controller failed, error num:1"),
+    ((0, 0, False), ValueError, "init controller failed, error num:1"),
+    ((0, 100001, False), ValueError, "init controller failed, error num:1"),
+    ((0, 4, True), ValueError, "init controller failed, error num:1"),
+    (("0", 4, False), TypeError, "in method 'init_controller', argument 1 of type 'int'"),
+    ((0, 4.0, False), TypeError, "in method 'init_controller', argument 2 of type 'int'"),
+])
+def test_init_controller_refuses_in_the_sdks_words(args, error, words):
+    """The SDK's refusals and their words (tests/test_sdk_compat.py runs both SDKs on the
+    same arguments); rank -1 (a controller outside every rank) is accepted."""
+    from mindio_ttp._runtime import Runtime
+
+    with pytest.raises(error) as refused:
+        Runtime().init_controller(*args, False, False)
+    assert str(refused.value).startswith(words), refused.value
+    for accepted in ((-1, 4, False), (-1, 1, False), (0, 100000, False), (True, 4, False)):
+        Runtime().init_controller(*accepted, False, False)
+
+
+def test_get_device_on_cpu_is_the_sdks_index():
+    """On CPU the SDK answers device index 0 (its MindSpore path's `device_id`, the PyTorch
+    path's `torch.npu.current_device()` where no device was chosen)."""
+    from mindio_ttp._runtime import Runtime, _current_device
+
+    assert Runtime().device == 0 and _current_device() == 0
+
+
+def test_token_file_is_private_and_refused_otherwise(tmp_path, monkeypatch):
+    """The job token a controller publishes is in a 0700 folder of this user, mode 0600;
+    a processor of the same user reads it, a file others could read is refused, a missing
+    one is None."""
+    import os
+    import stat
+    import tempfile
+
+    from mindio_ttp import _token
+
+    from mindspeed_tft.control import ControlConfigError
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.delenv("TTP_JOB_TOKEN", raising=False)
+    token, path = _token.publish("127.0.0.1", 45123)
+    assert os.environ["TTP_JOB_TOKEN"] == token and len(token) == 64
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert _token.read("127.0.0.1", 45123) == token
+    assert _token.read("127.0.0.1", 45124) is None
+    path.chmod(0o644)
+    with pytest.raises(ControlConfigError, match="only this user can read"):
+        _token.read("127.0.0.1", 45123)
+    _token.withdraw(path)
+    assert _token.read("127.0.0.1", 45123) is None
+    path.parent.chmod(0o755)
+    with pytest.raises(ControlConfigError, match="folder"):
+        _token.publish("127.0.0.1", 45123)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as user nobody")
+def test_another_user_cannot_read_the_token(monkeypatch):
+    """User nobody, on the same host, cannot open the token file of a controller (in a
+    temporary folder that nobody may enter): the only way to the token is being this user
+    (or its processes' environment)."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    from mindio_ttp import _token
+
+    base = tempfile.mkdtemp(prefix="tft-token-", dir="/tmp")
+    try:
+        os.chmod(base, 0o755)
+        monkeypatch.setattr(tempfile, "tempdir", base)
+        monkeypatch.delenv("TTP_JOB_TOKEN", raising=False)  # restored unset afterwards
+        _, path = _token.publish("127.0.0.1", 45125)
+        for target in (path, path.parent):
+            probe = subprocess.run(["cat" if target == path else "ls", str(target)],
+                                   user="nobody", capture_output=True, text=True, timeout=30)
+            assert probe.returncode != 0 and "Permission denied" in probe.stderr, probe.stderr
+        path.parent.chmod(0o711)  # even a folder others may pass through: the file is 0600
+        probe = subprocess.run(["cat", str(path)], user="nobody", capture_output=True,
+                               text=True, timeout=30)
+        assert probe.returncode != 0 and "Permission denied" in probe.stderr, probe.stderr
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_group_names_carry_the_repair_id(monkeypatch):
+    """torch 2.13 restarts its group counter when every group is destroyed: a group rebuilt
+    on the same store gets an old group's name (and so its store keys, `<name>/...`). With
+    the `group-names` moment that `tft_init_processor` installs, as Huawei's SDK does, the
+    names of a repair's groups carry its id and never meet an earlier repair's."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    from mindspeed_tft.recovery import group_names
+
+    def generation() -> list[str]:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            groups = [dist.group.WORLD, dist.new_group([0]), dist.new_group([0]),
+                      dist.new_group([0], use_local_synchronization=True)]
+            return [c10d._world.pg_names[g] for g in groups]
+        finally:
+            dist.destroy_process_group()
+
+    plain = [generation(), generation()]
+    assert plain[0] == plain[1] and plain[0][:3] == ["0", "1", "2"]  # the hazard
+    monkeypatch.setattr(group_names, "_repair_id", 0)
+    monkeypatch.setattr(c10d, "_process_group_name", group_names.process_group_name)
+    first = generation()
+    group_names.set_repair_id(1)
+    second = generation()
+    assert first[:3] == ["0__", "0_0", "1_0"] and second[:3] == ["1__", "0_1", "1_1"]
+    assert first[3].endswith("_0") and second[3].endswith("_1")
+    assert not set(first) & set(second)
+    with pytest.raises(ValueError, match="repair id"):
+        group_names.set_repair_id(-1)
+
+
+def test_a_token_file_is_withdrawn_only_while_it_is_ours(tmp_path, monkeypatch):
+    """A controller that ends deletes its token file, but not a later controller's on the
+    same address and port."""
+    import tempfile
+
+    from mindio_ttp import _token
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.delenv("TTP_JOB_TOKEN", raising=False)
+    first, path = _token.publish("127.0.0.1", 45126)
+    second, again = _token.publish("127.0.0.1", 45126)
+    assert again == path and first != second
+    _token.withdraw(path, first)
+    assert _token.read("127.0.0.1", 45126) == second
+    _token.withdraw(path, second)
+    assert _token.read("127.0.0.1", 45126) is None

@@ -7,6 +7,7 @@ handler, with the SDK's arguments and return-code conventions:
 
 | order | handler call (the SDK's signature) |
 | --- | --- |
+| pause | once the training thread waits in `tft_pause_train` (bounded): `stream_sync()` |
 | stop | `stop(train_args, ctx)` |
 | clean | `clean(is_uce_error, train_args, ctx)` -> 0 ok, 2 (UCE, nothing to rebuild: no repair for this rank), else the clean failed (the job falls back to a dump) |
 | repair | worker reboot: `rebuild_group(fault_ranks, train_args, ctx)` on every rank (a restarted one once its training function waits in the decorator); then, on each rank that sends or receives, `repair(step, need_rebuild, error_ranks, repair_info, train_args, ctx)` (`_translate.repair_calls`) |
@@ -14,6 +15,8 @@ handler, with the SDK's arguments and return-code conventions:
 | dump | on the ranks that write: `clean(...)` first when `TTP_STOP_CLEAN_BEFORE_DUMP=1` (MindSpeed-LLM sets it) and this incident had no clean, then `save_ckpt(step, save_info, train_args, ctx)` |
 | rename | `rename(step, train_args)` (the PyTorch path's arguments) |
 | exit | `exit(ctx)`, then the process exits with the decided code |
+| scale_in (elastic training) | `clean(...)` where this incident had none; on the ranks that stay `zit_downgrade_rebuild(new_dp_ranks, new_world_ranks, train_args, zit_param)` (`_zit`) |
+| scale_out (elastic training) | on every rank `zit_upgrade_rebuild(rank_list, train_args, zit_param)`, `zit_upgrade_repair(...)` on senders and returning ranks, `zit_upgrade_rollback(step, train_args, zit_param)`; the data is then Updated at the lock step |
 
 A handler that raises fails the order (the controller then falls back to a dump, or exits).
 The handlers run on the processor's order threads while the training thread waits in the
@@ -34,10 +37,13 @@ from mindspeed_tft.control.wire.order_types import (
     RollbackOrder,
     StopOrder,
 )
+from mindspeed_tft.recovery import group_names
+from mindspeed_tft.recovery.elastic import replica_num_for
 
 from ._enums import RET_NO_REBUILD, RET_OK
 from ._runtime import Runtime
 from ._translate import repair_calls, repair_type_name, save_info
+from ._zit import DOWNGRADE_PARAM, UPGRADE_PARAM, DpLayout, downgrade, upgrade_repairs
 
 log = logging.getLogger("mindio_ttp")
 
@@ -52,10 +58,13 @@ class SdkActions:
     def __init__(self, runtime: Runtime) -> None:
         self.rt = runtime
         self.processor: Processor | None = None
+        #: elastic training: the launch DP layout and replica count
+        self.launch: DpLayout | None = None
+        self.launch_replicas: int | None = None
 
     def register(self, processor: Processor) -> None:
         self.processor = processor
-        for name in ("stop", "clean", "repair", "rollback", "dump", "rename", "exit",
+        for name in ("pause", "stop", "clean", "repair", "rollback", "dump", "rename", "exit",
                      "scale_in", "scale_out"):
             processor.register_callback(name, getattr(self, name))
 
@@ -67,14 +76,32 @@ class SdkActions:
         func, ctx = entry
         return func(*args) if name == "rename" else func(*args, ctx)
 
+    def _call_bare(self, name: str) -> Any:
+        """Call handler `name` with no arguments (the SDK passes the stream sync none)."""
+        entry = self.rt.handlers.get(name)
+        return None if entry is None else entry[0]()
+
     def _has(self, name: str) -> bool:
         return self.rt.handlers.get(name) is not None
 
     # -- orders -------------------------------------------------------------------------
+    def pause(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """The SDK's pause callback: once the training thread is held at its next hold point
+        (`tft_pause_train`; bounded wait), the stream-sync handler runs on this thread, as
+        the SDK calls it at the end of its pause callback (also when that wait timed out)."""
+        assert self.processor is not None
+        held = self.processor.wait_held()
+        if not held:
+            log.warning("rank %s: the training thread did not reach a hold point of the pause; "
+                        "syncing the stream anyway, as the SDK does", self.rt.rank)
+        self._call_bare("stream_sync")
+        return {}
+
     def stop(self, order: StopOrder) -> dict[str, Any]:
         rt = self.rt
         rt.cleaned = False
         rt.repair_step = order.lock_step
+        group_names.set_repair_id(order.incident)  # the groups made from now on carry it
         if not self._has("stop"):
             raise HandlerError("no stop handler registered (tft_register_stop_handler)")
         self._call("stop", rt.args)
@@ -108,6 +135,7 @@ class SdkActions:
         rt.repair_type = repair_type_name(order.strategy)
         rt.repair_step = order.lock_step
         rt.loaded_step = None
+        group_names.set_repair_id(order.incident)  # also in a restarted worker (no stop)
         if order.strategy == "recover":
             if processor.rejoining:
                 # the SDK rebuilds a restarted worker's groups once it is ready (its training
@@ -150,7 +178,9 @@ class SdkActions:
     def rename(self, payload: dict[str, Any]) -> dict[str, Any]:
         step = int(payload["lock_step"])
         self._call("rename", step, self.rt.args)
-        return {"iteration": step}
+        # where the dump is, for the controller (a shrink or grow follows a renamed dump): the
+        # SDK's handlers know the folder, the SDK does not
+        return {"iteration": step, "path": f"the rename handler's checkpoint of step {step}"}
 
     def exit(self, order: ExitOrder) -> dict[str, Any]:
         try:
@@ -159,8 +189,79 @@ class SdkActions:
             log.exception("rank %s: the exit handler failed", self.rt.rank)
         return {}
 
-    def scale_in(self, payload: dict[str, Any]) -> dict[str, Any]:
-        raise HandlerError("elastic training (a shrink from the dump) is not available "
-                           "through mindio_ttp: the job ends with its dump")
+    # -- elastic training: the ZIT handlers (see `_zit`) ---------------------------------
+    def _zit(self, name: str, *args: Any, param: str) -> None:
+        """Call ZIT handler `name` with `args`, the train args and the strategy parameters
+        (the SDK passes its `zit_param` where other handlers get their ctx)."""
+        entry = self.rt.handlers.get(name)
+        if entry is None:
+            raise HandlerError(f"no {name} handler registered (tft_register_{name}_handler): "
+                               "elastic training needs it")
+        entry[0](*args, self.rt.args, param)
 
-    scale_out = scale_in
+    def _layout(self) -> DpLayout:
+        """The launch DP layout and replica count (this rank's first replica layout)."""
+        if self.launch is None:
+            assert self.processor is not None
+            self.launch = DpLayout(self.rt.groups.get("dense") or self.rt.dp_ranks or [])
+            dense = (self.processor.replica or {}).get("dense") or {}
+            self.launch_replicas = int(dense.get("replica_num", self.launch.size))
+        return self.launch
+
+    def _enter_world(self, world: list[int]) -> dict[str, Any]:
+        """This rank's replica layout in `world` (its launch replica count, or the largest
+        divisor of the new DP size below it), registered and returned for the controller."""
+        rt, layout = self.rt, self._layout()
+        assert rt.rank is not None
+        group = layout.dp_group(rt.rank, world)
+        wanted = self.launch_replicas or len(group)
+        rt.set_replica(rt.rank, [{"rank_list": group, "replica_cnt":
+                                  replica_num_for(len(group), wanted), "replica_shift": 0}])
+        assert self.processor is not None and self.processor.replica is not None
+        return dict(self.processor.replica)
+
+    def scale_in(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """The job shrinks without the lost ranks' DP replicas: the SDK's downgrade. Every
+        rank is cleaned first (the SDK's stop and clean before it); the ranks that stay call
+        `zit_downgrade_rebuild` and train on from memory at the lock step."""
+        rt = self.rt
+        assert rt.rank is not None
+        group_names.set_repair_id(int(payload["incident"]))
+        layout = self._layout()
+        if not rt.cleaned:
+            self._clean()
+        world, dp_size = downgrade([int(r) for r in payload["ranks"]], layout)
+        if rt.rank not in world:
+            log.warning("rank %s: the job continues at DP %d without this rank's replica",
+                        rt.rank, dp_size)
+            return {"stays": False, "dp_size": dp_size}
+        self._zit("zit_downgrade_rebuild", layout.dp_group(rt.rank, world), list(world),
+                  param=DOWNGRADE_PARAM)
+        replica = self._enter_world(world)
+        return {"stays": True, "dp_size": dp_size, "iteration": int(payload["lock_step"]),
+                "replica": replica, "micro_batches": layout.size}
+
+    def scale_out(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """The job grows by returning ranks: the SDK's upgrade (rebuild on every rank, the
+        training state copied to each returning rank, rollback to the lock step)."""
+        rt, processor = self.rt, self.processor
+        assert rt.rank is not None and processor is not None
+        step = int(payload["lock_step"])
+        world = [int(r) for r in payload["ranks"]]
+        joining = [int(r) for r in payload["joining"]]
+        group_names.set_repair_id(int(payload["incident"]))
+        rt.repair_step = step
+        if processor.rejoining and rt.rank in joining:
+            # as in a worker reboot: once its training function raised "ARF FINISH" and
+            # waits in the decorator (its train args are known then)
+            processor.run_in_training_thread(lambda: None)
+        layout = self._layout()
+        self._zit("zit_upgrade_rebuild", list(joining), param=UPGRADE_PARAM)
+        for call in upgrade_repairs(rt.rank, world, joining, step, layout):
+            self._zit("zit_upgrade_repair", call.step, call.need_rebuild, call.error_ranks,
+                      call.repair_info, param=UPGRADE_PARAM)
+        self._zit("zit_upgrade_rollback", step, param=UPGRADE_PARAM)
+        processor.report_update_end(step)  # Updated at `step`, as after a rollback
+        replica = self._enter_world(world)
+        return {"stays": True, "dp_size": int(payload["dp_size"]), "iteration": step,
+                "replica": replica}

@@ -10,27 +10,40 @@ launcher of node 0 hosts it and every worker has `TFT_CONTROLLER_IN_LAUNCHER=1`:
 `tft_init_controller` / `tft_start_controller` of rank 0 only note that, and the processors
 connect to the launcher's address and port (`TTP_ADDR` / `PROCESSOR_ADDR`, `TTP_PORT`).
 Otherwise rank 0's process hosts it, bound where MindSpeed-LLM asks (`CONTROLLER_ADDR` /
-`TTP_ADDR` and port 8000 in MindSpeed-LLM 2.3.0), with the features the calls give:
-worker reboot (`enable_arf`), UCE repair (`enable_uce` of the processor in the same
-process), repairs from the checkpoint when a replica layout has `replica_cnt` 1.
+`TTP_ADDR` and port 8000 in MindSpeed-LLM 2.3.0), or a process of its own does
+(`tft_init_controller(-1, world_size, False)`, as a cluster manager or the SDK's
+example_proc.py runs it), with the features the calls give: worker reboot (`enable_arf`),
+UCE repair (`enable_uce` of the processor in the same process), repairs from the
+checkpoint when a replica layout has `replica_cnt` 1. Without `TTP_JOB_TOKEN` and CURVE
+keys, the controller makes the job's token and hands it to the ranks of this host
+(`_token`): a REGISTER without it is refused.
+
+Refusals follow the SDK's (run side by side in tests/test_sdk_compat.py): its words first,
+then what is allowed; where the SDK ends the process with code 2 (`tft_init_processor`
+out of range, `tft_start_controller` on a wildcard address or a port below 1024), so does
+this one (SystemExit(2)), without the SDK's 10 s wait.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import ipaddress
 import logging
 import os
 import socket
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import Any, NoReturn
 
 from mindspeed_tft.arguments import launched_by_tft
 from mindspeed_tft.control import ControlConfig, Controller, Features, Processor, ProcessorError
 from mindspeed_tft.control.processor.termination import Termination
 from mindspeed_tft.control.wire.config import ControlConfigError, parse_ip, parse_port
 
+from . import _token
 from ._enums import FRAMEWORKS
 from ._faults import FaultTable
 from ._translate import replica_layout
@@ -38,6 +51,8 @@ from ._translate import replica_layout
 log = logging.getLogger("mindio_ttp")
 
 MAX_WORLD_SIZE = 100000
+#: the lowest port the SDK's controller binds (its PortInfo)
+MIN_PORT = 1024
 
 
 def mindcluster_task() -> bool:
@@ -78,7 +93,7 @@ class Runtime:
         self.faults = FaultTable(lambda: self.enable_uce)
         self.rank: int | None = None
         self.world_size: int | None = None
-        self.device: Any = None
+        self.device = 0
         self.controller_init: tuple[int, int, bool, bool] | None = None
         self.controller: Controller | None = None
         self.processor: Processor | None = None
@@ -100,14 +115,22 @@ class Runtime:
         self.cleaned = False
         self.loaded_step: int | None = None
         self.decryptor: Callable[..., Any] | None = None
+        #: the job token file the controller of this process published (`_token`)
+        self.token_file: Path | None = None
 
     # -- controller -------------------------------------------------------------------------
     def init_controller(self, rank: int, world_size: int, enable_local_copy: bool,
                         enable_arf: bool, enable_zit: bool) -> None:
-        _check_world(rank, world_size, "init controller")
+        """The SDK's checks: rank -1 is a controller in a process of its own (a cluster
+        manager's, or example_proc.py's `controller` role), 0 <= rank a rank's."""
+        _check_ints("init_controller", rank, world_size)
+        if not -1 <= rank < world_size <= MAX_WORLD_SIZE or world_size <= 0:
+            raise ValueError(f"init controller failed, error num:1 (rank={rank}, world_size="
+                             f"{world_size}: need -1 <= rank < world_size <= {MAX_WORLD_SIZE};"
+                             " -1 is a controller outside every rank)")
         if enable_local_copy:
-            raise ValueError("init controller failed: enable_local_copy=True (a local copy of "
-                             "the optimizer state) is not supported; pass False")
+            raise ValueError("init controller failed, error num:1 (enable_local_copy=True, a "
+                             "local copy of the optimizer state, is not supported; pass False)")
         self.controller_init = (rank, world_size, bool(enable_arf), bool(enable_zit))
 
     def start_controller(self, bind_ip: str, port: int) -> None:
@@ -120,19 +143,32 @@ class Runtime:
         if self.controller is not None:
             raise RuntimeError("the controller of this process is already started")
         _, world_size, arf, zit = self.controller_init
-        if zit:
-            log.warning("enable_zit: elastic training by MindCluster's strategies is not "
-                        "available here; a lost rank without a replacement ends the job with "
-                        "a dump (mindspeed-tft's own elastic training: --enable-elastic-training "
-                        "in its hosts)")
-        config = ControlConfig.from_env(
-            controller_addr=_address(bind_ip, "tft_start_controller bind_ip", wildcard=True),
-            port=parse_port(port, "tft_start_controller port"))
+        ip = _controller_ip(bind_ip)
+        if not MIN_PORT <= _int_or_none(port, MIN_PORT - 1) <= 65535:
+            _exit_refused("start controller failed, error:1",
+                          f"port={port!r}: need an int in [{MIN_PORT}, 65535]")
+        try:
+            config = ControlConfig.from_env(controller_addr=ip, port=int(port))
+        except ControlConfigError as e:
+            _exit_refused("start controller failed, error:1", str(e))
+        token_file = None
+        if config.job_token is None and not config.curve:
+            # no token and no keys: one is made for this job (see _token), and its file
+            # goes at the latest when this process ends normally (as the SDK's atexit destroy)
+            token, token_file = _token.publish(ip, config.port)
+            atexit.register(_token.withdraw, token_file, token)
+            config = dataclasses.replace(config, job_token=token)
+        # enable_zit: a lost rank without a replacement shrinks the job and returning ranks
+        # grow it, through the ZIT handlers (`_zit`); it needs worker reboot, as the SDK's
         features = Features(high_availability=True, hbm_repair=self.enable_uce,
-                            worker_reboot=arf, source="mindio_ttp")
+                            worker_reboot=arf, elastic=arf and zit, source="mindio_ttp")
         controller = Controller(world_size, config, features=features)
-        controller.start()
-        self.controller = controller
+        try:
+            controller.start()
+        except BaseException:
+            _token.withdraw(token_file)
+            raise
+        self.controller, self.token_file = controller, token_file
 
     def update_features(self, **changes: Any) -> None:
         """Features learnt from later calls, for the controller this process hosts."""
@@ -147,18 +183,24 @@ class Runtime:
         controller, self.controller = self.controller, None
         if controller is not None:
             controller.stop()
+        token_file, self.token_file = self.token_file, None
+        _token.withdraw(token_file, controller.config.job_token if controller else None)
 
     # -- processor --------------------------------------------------------------------------
     def init_processor(self, rank: int, world_size: int, enable_local_copy: bool,
                        enable_tls: bool, enable_uce: bool, enable_arf: bool) -> None:
-        _check_world(rank, world_size, "init processor")
+        _check_ints("init_processor", rank, world_size)
+        if not 0 <= rank < world_size <= MAX_WORLD_SIZE:
+            _exit_refused(f"init processor {rank} failed, world_size {world_size}, Out of range",
+                          f"need 0 <= rank < world_size <= {MAX_WORLD_SIZE}")
         if enable_local_copy:
-            raise ValueError("init processor failed: enable_local_copy=True (a local copy of "
-                             "the optimizer state) is not supported; pass False")
+            _exit_refused(f"init processor {rank} failed, error:1",
+                          "enable_local_copy=True, a local copy of the optimizer state, is not "
+                          "supported; pass False")
         if enable_tls:
             log.warning("enable_tls: the SDK's TLS is not used here; the control plane "
                         "authenticates with CURVE keys (TTP_CURVE_*) and the job's token "
-                        "(TTP_JOB_TOKEN)")
+                        "(TTP_JOB_TOKEN, made by the controller when none is given)")
         self.rank, self.world_size = rank, world_size
         self.enable_uce, self.enable_arf = bool(enable_uce), bool(enable_arf)
         self.device = _current_device()
@@ -168,29 +210,20 @@ class Runtime:
 
             patches.install("connection-tracking")
             patches.install("gloo-collectives")
+            patches.install("group-names")  # as the SDK replaces _process_group_name here
 
     def start_processor(self, master_ip: str, port: int, actions: Any) -> None:
         if self.rank is None or self.world_size is None:
             raise RuntimeError("tft_start_processor before tft_init_processor")
         if self.processor is not None:
             raise RuntimeError(f"the processor of rank {self.rank} is already started")
-        if launched_by_tft(os.environ):
-            config = ControlConfig.from_env()  # the launcher's address and port
-            if int(port) != config.port:
-                log.info("the launcher's controller listens on port %d (TTP_PORT), not %s",
-                         config.port, port)
-        else:
-            config = ControlConfig.from_env(
-                processor_addr=_address(master_ip, "tft_start_processor master_ip",
-                                        wildcard=False),
-                port=parse_port(port, "tft_start_processor port"))
-        processor = Processor(self.rank, self.world_size, config)
-        actions.register(processor)
         try:
+            config = _processor_config(master_ip, port)
+            processor = Processor(self.rank, self.world_size, config)
+            actions.register(processor)
             processor.start()
-        except ProcessorError as e:
-            if not mindcluster_task() or \
-                    launched_by_tft(os.environ):
+        except (ProcessorError, ControlConfigError) as e:
+            if not mindcluster_task() or launched_by_tft(os.environ):
                 raise
             raise ProcessorError(
                 f"{e}: MINDX_TASK_ID is set, so MindSpeed-LLM started no controller (it leaves "
@@ -261,6 +294,24 @@ class Runtime:
         processor.hold_point(step + 1)
 
 
+def _processor_config(master_ip: str, port: int) -> ControlConfig:
+    """Where a processor connects, and the job's token it shows."""
+    if launched_by_tft(os.environ):
+        config = ControlConfig.from_env()  # the launcher's address, port and token
+        if int(port) != config.port:
+            log.info("the launcher's controller listens on port %d (TTP_PORT), not %s",
+                     config.port, port)
+        return config
+    config = ControlConfig.from_env(
+        processor_addr=_address(master_ip, "tft_start_processor master_ip", wildcard=False),
+        port=parse_port(port, "tft_start_processor port"))
+    if config.job_token is None and not config.curve:
+        # the token a controller of this host made for the job (see _token)
+        config = dataclasses.replace(config, job_token=_token.wait_for(
+            config.processor_addr, config.port, config.register_timeout))
+    return config
+
+
 def _address(value: Any, what: str, *, wildcard: bool) -> str:
     """An IP literal, or a host name resolved to one (as the SDK does); a ControlConfigError
     names the value otherwise."""
@@ -281,24 +332,54 @@ def _check_rank(rank: Any, what: str) -> None:
         raise ValueError(f"{what} failed, rank:{rank!r}: a rank is an int in [0, {MAX_WORLD_SIZE})")
 
 
-def _check_world(rank: Any, world_size: Any, what: str) -> None:
-    if (type(rank) is not int or type(world_size) is not int
-            or not 0 <= rank < world_size <= MAX_WORLD_SIZE):
-        raise ValueError(f"{what} failed: rank={rank!r}, world_size={world_size!r} (need "
-                         f"0 <= rank < world_size <= {MAX_WORLD_SIZE})")
+def _check_ints(method: str, *values: Any) -> None:
+    """The SDK's (SWIG's) refusal of an argument that is not an int (a bool is one)."""
+    for number, value in enumerate(values, 1):
+        if not isinstance(value, int):
+            raise TypeError(f"in method '{method}', argument {number} of type 'int' (got "
+                            f"{value!r})")
 
 
-def _current_device() -> Any:
-    """What `get_device()` answers: the accelerator this process uses (None on CPU)."""
+def _int_or_none(value: Any, default: int) -> int:
+    return value if isinstance(value, int) else default
+
+
+def _exit_refused(sdk_words: str, why: str) -> NoReturn:
+    """Refuse as the SDK does where it ends the process with 2 (its words, then why)."""
+    log.error("%s: %s", sdk_words, why)
+    print(f"[mindio_ttp] {sdk_words}: {why}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def _controller_ip(bind_ip: Any) -> str:
+    """`tft_start_controller`'s address: an IP or a host name that resolves, never a
+    wildcard (the SDK's refusals, its words)."""
+    text = str(bind_ip)
+    try:
+        if ipaddress.ip_address(text.strip("[]")).is_unspecified:
+            _exit_refused("start controller failed, all-zero ip is not supported",
+                          f"bind_ip={bind_ip!r}: give the address the ranks connect to")
+    except ValueError:
+        pass
+    try:
+        return _address(text, "tft_start_controller bind_ip", wildcard=False)
+    except ControlConfigError as e:
+        _exit_refused("start controller failed, error:1", str(e))
+
+
+def _current_device() -> int:
+    """What `get_device()` answers: the index of the device this process trains on, as the
+    SDK's `torch.npu.current_device()` (MindSpore: `device_id`); 0 on CPU, as the SDK
+    answers where no device was chosen."""
     torch = sys.modules.get("torch")
     if torch is None:
-        return None
+        return 0
     npu = getattr(torch, "npu", None)
     if npu is not None and npu.is_available():
-        return npu.current_device()
+        return int(npu.current_device())
     if torch.cuda.is_available():
-        return torch.cuda.current_device()
-    return None
+        return int(torch.cuda.current_device())
+    return 0
 
 
 RUNTIME = Runtime()

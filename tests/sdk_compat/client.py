@@ -16,7 +16,8 @@ run folder) that a stopped device leaves with "FORCE STOP".
     client.py RUNDIR RANK WORLD PORT CASE [FAULT_RANK FAULT_ITER]
 
 CASE: none, uce, uce_low (the clean finds nothing to rebuild), hccl, precision (MindSpeed-LLM's
-`PRECISION ERROR`), unknown, kill. `RUNDIR/spec.json` holds the rest (iterations, DP
+`PRECISION ERROR`), unknown, kill, pause (rank 0, the controller's process, pauses the job at
+FAULT_ITER through the SDK's cluster-manager API and continues it 1 s later). `RUNDIR/spec.json` holds the rest (iterations, DP
 groups, switches). Every handler call is a JSON line in `RUNDIR/calls.<rank>.jsonl`.
 
 Huawei's SDK is run on its MindSpore code path here (no torch_npu on this machine; see
@@ -114,7 +115,27 @@ def barrier(iteration: int) -> None:
         time.sleep(0.005)
 
 
+def operator_pause() -> None:
+    """What a cluster manager does for a pause, through the controller process' API: pause,
+    1 s later continue (rank 0 hosts the controller)."""
+    from mindio_ttp.controller_ttp import ttp_mindx_api
+
+    # the time the order was given: a rank's stream sync may run before the call returns
+    ordered = time.time()
+    record("pause_ordered", ret=ttp_mindx_api.tft_notify_controller_stop_train({}, "pause", 30),
+           t=ordered)
+    time.sleep(1.0)
+    record("continue_ordered",
+           ret=ttp_mindx_api.tft_notify_controller_change_strategy("continue"))
+
+
 def inject(iteration: int) -> None:
+    if CASE == "pause":
+        if RANK == 0 and iteration == FAULT_ITER and not STATE["faulted"]:
+            STATE["faulted"] = True
+            record("fault", case=CASE, iteration=iteration)
+            threading.Thread(target=operator_pause, daemon=True).start()
+        return
     if RANK != FAULT_RANK or iteration != FAULT_ITER or STATE["faulted"]:
         return
     STATE["faulted"] = True
@@ -136,14 +157,23 @@ def train(forward_step_func, model, optimizer, scheduler, train_iter, valid_iter
     while STATE["iteration"] < SPEC["iterations"]:
         iteration = STATE["iteration"]
         inject(iteration)
-        barrier(iteration)
+        if iteration < SPEC.get("barrier_until", SPEC["iterations"]):
+            barrier(iteration)
+        start = time.time()
         ft.tft_start_updating_os(-1)
+        if time.time() - start > 0.3:
+            record("held", where="tft_start_updating_os", step=iteration + 1,
+                   blocked=time.time() - start)
         tft_set_update_start_time(time.monotonic_ns() // 1000)
         DEVICE.check()  # the optimizer's update on the device
         tft_set_update_end_time(time.monotonic_ns() // 1000)
         ft.tft_end_updating_os(iteration + 1)
         STATE["iteration"] = iteration + 1
+        start = time.time()
         ft.tft_pause_train(iteration + 1)
+        if time.time() - start > 0.3:
+            record("held", where="tft_pause_train", step=iteration + 1,
+                   blocked=time.time() - start)
         time.sleep(SPEC.get("step_seconds", 0.02))
     return STATE["iteration"], 0
 
@@ -223,7 +253,7 @@ def main() -> None:
     ft.tft_init_processor(RANK, WORLD, False, False, "", uce, arf, zit)
     ft.tft_start_processor(ip, PORT)
     ARF_REBOOT = ft.tft_is_reboot_node()
-    record("started", reboot=ARF_REBOOT, pid=os.getpid())
+    record("started", reboot=ARF_REBOOT, pid=os.getpid(), device=ttp_decorator.get_device())
     group = next(g for g in SPEC["dp_groups"] if RANK in g)
     ft.tft_set_optimizer_replica(RANK, [{"rank_list": group, "replica_cnt": len(group),
                                          "replica_shift": 0}])

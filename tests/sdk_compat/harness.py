@@ -93,18 +93,27 @@ def run_case(python: str, env: dict[str, str], run_dir: Path, case: str, *, worl
             time.sleep(0.05)
     finally:
         seconds = time.monotonic() - start
-        for proc in procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-        for proc in procs.values():
-            proc.wait(timeout=30)
-        for f in logs.values():
-            f.close()
+        end_all(procs, logs, port)
     return CaseResult(
         case=case, calls={r: _read_calls(run_dir, r) for r in range(world)},
         codes={r: p.returncode for r, p in procs.items()},
         output={r: (run_dir / f"out.{r}.txt").read_text(errors="replace") for r in range(world)},
         seconds=seconds)
+
+
+def end_all(procs: dict[Any, subprocess.Popen], logs: dict[Any, Any], port: int) -> None:
+    """SIGKILL what is left of the processes (their sessions), close their logs and delete
+    the job token file a killed controller of this project left for `port`."""
+    from mindio_ttp import _token
+
+    for proc in procs.values():
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    for proc in procs.values():
+        proc.wait(timeout=30)
+    for f in logs.values():
+        f.close()
+    _token.withdraw(_token.token_path("127.0.0.1", port))
 
 
 def calls_view(result: CaseResult) -> dict[int, list[tuple]]:

@@ -20,11 +20,18 @@ It follows MindSpeed-LLM 2.3.0's high-availability code (`tft_train_initialize.p
   and rename (a Megatron-like `iter_XXXXXXX_tmp` folder renamed to `iter_XXXXXXX` with the
   tracker file);
 - the training function runs under `tft_exception_handler`, which enters it again with the
-  same arguments after a repair.
+  same arguments after a repair;
+- elastic training (`--enable-elastic-training`), as MindSpeed-LLM's `elastic_training_*`
+  modules: the downgrade handler rebuilds the world with the ranks that stay (each then takes
+  a larger slice of the same global batch), the upgrade handlers rebuild the launch world,
+  send the state to each returning rank (RT_SEND / RT_RECV_REPAIR) and roll back to the step;
+  each checks its strategy parameters (`{"scale-in-strategy": "DP"}` and the scale-out's).
 
 The data of iteration i is a function of i, so a rollback needs no data state. Each rank
-writes `OUT/losses.<rank>.jsonl` (iteration, loss as float.hex) and `OUT/calls.<rank>.jsonl`
-(the handler calls). Faults: `--fault KIND:RANK:ITERATION` with KIND kill (SIGKILL), uce
+writes `OUT/losses.<rank>.jsonl` (iteration, loss as float.hex, learning rate, the world and
+the samples of the global batch it trained on) and `OUT/calls.<rank>.jsonl` (the handler
+calls). `--gate ITERATION:FILE`: every rank waits before that iteration, bounded and at the
+SDK's hold point (`tft_pause_train`), until FILE exists. Faults: `--fault KIND:RANK:ITERATION` with KIND kill (SIGKILL), uce
 (the rank's parameters and Adam state are overwritten with NaN, then "UCE ERROR" is raised)
 or unknown (a RuntimeError no pattern names: a dying-gasp checkpoint); a restarted process
 does not fault again.
@@ -62,11 +69,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--enable-high-availability", action="store_true")
     p.add_argument("--enable-hbmfault-repair", action="store_true")
     p.add_argument("--enable-worker-reboot", action="store_true")
+    p.add_argument("--enable-elastic-training", action="store_true")
+    p.add_argument("--gate", default=None, help="ITERATION:FILE")
     return p.parse_args()
 
 
 ARGS = parse_args()
 RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+#: the global ranks of the world this rank trains in (elastic training changes it)
+WORLD_RANKS = list(range(WORLD))
 TIMEOUT = timedelta(seconds=60)
 os.makedirs(ARGS.out, exist_ok=True)
 _calls = open(os.path.join(ARGS.out, f"calls.{RANK}.jsonl"), "a", buffering=1)
@@ -93,13 +104,20 @@ def build_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
 
 
+def samples() -> tuple[int, int]:
+    """This rank's slice of the global batch in the current world."""
+    per = GLOBAL_BATCH // len(WORLD_RANKS)
+    index = WORLD_RANKS.index(RANK)
+    return index * per, (index + 1) * per
+
+
 def batch(iteration: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's slice of the global batch of `iteration` (a function of the iteration)."""
     g = torch.Generator().manual_seed(10_000 + iteration)
     x = torch.randn(GLOBAL_BATCH, FEATURES, generator=g)
     y = torch.sin(x) + 0.1 * torch.randn(GLOBAL_BATCH, FEATURES, generator=g)
-    per = GLOBAL_BATCH // WORLD
-    return x[RANK * per:(RANK + 1) * per], y[RANK * per:(RANK + 1) * per]
+    start, end = samples()
+    return x[start:end], y[start:end]
 
 
 # -- process groups ------------------------------------------------------------------------------
@@ -115,15 +133,22 @@ def store() -> dist.Store:
 
 
 def rebuild_world() -> int:
-    """Every rank of the job makes the world group again (a new key space each time)."""
-    generation = (store().add("mindio-trainer/rebuilds", 1) - 1) // WORLD + 1
+    """Every rank of the world (`WORLD_RANKS`) makes its group again (a new key space each
+    time: each member counts once per rebuild of that world)."""
+    name = ",".join(map(str, WORLD_RANKS))
+    generation = (store().add(f"mindio-trainer/rebuilds/{name}", 1) - 1) // len(WORLD_RANKS) + 1
     if dist.is_initialized():
         _retired.append(dist.group.WORLD)
         dist.destroy_process_group()
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"mindio-trainer/{generation}/",
-                                                           store()),
-                            rank=RANK, world_size=WORLD, timeout=TIMEOUT)
+    dist.init_process_group("gloo", store=dist.PrefixStore(
+        f"mindio-trainer/{name}/{generation}/", store()), rank=WORLD_RANKS.index(RANK),
+        world_size=len(WORLD_RANKS), timeout=TIMEOUT)
     return generation
+
+
+def group_rank(rank: int) -> int:
+    """The rank in the world group of global rank `rank` (the SDK passes global ranks)."""
+    return WORLD_RANKS.index(rank)
 
 
 # -- handlers ------------------------------------------------------------------------------------
@@ -173,15 +198,15 @@ def repair_callback(step: int, need_rebuild: bool, error_ranks: list, repair_inf
     if kind is ft.RepairType.RT_SEND:
         payload = _state_bytes(train_args)
         for dst in repair_info["dst"]:
-            dist.send(torch.tensor([payload.numel()], dtype=torch.long), dst)
-            dist.send(payload, dst)
+            dist.send(torch.tensor([payload.numel()], dtype=torch.long), group_rank(dst))
+            dist.send(payload, group_rank(dst))
     elif kind in (ft.RepairType.RT_UCE_HIGHLEVEL, ft.RepairType.RT_UCE_LOWLEVEL,
                   ft.RepairType.RT_RECV_REPAIR):
         for src in repair_info["src"]:
             size = torch.zeros(1, dtype=torch.long)
-            dist.recv(size, src)
+            dist.recv(size, group_rank(src))
             payload = torch.empty(int(size.item()), dtype=torch.uint8)
-            dist.recv(payload, src)
+            dist.recv(payload, group_rank(src))
             _load(train_args, torch.load(io.BytesIO(payload.numpy().tobytes()),
                                          weights_only=False))
     elif kind in (ft.RepairType.RT_LOAD_CKPT, ft.RepairType.RT_LOAD_REBUILD):
@@ -193,6 +218,49 @@ def repair_callback(step: int, need_rebuild: bool, error_ranks: list, repair_inf
 
 def rollback_callback(step: int, train_args, ctx) -> None:
     record("rollback", step=step, args_type=type(train_args).__name__)
+    train_args[STATE_INDEX].iteration = step
+
+
+def _check_strategy(params: str, key: str) -> None:
+    """MindSpeed-LLM's `check_scale_in_params` / `check_scale_out_params`."""
+    strategy = json.loads(params).get(key, "")
+    if strategy != "DP":
+        raise ValueError(f"Only support DP strategy, but got {strategy}")
+
+
+def zit_downgrade_rebuild_callback(new_dp_ranks: list, new_world_ranks: list, train_args,
+                                   params: str) -> None:
+    """Scale-in: the world without the lost DP replicas; the same global batch in larger
+    slices (MindSpeed-LLM changes its number of micro-batches)."""
+    global WORLD_RANKS
+    _check_strategy(params, "scale-in-strategy")
+    record("zit_downgrade_rebuild", new_dp_ranks=new_dp_ranks, new_world_ranks=new_world_ranks,
+           params=params, iteration=train_args[STATE_INDEX].iteration)
+    WORLD_RANKS = list(new_world_ranks)
+    rebuild_world()
+    gloo_device.restart_device()
+
+
+def zit_upgrade_rebuild_callback(rank_list: list, train_args, params: str) -> None:
+    """Scale-out: the launch world again, with the returning ranks `rank_list`."""
+    global WORLD_RANKS, ARF_REBOOT
+    _check_strategy(params, "scale-out-strategy")
+    record("zit_upgrade_rebuild", rank_list=rank_list, params=params)
+    WORLD_RANKS = list(range(WORLD))
+    rebuild_world()
+    gloo_device.restart_device()
+    ARF_REBOOT = False
+
+
+def zit_upgrade_repair_callback(step: int, need_rebuild: bool, error_ranks: list,
+                                repair_info: dict, train_args, params: str) -> None:
+    _check_strategy(params, "scale-out-strategy")
+    repair_callback(step, need_rebuild, error_ranks, repair_info, train_args, params)
+
+
+def zit_upgrade_rollback_callback(step: int, train_args, params: str) -> None:
+    _check_strategy(params, "scale-out-strategy")
+    record("zit_upgrade_rollback", step=step)
     train_args[STATE_INDEX].iteration = step
 
 
@@ -251,11 +319,25 @@ def inject(iteration: int, train_args) -> None:
         raise RuntimeError("an error no pattern names (injected)")
 
 
+def gate(iteration: int) -> None:
+    """`--gate`: wait at the SDK's hold point until the file exists (bounded)."""
+    if not ARGS.gate:
+        return
+    at, path = ARGS.gate.split(":", 1)
+    deadline = time.monotonic() + 180
+    while int(at) == iteration and not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{path} did not appear within 180 s")
+        ft.tft_pause_train(iteration)  # a stop or a pause of the controller comes here
+        time.sleep(0.05)
+
+
 def train(forward_step_func, model, optimizer, state, *rest):
     record("train_enter", iteration=state.iteration)
     loss_fn = torch.nn.MSELoss(reduction="sum")
     while state.iteration < ARGS.iterations:
         iteration = state.iteration
+        gate(iteration)
         inject(iteration, [forward_step_func, model, optimizer, state])
         x, y = batch(iteration)
         optimizer.zero_grad(set_to_none=False)
@@ -271,7 +353,9 @@ def train(forward_step_func, model, optimizer, state, *rest):
         tft_set_update_end_time()
         ft.tft_end_updating_os(iteration + 1)
         state.iteration = iteration + 1
-        _losses.write(json.dumps({"iteration": iteration + 1, "loss": total.item().hex()}) + "\n")
+        _losses.write(json.dumps({"iteration": iteration + 1, "loss": total.item().hex(),
+                                  "lr": optimizer.param_groups[0]["lr"], "world": WORLD_RANKS,
+                                  "samples": samples()}) + "\n")
         ft.tft_pause_train(state.iteration)
     return state.iteration
 
@@ -296,7 +380,7 @@ def init_controller_processor() -> None:
     port = int(os.getenv("TTP_PORT", "8000"))
     arf, uce = ARGS.enable_worker_reboot, ARGS.enable_hbmfault_repair
     if RANK == 0 and os.getenv("MINDX_TASK_ID") is None:
-        ft.tft_init_controller(RANK, WORLD, False, arf, False)
+        ft.tft_init_controller(RANK, WORLD, False, arf, ARGS.enable_elastic_training)
         ft.tft_start_controller(controller_ip, port, False, "")
     ft.tft_init_processor(RANK, WORLD, False, False, "", uce, arf, False)
     ft.tft_start_processor(processor_ip, port)
@@ -315,6 +399,11 @@ def register_processor() -> None:
     ft.tft_register_repair_handler(repair_callback)
     ft.tft_register_rollback_handler(rollback_callback)
     ft.tft_register_rebuild_group_handler(rebuild_callback)
+    if ARGS.enable_elastic_training:  # MindSpeed-LLM registers them with elastic training
+        ft.tft_register_zit_downgrade_rebuild_handler(zit_downgrade_rebuild_callback)
+        ft.tft_register_zit_upgrade_rebuild_handler(zit_upgrade_rebuild_callback)
+        ft.tft_register_zit_upgrade_repair_handler(zit_upgrade_repair_callback)
+        ft.tft_register_zit_upgrade_rollback_handler(zit_upgrade_rollback_callback)
 
 
 def main() -> None:

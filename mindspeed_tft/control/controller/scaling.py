@@ -193,7 +193,7 @@ class Scaling:
                 row.health, row.fresh = Health.ALIVE, True
         flow._start_phase("scale_out", world, {"incident": inc.id, "lock_step": inc.lock_step,
                                                "path": path, "ranks": world,
-                                               "dp_size": dp_size})
+                                               "dp_size": dp_size, "joining": self.joining})
 
     def after_scale_out(self, phase: PhaseResults) -> None:
         flow = self.flow

@@ -104,6 +104,8 @@ class Gate:
         self._progress = 0
         self._stopped = False
         self._paused = False
+        #: the training thread waits at a hold point because the rank is paused
+        self._held = False
         self._in_handler = False
         self._training = False
         self._training_thread_id: int | None = None
@@ -154,21 +156,42 @@ class Gate:
         limit = self.config.effective_decision_timeout() if timeout is None else timeout
         deadline = time.monotonic() + limit
         waiting = WaitLog(self.rank, f"the end of a pause before update {step}", limit)
-        while True:
-            if self._pending is not None or (self._stopped and not (
-                    self._catch_up is not None and step <= self._catch_up)):
-                raise ForceStop(f"rank {self.rank} stopped by the controller before "
-                                f"update {step}")
-            if not self._paused:
-                return
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise ForceStop(f"rank {self.rank} paused for more than {limit:g}s")
-            self.watchdog.pause()  # held on purpose: not a hang
-            self._cond.wait(min(remaining, 5.0))
-            waiting.tick()
-            if self._watching:
-                self.watchdog.resume()
+        try:
+            while True:
+                if self._pending is not None or (self._stopped and not (
+                        self._catch_up is not None and step <= self._catch_up)):
+                    raise ForceStop(f"rank {self.rank} stopped by the controller before "
+                                    f"update {step}")
+                if not self._paused:
+                    return
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise ForceStop(f"rank {self.rank} paused for more than {limit:g}s")
+                self.watchdog.pause()  # held on purpose: not a hang
+                if not self._held:
+                    self._held = True
+                    self._cond.notify_all()
+                self._cond.wait(min(remaining, 5.0))
+                waiting.tick()
+                if self._watching:
+                    self.watchdog.resume()
+        finally:
+            self._held = False
+
+    def wait_held(self, timeout: float) -> bool:
+        """Wait, at most `timeout` seconds, until the training thread waits at a hold point
+        of a pause; True if it does. False at once when there is nothing to wait for: the
+        pause ended, or the training thread is in the fault handler or outside the training
+        function (an order behind this one, a stop, must not wait)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not self._held:
+                remaining = deadline - time.monotonic()
+                if (remaining <= 0 or not self._paused or self._parked()
+                        or not self._training):
+                    return False
+                self._cond.wait(min(remaining, 0.5))
+            return True
 
     def report_update_end(self, step: int) -> None:
         """Optimizer update `step` completed: the data is Updated at `step`."""

@@ -238,6 +238,13 @@ class Processor:
         without marking the data Updating)."""
         self._gate.wait_unheld(step, timeout)
 
+    def wait_held(self, timeout: float | None = None) -> bool:
+        """From a pause callback: wait (bounded; default as a stop waits for the training
+        thread to park) until the training thread waits at a hold point; True if it does."""
+        if timeout is None:
+            timeout = min(self.config.park_timeout, self.config.action_time_limit / 2)
+        return self._gate.wait_held(timeout)
+
     def report_update_end(self, step: int) -> None:
         """Optimizer update `step` completed: the data is Updated at `step`."""
         self._gate.report_update_end(step)

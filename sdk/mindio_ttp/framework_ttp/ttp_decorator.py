@@ -152,8 +152,9 @@ def get_mindio_export_version() -> str | None:
     return RUNTIME.export_version
 
 
-def get_device() -> Any:
-    """The accelerator this process uses (its index; None on CPU)."""
+def get_device() -> int:
+    """The index of the device this rank trains on, read at `tft_init_processor` as the SDK
+    does (`torch.npu.current_device()`); 0 on CPU, as the SDK answers there."""
     return RUNTIME.device
 
 
