@@ -37,8 +37,8 @@ from mindspeed_tft.control.wire.order_types import (
     RollbackOrder,
     StopOrder,
 )
+from mindspeed_tft.elastic import replica_num_for
 from mindspeed_tft.recovery import group_names
-from mindspeed_tft.recovery.elastic import replica_num_for
 
 from ._enums import RET_NO_REBUILD, RET_OK
 from ._runtime import Runtime

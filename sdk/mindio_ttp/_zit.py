@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from mindspeed_tft.recovery.elastic import shrunk_world
+from mindspeed_tft.elastic import shrunk_world
 
 from ._enums import OptimizerType, RepairType
 from ._translate import RepairCall
