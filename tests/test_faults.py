@@ -72,16 +72,16 @@ def test_item_marker_and_describe():
     [
         ("kill:rank=0,step=1;;hang:rank=0,step=2",
          "TFT_INJECT item 2 '': empty item; allowed: KIND:key=value,... with KIND one of "
-         "kill, raise, uce, comm, hang"),
+         "kill, raise, uce, comm, hang, corrupt"),
         ("kill:rank=0,step=1;",
          "TFT_INJECT item 2 '': empty item; allowed: KIND:key=value,... with KIND one of "
-         "kill, raise, uce, comm, hang"),
+         "kill, raise, uce, comm, hang, corrupt"),
         ("oom:rank=0,step=1",
          "TFT_INJECT item 1 'oom:rank=0,step=1': unknown kind 'oom'; allowed: kill, raise, "
-         "uce, comm, hang"),
+         "uce, comm, hang, corrupt"),
         ("KILL:rank=0,step=1",
          "TFT_INJECT item 1 'KILL:rank=0,step=1': unknown kind 'KILL'; allowed: kill, raise, "
-         "uce, comm, hang"),
+         "uce, comm, hang, corrupt"),
         ("kill",
          "TFT_INJECT item 1 'kill': missing required key 'rank'"),
         ("kill:step=3",
@@ -113,7 +113,7 @@ def test_item_marker_and_describe():
          "step, phase, target, point"),
         ("kill:rank=0,step=1,phase=fwd",
          "TFT_INJECT item 1 'kill:rank=0,step=1,phase=fwd': unknown phase 'fwd'; allowed: "
-         "forward, backward, optimizer, save, after, publish, scale"),
+         "forward, backward, optimizer, save, after, publish, scale, transfer"),
         ("kill:rank=0,step=1,phase=publish",
          "TFT_INJECT item 1 'kill:rank=0,step=1,phase=publish': phase publish needs "
          "point=P; allowed: written, synced, aside, renamed, tracker"),
@@ -156,7 +156,7 @@ def test_numbers_are_bounded_and_echoes_cut():
         parse_fault_spec(f"kill:rank=0,step=1;{junk}")
     assert str(info.value) == (f"TFT_INJECT item 2 '{'x' * 60}'… (120000 characters): unknown "
                                f"kind '{'x' * 60}'… (120000 characters); allowed: kill, raise, "
-                               "uce, comm, hang")
+                               "uce, comm, hang, corrupt")
     with pytest.raises(FaultSpecError) as info:
         parse_hang_seconds(junk)
     assert len(str(info.value)) < 200
@@ -278,7 +278,7 @@ def test_fire_rejects_unknown_phase():
     with pytest.raises(ValueError) as info:
         injector_for("").fire(0, "update")
     assert str(info.value) == (
-        "unknown phase 'update'; allowed: forward, backward, optimizer, save, after, publish, scale"
+        "unknown phase 'update'; allowed: forward, backward, optimizer, save, after, publish, scale, transfer"
     )
 
 

@@ -67,6 +67,23 @@ def megatron_lm_entry(args: argparse.Namespace) -> bool:
     return True
 
 
+#: the exit code of a worker that refused a flag, a variable or a checkpoint at start; passed
+#: through when every failed worker exited with it
+WORKER_USAGE_EXIT_CODE = 2
+
+
+def _refused_at_start(error: ChildFailedError) -> int | None:
+    """`WORKER_USAGE_EXIT_CODE` (said, with torchrun's summary) when every failed worker
+    exited with it (they refused a flag, a variable or a checkpoint), else None."""
+    codes = {failure.exitcode for failure in error.failures.values()}
+    if codes != {WORKER_USAGE_EXIT_CODE}:
+        return None
+    print(error.format_msg(), file=sys.stderr, flush=True)
+    say(f"ranks {sorted(error.failures)} refused their settings (exit code "
+        f"{WORKER_USAGE_EXIT_CODE}; their error is above); exit code {WORKER_USAGE_EXIT_CODE}")
+    return WORKER_USAGE_EXIT_CODE
+
+
 def hosts_controller(args: argparse.Namespace) -> bool:
     """Whether this launcher will host the job's controller, known before the rendezvous:
     the only node, or node 0 of a static rendezvous (torchrun's default)."""
@@ -88,7 +105,12 @@ def launch(args: argparse.Namespace) -> int:
         say(f"{args.training_script_args[0]} is a Megatron-LM training script: its workers run "
             "it through `python -m mindspeed_tft.megatron` (the Megatron-LM host adaptor)")
     if not options.high_availability:
-        torch_run_functions()[0](args)
+        try:
+            torch_run_functions()[0](args)
+        except ChildFailedError as e:
+            if _refused_at_start(e) is None:
+                raise
+            return WORKER_USAGE_EXIT_CODE
         return 0
 
     from mindspeed_tft.control.wire.config import ControlConfig, ControlConfigError, check_port_free
@@ -125,7 +147,9 @@ def launch(args: argparse.Namespace) -> int:
             say(f"the job ended with a dying-gasp checkpoint (ranks {sorted(e.failures)} "
                 f"exited with {dump_exit_code}); exit code {dump_exit_code}")
             return dump_exit_code
-        raise
+        if _refused_at_start(e) is None:
+            raise
+        return WORKER_USAGE_EXIT_CODE
     return 0
 
 

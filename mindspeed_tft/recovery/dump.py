@@ -43,6 +43,7 @@ from mindspeed_tft.recovery.layout import (
     save_file,
     this_rank_dir_name,
 )
+from mindspeed_tft.recovery.manifest import write_manifest
 from mindspeed_tft.recovery.snapshot import StepSnapshot, restore_scheduler
 
 SHARDS_DIRNAME = "tft_shards"
@@ -203,6 +204,7 @@ def assemble(
               os.path.join(rank_dir, MODEL_FILENAME))
     if opts:
         shutil.rmtree(os.path.join(rank_dir, SHARDS_DIRNAME), ignore_errors=True)
+    write_manifest(rank_dir, lock_step)
     return rank_dir
 
 

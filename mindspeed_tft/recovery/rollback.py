@@ -83,6 +83,7 @@ def transfer_shards(
         copied = copy_shard(state.optimizer, state.model, src=src, dst=me,
                             expect_params=bool(entry.get("params")))
         received = decode_snapshot(_recv_bytes(src))
+        copied.check()  # a damaged shard fails the repair (after the sender's last bytes)
         got_params |= copied.param_bytes > 0
         emit("shard_received", me, source=src, optimizer=entry["optimizer"],
              shard=entry["shard"], iteration=lock_step, bytes=copied.nbytes,

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from mindspeed_tft.events import emit
+from mindspeed_tft.recovery import manifest
 from mindspeed_tft.recovery.layout import (
     CHECKPOINT_SAFE_GLOBALS,
     CHECKPOINT_VERSION,
@@ -126,6 +127,8 @@ def save_checkpoint(
     if _is_data_parallel_writer():
         os.makedirs(rank_dir, exist_ok=True)
         save_file(checkpoint_state_dict(state), os.path.join(rank_dir, MODEL_FILENAME))
+        # every file of the folder is written (the distributed optimizer's by this rank too)
+        manifest.write_manifest(rank_dir, iteration)
 
     if hooks is not None:
         hooks.on_phase(state, "save", iteration - 1)
@@ -228,6 +231,9 @@ def load_checkpoint(state: Any, root: str | None = None) -> int:
         return 0
     iteration, directory = found
     rank_dir = _rank_dir_or_error(root, iteration, directory)
+    # before any tensor is read: a mismatch exits 2 at start-up, fails a repair
+    manifest.verify_for_load(root, os.path.basename(rank_dir), _is_data_parallel_writer(),
+                             dist.get_rank(), startup=startup)
     model_file = os.path.join(rank_dir, MODEL_FILENAME)
     # Megatron-LM's format: args is an argparse.Namespace, the RNG state has numpy arrays
     state_dict = load_file(model_file, CHECKPOINT_SAFE_GLOBALS)
