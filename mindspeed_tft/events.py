@@ -159,6 +159,9 @@ class IterationLog:
         self.pending: dict[str, Any] | None = None
         self._highest: int | None = None
         self._store = store
+        #: the job's last iteration (`--train-iters`) when known: the store's value is
+        #: bounded by it (the host sets it)
+        self.limit: int | None = None
 
     def store(self) -> Any | None:
         return self._store if self._store is not None else default_store()
@@ -181,7 +184,10 @@ class IterationLog:
         if self._highest is None or refresh:
             store = self.store()
             if store is not None and store.check([LOGGED_KEY]):
-                self._highest = max(self._highest or 0, int(store.get(LOGGED_KEY)))
+                stored = store_int(store.get(LOGGED_KEY), LOGGED_KEY,
+                                   self.limit if self.limit else STORE_INT_MAX)
+                if stored is not None:
+                    self._highest = max(self._highest or 0, stored)
             self._highest = self._highest or 0
         return self._highest
 
@@ -262,6 +268,47 @@ def validate_record(value: Any) -> dict[str, Any] | None:
     if value.get("consumed_samples") is not None and type(value["consumed_samples"]) is not int:
         return None
     return _record(iteration, value)
+
+
+#: the largest whole number a store value may hold unless its reader knows a smaller bound
+STORE_INT_MAX = 2**31 - 1
+#: the longest value a refusal echoes
+_SHOWN_BYTES = 40
+_refused: set[tuple[str, bytes]] = set()
+
+
+def _shown(value: bytes) -> str:
+    if len(value) <= _SHOWN_BYTES:
+        return repr(value)
+    return f"{value[:_SHOWN_BYTES]!r}... ({len(value)} bytes)"
+
+
+def store_refused(key: str, value: bytes, allowed: str) -> None:
+    """A value read from the rendezvous store that its reader refuses (any local user can
+    write the store): one `store_value_refused` event and one log line per key and value,
+    never an exception; the reader goes on without it."""
+    import logging
+
+    with _lock:
+        if (key, value[:256]) in _refused:
+            return
+        _refused.add((key, value[:256]))
+    detail = f"store key {key} holds {_shown(value)}; allowed: {allowed}; ignored"
+    logging.getLogger("mindspeed_tft.store").warning("%s", detail)
+    emit("store_value_refused", _rank(), key=key, value=_shown(value), allowed=allowed)
+
+
+def store_int(value: Any, key: str, limit: int = STORE_INT_MAX) -> int | None:
+    """A whole number from 0 to `limit` read from the store under `key`, or None (refused:
+    `store_refused`). Checked on the bytes first: nothing long is converted."""
+    raw = value if isinstance(value, bytes) else str(value).encode()
+    text = raw.decode("ascii", "replace")
+    if 0 < len(raw) <= len(str(limit)) and text.isascii() and text.isdigit():
+        number = int(text)
+        if number <= limit:
+            return number
+    store_refused(key, raw, f"a whole number from 0 to {limit}")
+    return None
 
 
 #: the process's iteration log (SPEC 11: every iteration logged exactly once)

@@ -301,8 +301,12 @@ default_store = events.default_store
 
 
 def _claim_in_store(store: Any, item: FaultItem) -> bool:
-    """True if this call is the first to record ``item`` in ``store``."""
-    return int(store.add(STORE_KEY_PREFIX + item.marker, 1)) == 1
+    """True if this call is the first to record ``item`` in ``store``: an atomic
+    compare-and-set from "absent" to a value of this process's own (never `store.add`: the
+    store's server drops the connection of an add to a value that is not a number, which
+    anyone who can reach the store could have written)."""
+    claim = f"{os.getpid()}-{time.time_ns()}".encode()
+    return bytes(store.compare_set(STORE_KEY_PREFIX + item.marker, "", claim)) == claim
 
 
 def _claim_in_dir(state_dir: str, item: FaultItem) -> bool:

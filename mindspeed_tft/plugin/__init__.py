@@ -222,6 +222,8 @@ class TFTPlugin:
 
     def register(self) -> None:
         """Join the control plane (high availability only; before torch.distributed)."""
+        # the store's highest logged iteration is bounded by the job's last one
+        iteration_log.limit = getattr(self.args, "train_iters", None) or None
         configure_events(getattr(self.args, "tft_events_file", None))
         if not self.high_availability:
             return

@@ -33,11 +33,13 @@ import pickle
 import re
 import struct
 import sys
+import time
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from mindspeed_tft.events import emit
 from mindspeed_tft.recovery.layout import (
     TRACKER_FILENAME,
     CheckpointError,
@@ -141,10 +143,11 @@ def _folder_files(folder: str) -> list[str]:
 def write_manifest(folder: str, iteration: int, files: list[str] | None = None) -> str:
     """Write `folder`'s manifest (every file in it, or `files`), fsynced; returns its path.
     Written through a temporary name, so a folder never holds a half-written manifest."""
+    started = time.perf_counter()
     names = files if files is not None else _folder_files(folder)
+    digests = {name: file_digests(os.path.join(folder, name)) for name in names}
     manifest = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION,
-                "algorithm": ALGORITHM, "iteration": iteration,
-                "files": {name: file_digests(os.path.join(folder, name)) for name in names}}
+                "algorithm": ALGORITHM, "iteration": iteration, "files": digests}
     path = os.path.join(folder, MANIFEST_FILENAME)
     tmp = path + ".partial"
     with open(tmp, "w", encoding="utf-8") as f:
@@ -152,7 +155,15 @@ def write_manifest(folder: str, iteration: int, files: list[str] | None = None) 
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    emit("manifest_written", _rank(), folder=folder, iteration=iteration,
+         bytes=sum(entry["size"] for entry in digests.values()),
+         seconds=round(time.perf_counter() - started, 6))
     return path
+
+
+def _rank() -> int:
+    dist = sys.modules.get("torch.distributed")
+    return int(dist.get_rank()) if dist is not None and dist.is_initialized() else 0
 
 
 def remove_manifest(folder: str) -> None:
@@ -397,7 +408,13 @@ def verify_for_load(root: str | None, rank_dir_name: str, verifier: bool, rank: 
         return
     iteration, directory = found
     folder = os.path.join(directory, rank_dir_name)
-    verdict = verify_folder(folder) if verifier and os.path.isdir(folder) else FolderVerdict(True)
+    verdict = FolderVerdict(True)
+    if verifier and os.path.isdir(folder):
+        started = time.perf_counter()
+        verdict = verify_folder(folder)
+        emit("manifest_verified", rank, folder=folder, iteration=iteration,
+             verified=verdict.verified, problem=verdict.problem,
+             seconds=round(time.perf_counter() - started, 6))
     failed = _collective_max(int(verdict.problem is not None))
     if verdict.problem is not None:
         line = refusal_line(root, iteration, verdict.problem)

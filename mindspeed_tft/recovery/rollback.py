@@ -87,7 +87,8 @@ def transfer_shards(
         got_params |= copied.param_bytes > 0
         emit("shard_received", me, source=src, optimizer=entry["optimizer"],
              shard=entry["shard"], iteration=lock_step, bytes=copied.nbytes,
-             param_bytes=copied.param_bytes, seconds=round(copied.seconds, 4))
+             param_bytes=copied.param_bytes, seconds=round(copied.seconds, 4),
+             check_seconds=round(copied.check_seconds, 4))
         log.info("rank %d received %s shard %s from rank %d (%d bytes)", me,
                  entry["optimizer"], entry["shard"], src, copied.nbytes)
     for entry in send:

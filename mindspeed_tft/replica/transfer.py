@@ -205,6 +205,8 @@ class CopyResult:
     param_bytes: int = 0
     #: what arrived damaged (its checksum differs from the sender's), None when all is intact
     damaged: str | None = None
+    #: (receiver) seconds the checksums added: its digests and the wait for the sender's
+    check_seconds: float = 0.0
 
     def check(self) -> None:
         """Raise `ShardTransferError` when the shard arrived damaged (the receiver's state
@@ -306,15 +308,25 @@ class _Layout:
             for m in plan])
 
 
+@dataclass
+class _Checked:
+    """The receiver's checksum verdict: what arrived damaged (None: nothing) and the seconds
+    spent on it (its own digests, and waiting for the sender's after the last message)."""
+
+    damaged: str | None
+    seconds: float
+
+
 def _receive(shard: Shard, params: list[torch.Tensor], header: torch.Tensor, pending: Any,
              src: int, group: dist.ProcessGroup | None, *, entered: float,
-             expect_params: bool) -> tuple[int, float, int, str | None]:
+             expect_params: bool) -> tuple[int, float, int, _Checked]:
     """Receive a shard, and the model params when the sender sends them, once the `header`
     that `pending` receives has come; returns the step, the seconds since both holders
     were in `copy_shard` and the number of param buffers received. The receiver lays out
     its buffers before the header comes (for the params it expects; again after it, if the
     sender decided otherwise), so that its receives are posted as soon as it is checked.
-    The last value is None, or what arrived damaged (its digest differs from the sender's)."""
+    The last value says what arrived damaged (its digest differs from the sender's), if
+    anything, and the seconds the checksums added."""
     expected = params if expect_params else []
     layout = _Layout.of(shard.tensors + expected)
     pending.wait()
@@ -343,13 +355,18 @@ def _receive(shard: Shard, params: list[torch.Tensor], header: torch.Tensor, pen
     # sender would see one receive at a time
     go = _posted(dist.isend(torch.ones(1, dtype=torch.int64), dst=src, group=group, tag=_GO_TAG))
     digests = []
+    checking = 0.0
     for message, buffer, work in zip(plan, layout.buffers, works, strict=True):
         work.wait()
+        began = time.perf_counter()
         digests.append(_message_digest(buffer))  # while the next messages arrive
+        checking += time.perf_counter() - began
         if not message.direct:
             _unpack(buffer, [tensors[j] for j in message.indices])
     go.wait()
+    began = time.perf_counter()
     digests_work.wait()
+    checking += time.perf_counter() - began
     damaged = [i for i, (mine, theirs) in enumerate(zip(digests, sent_digests.tolist(),
                                                         strict=True)) if mine != theirs]
     problem = None
@@ -358,7 +375,8 @@ def _receive(shard: Shard, params: list[torch.Tensor], header: torch.Tensor, pen
         problem = (f"the shard from rank {src} arrived damaged: {len(damaged)} of {len(plan)} "
                    f"messages differ from the sender's checksum (the first holds tensors "
                    f"{first.indices[:4]} of {len(tensors)}, {first.nbytes} bytes)")
-    return step, _since_both(entered, arrived, arrived_ns, sent_ns), sent_params, problem
+    return (step, _since_both(entered, arrived, arrived_ns, sent_ns), sent_params,
+            _Checked(problem, checking))
 
 
 def _since_both(entered: float, arrived: float, arrived_ns: int, sent_ns: int) -> float:
@@ -414,10 +432,11 @@ def copy_shard(
     pending = dist.irecv(header, src=src, group=group)  # it travels while the shard is laid out
     shard = local_shard(optimizer, model, create=True)
     params = param_buffers(model)
-    step, seconds, received, damaged = _receive(shard, params, header, pending, src, group,
+    step, seconds, received, checked = _receive(shard, params, header, pending, src, group,
                                                 entered=entered, expect_params=expect_params)
     for state in shard.states:
         state["step"] = torch.tensor(float(step))
     got = sum(t.numel() * t.element_size() for t in params) if received else 0
     work_counts.add("state_bytes_received", shard.nbytes + got)
-    return CopyResult(shard.nbytes + got, seconds, param_bytes=got, damaged=damaged)
+    return CopyResult(shard.nbytes + got, seconds, param_bytes=got, damaged=checked.damaged,
+                      check_seconds=checked.seconds)
