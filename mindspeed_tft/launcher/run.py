@@ -100,6 +100,11 @@ def launch(args: argparse.Namespace) -> int:
     except LauncherError as e:
         say(f"error: {e}")
         return 2
+    from mindspeed_tft.control.wire.transport import raise_fd_limit
+
+    # node 0's launcher serves the rendezvous store (and the controller), whose connections
+    # any local user can open: the soft open-files limit up to the hard one (workers inherit)
+    raise_fd_limit()
     args.max_restarts = options.torch_max_restarts  # torch's whole-group restarts
     if megatron_lm_entry(args):
         say(f"{args.training_script_args[0]} is a Megatron-LM training script: its workers run "

@@ -224,6 +224,9 @@ class TFTPlugin:
         """Join the control plane (high availability only; before torch.distributed)."""
         # the store's highest logged iteration is bounded by the job's last one
         iteration_log.limit = getattr(self.args, "train_iters", None) or None
+        from mindspeed_tft.control.wire.transport import raise_fd_limit
+
+        raise_fd_limit()  # the soft open-files limit up to the hard one: peers' connections
         configure_events(getattr(self.args, "tft_events_file", None))
         if not self.high_availability:
             return
