@@ -63,7 +63,8 @@ def emit(event: str, rank: int, **fields: Any) -> dict[str, Any]:
     with _lock:
         if _fd is None:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            _fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            # the user's and their group's (the umask applies too)
+            _fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
         os.write(_fd, line)
     return record
 

@@ -198,3 +198,29 @@ def test_a_shard_damaged_on_the_way_fails_the_repair_and_the_job_dumps(tmp_path)
     assert max(e["iteration"] for e in job.named("iteration")) == 7
     dump = job.checkpoint_dir / "iter_0000007" / "mp_rank_00"
     assert manifest.verify_folder(str(dump)).verified
+
+
+def test_new_save_folders_are_0750_with_the_save_folders_group(tmp_path):
+    from mindspeed_tft.recovery.layout import make_save_dirs, save_file
+
+    old = os.umask(0o022)
+    try:
+        root = tmp_path / "ckpt"
+        make_save_dirs(str(root / "iter_0000004_tmp" / "mp_rank_00"), str(root))
+        for folder in (root, root / "iter_0000004_tmp", root / "iter_0000004_tmp" / "mp_rank_00"):
+            assert folder.stat().st_mode & 0o777 == 0o750, folder
+        # a save folder the user made keeps its mode, and folders in it take it; files and
+        # folders take the save folder's group
+        mine = tmp_path / "mine"
+        mine.mkdir(mode=0o755)
+        mine.chmod(0o755)
+        group = 100 if os.getuid() == 0 else os.getgid()
+        os.chown(mine, -1, group)
+        make_save_dirs(str(mine / "iter_0000001"), str(mine))
+        save_file({"x": torch.ones(1)}, str(mine / "iter_0000001" / "model_optim_rng.pt"))
+        assert (mine / "iter_0000001").stat().st_mode & 0o777 == 0o755
+        assert (mine / "iter_0000001").stat().st_gid == group
+        assert (mine / "iter_0000001" / "model_optim_rng.pt").stat().st_gid == group
+        assert (mine / "iter_0000001" / "model_optim_rng.pt").stat().st_mode & 0o777 == 0o644
+    finally:
+        os.umask(old)

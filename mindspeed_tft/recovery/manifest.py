@@ -45,6 +45,7 @@ from mindspeed_tft.recovery.layout import (
     CheckpointError,
     iteration_dir_name,
     resolve_checkpoint,
+    take_group,
 )
 
 MANIFEST_FILENAME = "tft_manifest.json"
@@ -154,6 +155,7 @@ def write_manifest(folder: str, iteration: int, files: list[str] | None = None) 
         json.dump(manifest, f, separators=(",", ":"))
         f.flush()
         os.fsync(f.fileno())
+    take_group(tmp)
     os.replace(tmp, path)
     emit("manifest_written", _rank(), folder=folder, iteration=iteration,
          bytes=sum(entry["size"] for entry in digests.values()),
@@ -445,8 +447,10 @@ def _verifier() -> bool:
 def before_save(root: str | None, iteration: int) -> None:
     """A host is about to write the checkpoint of `iteration` under `root` in place (Megatron-LM
     writes into `iter_X` itself): drop a manifest a previous save of it left."""
-    from mindspeed_tft.recovery.layout import this_rank_dir_name
+    from mindspeed_tft.recovery.layout import make_save_dirs, this_rank_dir_name
 
+    if root:  # a save folder Megatron-LM would create 0755 (its folders in it follow umask)
+        make_save_dirs(root, root)
     if root and _verifier():
         remove_manifest(os.path.join(root, iteration_dir_name(iteration), this_rank_dir_name()))
 

@@ -43,6 +43,7 @@ from mindspeed_tft.recovery.layout import (
     get_rng_state,
     iteration_dir_name,
     load_file,
+    make_save_dirs,
     publish_checkpoint,
     resolve_checkpoint,
     save_file,
@@ -112,20 +113,20 @@ def save_checkpoint(
     rank_dir = os.path.join(tmp_dir, this_rank_dir_name())
     if dist.get_rank() == 0:
         shutil.rmtree(tmp_dir, ignore_errors=True)
-        os.makedirs(tmp_dir, exist_ok=True)
+        make_save_dirs(tmp_dir, root)
     dist.barrier()
 
     optimizer = state.optimizer
     if args.use_distributed_optimizer and not args.no_save_optim:
         # Collective over the data-parallel group; data-parallel rank 0 writes.
-        os.makedirs(rank_dir, exist_ok=True)
+        make_save_dirs(rank_dir, root)
         distrib_file = os.path.join(rank_dir, DISTRIB_OPTIM_FILENAME)
         optimizer.save_parameter_state(distrib_file)
         if os.path.isfile(distrib_file):  # megatron-core's writer: data-parallel rank 0
             _fsync_file(distrib_file)
 
     if _is_data_parallel_writer():
-        os.makedirs(rank_dir, exist_ok=True)
+        make_save_dirs(rank_dir, root)
         save_file(checkpoint_state_dict(state), os.path.join(rank_dir, MODEL_FILENAME))
         # every file of the folder is written (the distributed optimizer's by this rank too)
         manifest.write_manifest(rank_dir, iteration)
