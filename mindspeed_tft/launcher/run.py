@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -73,10 +74,14 @@ WORKER_USAGE_EXIT_CODE = 2
 
 
 def _refused_at_start(error: ChildFailedError) -> int | None:
-    """`WORKER_USAGE_EXIT_CODE` (said, with torchrun's summary) when every failed worker
-    exited with it (they refused a flag, a variable or a checkpoint), else None."""
-    codes = {failure.exitcode for failure in error.failures.values()}
-    if codes != {WORKER_USAGE_EXIT_CODE}:
+    """`WORKER_USAGE_EXIT_CODE` (said, with torchrun's summary) when the first worker that
+    failed exited with it (it refused a flag, a variable or a checkpoint) and every other
+    one either did too or was stopped by the launcher after it (SIGTERM, SIGKILL), else
+    None."""
+    _, first = error.get_first_failure()
+    stopped = {WORKER_USAGE_EXIT_CODE, -signal.SIGTERM, -signal.SIGKILL}
+    if first.exitcode != WORKER_USAGE_EXIT_CODE or not all(
+            failure.exitcode in stopped for failure in error.failures.values()):
         return None
     print(error.format_msg(), file=sys.stderr, flush=True)
     say(f"ranks {sorted(error.failures)} refused their settings (exit code "
