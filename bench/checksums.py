@@ -9,8 +9,9 @@ events of the same runs:
 
 - save: each `checkpoint_saved`'s seconds against the `manifest_written` inside it (the
   manifest is part of the save: the ratio is manifest / (save - manifest));
-- repair: the `shard_received` `check_seconds` (the receiver's digests and its wait for the
-  sender's) against the repair (`fault_detected` -> `repaired`) and against the time to
+- repair: the `shard_received` `check_seconds` (what the checksums add after the shard's last
+  byte arrived: its message's digest and the wait for the sender's digests; `hash_s`: all
+  the receiver's digests, most of them while later messages travelled) against the repair (`fault_detected` -> `repaired`) and against the time to
   recover (`fault_injected` -> the first iteration after `repaired`);
 - load: `manifest_verified` seconds and the bytes verified.
 
@@ -64,6 +65,7 @@ def main() -> int:
         received = job.named("shard_received")
         check_s = sum(e["check_seconds"] for e in received)
         repair = {"repair_s": repaired - detected, "check_s": check_s,
+                  "hash_s": sum(e["hash_seconds"] for e in received),
                   "shard_bytes": sum(e["bytes"] for e in received),
                   "copy_s": sum(e["seconds"] for e in received),
                   "ratio": check_s / (repaired - detected - check_s),

@@ -88,7 +88,8 @@ def transfer_shards(
         emit("shard_received", me, source=src, optimizer=entry["optimizer"],
              shard=entry["shard"], iteration=lock_step, bytes=copied.nbytes,
              param_bytes=copied.param_bytes, seconds=round(copied.seconds, 4),
-             check_seconds=round(copied.check_seconds, 4))
+             check_seconds=round(copied.check_seconds, 4),
+             hash_seconds=round(copied.hash_seconds, 4))
         log.info("rank %d received %s shard %s from rank %d (%d bytes)", me,
                  entry["optimizer"], entry["shard"], src, copied.nbytes)
     for entry in send:

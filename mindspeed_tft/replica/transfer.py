@@ -205,8 +205,10 @@ class CopyResult:
     param_bytes: int = 0
     #: what arrived damaged (its checksum differs from the sender's), None when all is intact
     damaged: str | None = None
-    #: (receiver) seconds the checksums added: its digests and the wait for the sender's
+    #: (receiver) seconds the checksums added after the last byte (the last message's digest,
+    #: the wait for the sender's), and the seconds of all its digests
     check_seconds: float = 0.0
+    hash_seconds: float = 0.0
 
     def check(self) -> None:
         """Raise `ShardTransferError` when the shard arrived damaged (the receiver's state
@@ -310,11 +312,13 @@ class _Layout:
 
 @dataclass
 class _Checked:
-    """The receiver's checksum verdict: what arrived damaged (None: nothing) and the seconds
-    spent on it (its own digests, and waiting for the sender's after the last message)."""
+    """The receiver's checksum verdict: what arrived damaged (None: nothing), the seconds the
+    checksums added after the last message arrived (its digest, the wait for the sender's) and
+    the seconds of all its digests (most of them while later messages travelled)."""
 
     damaged: str | None
     seconds: float
+    hashing: float
 
 
 def _receive(shard: Shard, params: list[torch.Tensor], header: torch.Tensor, pending: Any,
@@ -355,18 +359,21 @@ def _receive(shard: Shard, params: list[torch.Tensor], header: torch.Tensor, pen
     # sender would see one receive at a time
     go = _posted(dist.isend(torch.ones(1, dtype=torch.int64), dst=src, group=group, tag=_GO_TAG))
     digests = []
-    checking = 0.0
+    hashing = last = 0.0
     for message, buffer, work in zip(plan, layout.buffers, works, strict=True):
         work.wait()
         began = time.perf_counter()
         digests.append(_message_digest(buffer))  # while the next messages arrive
-        checking += time.perf_counter() - began
+        last = time.perf_counter() - began
+        hashing += last
         if not message.direct:
             _unpack(buffer, [tensors[j] for j in message.indices])
     go.wait()
     began = time.perf_counter()
     digests_work.wait()
-    checking += time.perf_counter() - began
+    # what the checksums add after the last byte: its message's digest, then the wait for
+    # the sender's (the other digests ran while later messages were on the wire)
+    exposed = last + time.perf_counter() - began
     damaged = [i for i, (mine, theirs) in enumerate(zip(digests, sent_digests.tolist(),
                                                         strict=True)) if mine != theirs]
     problem = None
@@ -376,7 +383,7 @@ def _receive(shard: Shard, params: list[torch.Tensor], header: torch.Tensor, pen
                    f"messages differ from the sender's checksum (the first holds tensors "
                    f"{first.indices[:4]} of {len(tensors)}, {first.nbytes} bytes)")
     return (step, _since_both(entered, arrived, arrived_ns, sent_ns), sent_params,
-            _Checked(problem, checking))
+            _Checked(problem, exposed, hashing))
 
 
 def _since_both(entered: float, arrived: float, arrived_ns: int, sent_ns: int) -> float:
@@ -439,4 +446,4 @@ def copy_shard(
     got = sum(t.numel() * t.element_size() for t in params) if received else 0
     work_counts.add("state_bytes_received", shard.nbytes + got)
     return CopyResult(shard.nbytes + got, seconds, param_bytes=got, damaged=checked.damaged,
-                      check_seconds=checked.seconds)
+                      check_seconds=checked.seconds, hash_seconds=checked.hashing)
