@@ -181,3 +181,44 @@ def test_bad_store_values_and_3000_store_connections_change_nothing(reference_jo
     refused = {e["key"] for e in result.named("store_value_refused")}
     assert events.LOGGED_KEY in refused, result.describe()
     assert "Traceback" not in output, result.describe()
+
+
+def test_the_controller_gives_its_reserve_back_when_out_of_files_and_backs_off():
+    """libzmq reports EMFILE on an accept (and retries at once): the controller closes its
+    reserved files so that the accept succeeds, once, and takes them back after a back-off
+    that doubles while the process keeps running out."""
+    import errno
+    import struct
+
+    import zmq
+
+    from mindspeed_tft.control.controller.admission import Admission
+    from mindspeed_tft.control.controller.sockets import (
+        OUT_OF_FILES_BACKOFF,
+        ControllerSockets,
+    )
+    from mindspeed_tft.control.wire.config import ControlConfig
+
+    def event(kind: int, value: int) -> list[bytes]:
+        return [struct.pack("<HI", kind, value), b"tcp://127.0.0.1:1"]
+
+    sockets = ControllerSockets(ControlConfig(), Admission(8, 8, 1.0))
+    sockets.reserve = reserve = FdReserve(4)
+    try:
+        files = len(os.listdir("/proc/self/fd"))
+        sockets.now = 100.0
+        for _ in range(1000):  # libzmq's retries: one release, no more
+            sockets.on_monitor(event(zmq.EVENT_ACCEPT_FAILED, errno.EMFILE))
+        assert len(os.listdir("/proc/self/fd")) == files - 4 and reserve.releases == 1
+        assert sockets.connections["accept_failed"] == 1000
+        sockets.now = 100.0 + OUT_OF_FILES_BACKOFF / 2  # too early: still given back
+        sockets.on_monitor(event(zmq.EVENT_DISCONNECTED, 999_999))
+        assert len(os.listdir("/proc/self/fd")) == files - 4
+        sockets.now = 100.0 + OUT_OF_FILES_BACKOFF
+        sockets.on_monitor(event(zmq.EVENT_DISCONNECTED, 999_999))
+        assert len(os.listdir("/proc/self/fd")) == files  # taken back
+        sockets.on_monitor(event(zmq.EVENT_ACCEPT_FAILED, errno.ENFILE))  # again: released
+        assert reserve.releases == 2
+    finally:
+        reserve.close()
+        sockets.term()
