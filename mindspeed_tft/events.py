@@ -163,6 +163,10 @@ class IterationLog:
         #: the job's last iteration (`--train-iters`) when known: the store's value is
         #: bounded by it (the host sets it)
         self.limit: int | None = None
+        #: the job's secret (`TTP_JOB_TOKEN`) when there is one: the store's value then
+        #: carries its HMAC, and a value without a valid one is refused (anyone who reaches
+        #: the store can write it; only the job's processes hold the token)
+        self.key: bytes | None = None
 
     def store(self) -> Any | None:
         return self._store if self._store is not None else default_store()
@@ -185,12 +189,39 @@ class IterationLog:
         if self._highest is None or refresh:
             store = self.store()
             if store is not None and store.check([LOGGED_KEY]):
-                stored = store_int(store.get(LOGGED_KEY), LOGGED_KEY,
-                                   self.limit if self.limit else STORE_INT_MAX)
+                stored = self._parse_logged(store.get(LOGGED_KEY))
                 if stored is not None:
                     self._highest = max(self._highest or 0, stored)
             self._highest = self._highest or 0
         return self._highest
+
+    def _mac(self, number: bytes) -> bytes:
+        import hashlib
+        import hmac
+
+        assert self.key is not None
+        return hmac.new(self.key, LOGGED_KEY.encode() + b"=" + number,
+                        hashlib.sha256).hexdigest()[:32].encode()
+
+    def _stored(self, iteration: int) -> str:
+        """What the store holds for `iteration`: the number, and its HMAC with a key."""
+        number = str(iteration).encode()
+        return (number + b":" + self._mac(number)).decode() if self.key else number.decode()
+
+    def _parse_logged(self, raw: Any) -> int | None:
+        """The store's highest logged iteration, or None (refused: `store_refused`)."""
+        limit = self.limit if self.limit else STORE_INT_MAX
+        if not self.key:
+            return store_int(raw, LOGGED_KEY, limit)
+        import hmac
+
+        value = raw if isinstance(raw, bytes) else str(raw).encode()
+        number, _, mac = value.partition(b":")
+        if len(value) > 80 or not hmac.compare_digest(mac, self._mac(number)):
+            store_refused(LOGGED_KEY, value, f"a whole number from 0 to {limit} with the "
+                                             "job's HMAC (written by the job's logging rank)")
+            return None
+        return store_int(number, LOGGED_KEY, limit)
 
     def record(self, iteration: int, *, logger: bool, **fields: Any) -> bool:
         """Keep the step's record; on the logging rank emit it. False: a recomputed
@@ -226,7 +257,7 @@ class IterationLog:
         self._highest = rec["iteration"]
         store = self.store()
         if store is not None:
-            store.set(LOGGED_KEY, str(rec["iteration"]))
+            store.set(LOGGED_KEY, self._stored(rec["iteration"]))
 
 
 def _rank() -> int:

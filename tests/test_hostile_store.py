@@ -74,6 +74,44 @@ def test_a_good_logged_iteration_is_taken(emitted):
     assert log.highest_logged() == 14 and emitted == []
 
 
+class DictStore:
+    def __init__(self) -> None:
+        self.values: dict[str, bytes] = {}
+
+    def check(self, keys):
+        return all(k in self.values for k in keys)
+
+    def get(self, key):
+        return self.values[key]
+
+    def set(self, key, value):
+        self.values[key] = value.encode() if isinstance(value, str) else value
+
+
+def test_with_the_job_token_a_forged_value_in_bounds_is_refused(emitted, monkeypatch):
+    """With the job's token the logged iteration carries its HMAC: a replacement logging rank
+    takes its predecessor's value, and refuses a plausible forgery (13 of 14 would silence
+    its log lines up to 13)."""
+    monkeypatch.setattr(events, "_rank", lambda: 0)
+    store = DictStore()
+    old = events.IterationLog(store)
+    old.key, old.limit = b"the job's token", 14
+    old.record(1, logger=True, loss=1.0)
+    old.record(2, logger=True, loss=1.0)
+    assert store.values[events.LOGGED_KEY].startswith(b"2:")
+    new = events.IterationLog(store)
+    new.key, new.limit = b"the job's token", 14
+    assert new.highest_logged() == 2
+    store.set(events.LOGGED_KEY, "13")  # a stranger, in bounds
+    assert new.highest_logged(refresh=True) == 2
+    stranger = events.IterationLog(store)  # another key: another job's, or a guess
+    stranger.key, stranger.limit = b"a guess", 14
+    store.set(events.LOGGED_KEY, stranger._stored(13))
+    assert new.highest_logged(refresh=True) == 2
+    refused = [f for e, f in emitted if e == "store_value_refused"]
+    assert len(refused) == 2 and "with the job's HMAC" in refused[0]["allowed"]
+
+
 GOOD_RECORD = {"local_world_size": 2, "master_addr": "10.0.0.1", "master_port": 29500,
                "restart_count": 0, "workers": [[0, 2, 2, 4, 4], [1, 3, 3, 4, 4]]}
 

@@ -243,6 +243,8 @@ class TFTPlugin:
         patches.install("connection-tracking")  # before any process group exists
         config = ControlConfig.from_env()
         self.control_config = config
+        if config.job_token:  # what the logging rank writes to the store is the job's
+            iteration_log.key = config.job_token.encode()
         if self.args.distributed_backend == "gloo":
             patches.install("gloo-collectives")
         rank, world_size = self.args.rank, self.features.parallel.world_size
