@@ -128,7 +128,10 @@ def save_checkpoint(
     if _is_data_parallel_writer():
         make_save_dirs(rank_dir, root)
         save_file(checkpoint_state_dict(state), os.path.join(rank_dir, MODEL_FILENAME))
-        # every file of the folder is written (the distributed optimizer's by this rank too)
+    # every file is written (with optimizer replicas, each replica's data-parallel rank 0
+    # writes the same distrib_optim.pt: the manifest waits for all of them)
+    dist.barrier()
+    if _is_data_parallel_writer():
         manifest.write_manifest(rank_dir, iteration)
 
     if hooks is not None:
