@@ -128,6 +128,10 @@ def test_no_manifest_is_unverified_and_a_mismatch_exits_2_pointing_to_the_previo
         manifest.verify_for_load(root, "mp_rank_00", True, 0, startup=False)
     # a rank that does not verify (data-parallel rank > 0) takes the collective's verdict
     manifest.verify_for_load(root, "mp_rank_00", False, 1, startup=True)
+    # Megatron-LM's release checkpoints (tracker "release") are its own to read
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("release")
+    manifest.verify_for_load(root, "mp_rank_00", True, 0, startup=True)
 
 
 def _checkpoint_again(root: str, iteration: int) -> str:

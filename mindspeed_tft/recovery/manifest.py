@@ -405,7 +405,10 @@ def verify_for_load(root: str | None, rank_dir_name: str, verifier: bool, rank: 
     `CORRUPT_CHECKPOINT_EXIT_CODE`, the failing ones after printing one line; in a repair a
     `ManifestMismatch` is raised. Without a manifest, rank 0 prints that the checkpoint is
     unverified."""
-    found = resolve_checkpoint(root) if root else None
+    try:
+        found = resolve_checkpoint(root) if root else None
+    except ValueError:  # a tracker naming no iteration ("release"): Megatron-LM's to read
+        found = None
     if found is None or root is None:
         return
     iteration, directory = found
