@@ -382,10 +382,13 @@ def check_environment(args: argparse.Namespace, environ: Mapping[str, str]) -> N
     The plugin reads them again where it uses them, with the same readers."""
     from mindspeed_tft.control.wire.config import ControlConfig, ControlConfigError
     from mindspeed_tft.control.wire.transport import check_bind
-    from mindspeed_tft.faults import FaultInjector, FaultSpecError
+    from mindspeed_tft.faults import FaultInjector, FaultSpecError, check_ranks, items_from_env
 
     try:
         FaultInjector.from_env(getattr(args, "rank", 0) or 0, environ, store=None)
+        world = getattr(args, "world_size", None)
+        if isinstance(world, int) and world > 0:  # an item outside the job never fires
+            check_ranks(items_from_env(environ), world)
         if args.enable_high_availability:
             config = ControlConfig.from_env(environ)
             if getattr(args, "rank", 0) == 0:  # rank 0 may host the controller (torchrun)

@@ -67,7 +67,8 @@ def emit(event: str, rank: int, **fields: Any) -> dict[str, Any]:
     with _lock:
         if _fd is None:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            _fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            # the user's and their group's (the umask applies too)
+            _fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
         os.write(_fd, line)
     return record
 
@@ -163,6 +164,13 @@ class IterationLog:
         self.pending: dict[str, Any] | None = None
         self._highest: int | None = None
         self._store = store
+        #: the job's last iteration (`--train-iters`) when known: the store's value is
+        #: bounded by it (the host sets it)
+        self.limit: int | None = None
+        #: the job's secret (`TTP_JOB_TOKEN`) when there is one: the store's value then
+        #: carries its HMAC, and a value without a valid one is refused (anyone who reaches
+        #: the store can write it; only the job's processes hold the token)
+        self.key: bytes | None = None
 
     def store(self) -> Any | None:
         return self._store if self._store is not None else default_store()
@@ -185,9 +193,39 @@ class IterationLog:
         if self._highest is None or refresh:
             store = self.store()
             if store is not None and store.check([LOGGED_KEY]):
-                self._highest = max(self._highest or 0, int(store.get(LOGGED_KEY)))
+                stored = self._parse_logged(store.get(LOGGED_KEY))
+                if stored is not None:
+                    self._highest = max(self._highest or 0, stored)
             self._highest = self._highest or 0
         return self._highest
+
+    def _mac(self, number: bytes) -> bytes:
+        import hashlib
+        import hmac
+
+        assert self.key is not None
+        return hmac.new(self.key, LOGGED_KEY.encode() + b"=" + number,
+                        hashlib.sha256).hexdigest()[:32].encode()
+
+    def _stored(self, iteration: int) -> str:
+        """What the store holds for `iteration`: the number, and its HMAC with a key."""
+        number = str(iteration).encode()
+        return (number + b":" + self._mac(number)).decode() if self.key else number.decode()
+
+    def _parse_logged(self, raw: Any) -> int | None:
+        """The store's highest logged iteration, or None (refused: `store_refused`)."""
+        limit = self.limit if self.limit else STORE_INT_MAX
+        if not self.key:
+            return store_int(raw, LOGGED_KEY, limit)
+        import hmac
+
+        value = raw if isinstance(raw, bytes) else str(raw).encode()
+        number, _, mac = value.partition(b":")
+        if len(value) > 80 or not hmac.compare_digest(mac, self._mac(number)):
+            store_refused(LOGGED_KEY, value, f"a whole number from 0 to {limit} with the "
+                                             "job's HMAC (written by the job's logging rank)")
+            return None
+        return store_int(number, LOGGED_KEY, limit)
 
     def record(self, iteration: int, *, logger: bool, **fields: Any) -> bool:
         """Keep the step's record; on the logging rank emit it. False: a recomputed
@@ -223,7 +261,7 @@ class IterationLog:
         self._highest = rec["iteration"]
         store = self.store()
         if store is not None:
-            store.set(LOGGED_KEY, str(rec["iteration"]))
+            store.set(LOGGED_KEY, self._stored(rec["iteration"]))
 
 
 def _rank() -> int:
@@ -274,6 +312,47 @@ def validate_record(value: Any) -> dict[str, Any] | None:
     if value.get("consumed_samples") is not None and type(value["consumed_samples"]) is not int:
         return None
     return _record(iteration, value)
+
+
+#: the largest whole number a store value may hold unless its reader knows a smaller bound
+STORE_INT_MAX = 2**31 - 1
+#: the longest value a refusal echoes
+_SHOWN_BYTES = 40
+_refused: set[tuple[str, bytes]] = set()
+
+
+def _shown(value: bytes) -> str:
+    if len(value) <= _SHOWN_BYTES:
+        return repr(value)
+    return f"{value[:_SHOWN_BYTES]!r}... ({len(value)} bytes)"
+
+
+def store_refused(key: str, value: bytes, allowed: str) -> None:
+    """A value read from the rendezvous store that its reader refuses (any local user can
+    write the store): one `store_value_refused` event and one log line per key and value,
+    never an exception; the reader goes on without it."""
+    import logging
+
+    with _lock:
+        if (key, value[:256]) in _refused:
+            return
+        _refused.add((key, value[:256]))
+    detail = f"store key {key} holds {_shown(value)}; allowed: {allowed}; ignored"
+    logging.getLogger("mindspeed_tft.store").warning("%s", detail)
+    emit("store_value_refused", _rank(), key=key, value=_shown(value), allowed=allowed)
+
+
+def store_int(value: Any, key: str, limit: int = STORE_INT_MAX) -> int | None:
+    """A whole number from 0 to `limit` read from the store under `key`, or None (refused:
+    `store_refused`). Checked on the bytes first: nothing long is converted."""
+    raw = value if isinstance(value, bytes) else str(value).encode()
+    text = raw.decode("ascii", "replace")
+    if 0 < len(raw) <= len(str(limit)) and text.isascii() and text.isdigit():
+        number = int(text)
+        if number <= limit:
+            return number
+    store_refused(key, raw, f"a whole number from 0 to {limit}")
+    return None
 
 
 #: the process's iteration log (SPEC 11: every iteration logged exactly once)

@@ -14,6 +14,11 @@ Kinds (what happens when an item fires):
   R step S phase P")``.
 - ``comm``: ``RuntimeError("HCCL OP RETRY FAILED: TFT_INJECT comm: injected communication
   error at rank R step S phase P")``, a communication error for SPEC 6.
+- ``corrupt`` (phase ``transfer`` only, and the only kind of that phase): in the sender of
+  a shard copy during a repair (`mindspeed_tft.replica.transfer`), flip one byte of what is
+  sent, after its checksum was taken (the sender's own state stays intact), at the first
+  copy whose lock step (the shard's optimizer step count) is at least ``step``. The
+  receiver finds the damage and the repair fails.
 - ``hang``: stop making progress: the calling thread sleeps in 0.05 s slices (other threads,
   heartbeats included, keep running; an asynchronous exception such as a FORCE STOP lands
   within a slice) for up to ``TFT_INJECT_HANG_SECONDS`` (default 3600) seconds; if nobody
@@ -22,7 +27,8 @@ Kinds (what happens when an item fires):
 
 Keys: ``rank`` (global rank, required) and ``step`` (required), integers from 0 to
 `MAX_NUMBER` (2**31 - 1),
-``phase`` = forward | backward | optimizer | save | after | publish | scale (default forward),
+``phase`` = forward | backward | optimizer | save | after | publish | scale | transfer (default
+forward; transfer for kind corrupt, which needs it),
 ``target`` = optimizer | param | grad | activation (uce only; default optimizer), ``point`` =
 written | synced | aside | renamed | tracker (required with phase publish, allowed only with
 it). Kinds, keys and values are
@@ -109,10 +115,12 @@ DEFAULT_HANG_SECONDS = 3600.0
 HANG_SLICE_SECONDS = 0.05
 STORE_KEY_PREFIX = "tft_inject/fired/"
 
-KINDS = ("kill", "raise", "uce", "comm", "hang")
+KINDS = ("kill", "raise", "uce", "comm", "hang", "corrupt")
 KEYS = ("rank", "step", "phase", "target", "point")
-PHASES = ("forward", "backward", "optimizer", "save", "after", "publish", "scale")
+PHASES = ("forward", "backward", "optimizer", "save", "after", "publish", "scale", "transfer")
 PUBLISH_PHASE = "publish"
+#: the phase of kind corrupt: a shard copy of a repair (`transfer_corruption`)
+TRANSFER_PHASE = "transfer"
 #: the points of publishing a checkpoint, in order (see the module docstring)
 PUBLISH_POINTS = ("written", "synced", "aside", "renamed", "tracker")
 TARGETS = ("optimizer", "param", "grad", "activation")
@@ -221,6 +229,10 @@ def _parse_item(item: str, index: int) -> FaultItem:
     if phase not in PHASES:
         raise fail(f"unknown phase {shown(phase)}; allowed: {', '.join(PHASES)}")
 
+    if (kind == "corrupt") != (phase == TRANSFER_PHASE):
+        raise fail(f"kind corrupt goes with phase {TRANSFER_PHASE}, and only it; got kind "
+                   f"{kind} with phase {phase}")
+
     target: str | None = None
     if kind == "uce":
         target = values.get("target", DEFAULT_TARGET)
@@ -240,6 +252,21 @@ def _parse_item(item: str, index: int) -> FaultItem:
         raise fail(f"point is only allowed with phase publish, not with phase {phase}")
 
     return FaultItem(kind, numbers["rank"], numbers["step"], phase, target, index, point)
+
+
+def items_from_env(environ: Mapping[str, str] | None = None) -> list[FaultItem]:
+    """Every rank's items of ``TFT_INJECT`` (`parse_fault_spec`)."""
+    return parse_fault_spec((os.environ if environ is None else environ).get(INJECT_ENV))
+
+
+def check_ranks(items: Iterable[FaultItem], world_size: int) -> None:
+    """Refuse an item whose rank is outside a job of `world_size` ranks (it would never
+    fire): `FaultSpecError` naming the item."""
+    for item in items:
+        if item.rank >= world_size:
+            raise FaultSpecError(
+                f"{INJECT_ENV} item {item.index} {shown(item.describe())}: rank {item.rank} is "
+                f"outside the job's {world_size} ranks; allowed: 0 to {world_size - 1}")
 
 
 def parse_hang_seconds(text: str | None) -> float:
@@ -274,8 +301,12 @@ default_store = events.default_store
 
 
 def _claim_in_store(store: Any, item: FaultItem) -> bool:
-    """True if this call is the first to record ``item`` in ``store``."""
-    return int(store.add(STORE_KEY_PREFIX + item.marker, 1)) == 1
+    """True if this call is the first to record ``item`` in ``store``: an atomic
+    compare-and-set from "absent" to a value of this process's own (never `store.add`: the
+    store's server drops the connection of an add to a value that is not a number, which
+    anyone who can reach the store could have written)."""
+    claim = f"{os.getpid()}-{time.time_ns()}".encode()
+    return bytes(store.compare_set(STORE_KEY_PREFIX + item.marker, "", claim)) == claim
 
 
 def _claim_in_dir(state_dir: str, item: FaultItem) -> bool:
@@ -367,6 +398,12 @@ class FaultInjector:
         for item in self._by_point.get((step, phase, point), ()):
             if self._claim(item):
                 self._act(item, context)
+
+    def claim(self, step: int, phase: str, point: str | None = None) -> list[FaultItem]:
+        """The items for (``step``, ``phase``, ``point``) that no ledger has recorded yet,
+        recorded now: for a caller that acts on them itself (kind corrupt)."""
+        return [item for item in self._by_point.get((step, phase, point), ())
+                if self._claim(item)]
 
     # internals
 
@@ -467,3 +504,31 @@ def fire_publish_point(iteration: int, point: str) -> None:
             _publish_injectors[rank] = injector
     if injector:
         injector.fire(iteration - 1, PUBLISH_PHASE, point)
+
+
+# --- shard transfers -------------------------------------------------------------------------
+
+_transfer_injectors: dict[int, FaultInjector] = {}
+
+
+def transfer_corruption(step: int) -> bool:
+    """Whether this rank, sending a shard of the lock step `step`, must damage it on the way
+    (a ``corrupt:rank=R,step=S,phase=transfer`` item of this rank with S <= `step`, not
+    fired yet in this job; claimed here). Parsed once per process."""
+    rank = _own_rank()
+    with _publish_lock:
+        injector = _transfer_injectors.get(rank)
+        if injector is None:
+            injector = FaultInjector.from_env(rank)
+            injector = FaultInjector(
+                [item for item in injector.items if item.phase == TRANSFER_PHASE], rank,
+                state_dir=injector.state_dir, hang_seconds=injector.hang_seconds,
+            )
+            _transfer_injectors[rank] = injector
+    for item in injector.pending:
+        if item.step <= step and injector.claim(item.step, TRANSFER_PHASE):
+            events.emit("fault_injected", rank, kind=item.kind, step=item.step,
+                        phase=item.phase, target=None, item=item.index, lock_step=step)
+            logger.warning("TFT_INJECT: firing %s at lock step %d", item.describe(), step)
+            return True
+    return False

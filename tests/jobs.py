@@ -300,3 +300,44 @@ def wait_event(path: Path | str, pred: Callable[[dict[str, Any]], bool], timeout
     """The first event of the file at `path` for which `pred` holds, waiting up to `timeout`."""
     return wait_for(lambda: next((e for e in read_events_if_any(path) if pred(e)), None),
                     timeout, f"{what} in {path}", interval=0.1)
+
+
+def tamper_with_a_tensor(checkpoint_dir: Path, iteration: int, destination: Path,
+                         seed: int = 52) -> tuple[Path, str]:
+    """A copy of `checkpoint_dir` in `destination` with one byte of one tensor of the
+    checkpoint of `iteration` flipped (a random tensor of `mp_rank_00/distrib_optim.pt`, a
+    random byte of it); returns the damaged file and the tensor's name."""
+    import random
+
+    from mindspeed_tft.recovery import manifest
+
+    shutil.copytree(checkpoint_dir, destination)
+    path = destination / f"iter_{iteration:07d}" / "mp_rank_00" / "distrib_optim.pt"
+    names = manifest.tensor_names(str(path))
+    rng = random.Random(seed)
+    member = rng.choice(sorted(names))
+    record = next(r for r in manifest.file_digests(str(path))["records"] if r[0] == member)
+    offset = record[1] + rng.randrange(record[2])
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x7F]))
+    return path, names[member][0]
+
+
+
+def assert_load_refused(result: JobResult, tampered: Path, iteration: int, path: Path,
+                        tensor: str, previous: int | None) -> None:
+    """`result`, a `--load` of `tampered` (`tamper_with_a_tensor`), stopped at start with
+    exit code 2 on every rank and the one line naming file, tensor and checkpoint."""
+    codes = result.exit_codes()  # the launcher may stop the others after the first's 2
+    assert 2 in codes.values() and set(codes.values()) <= {2, -15}, result.describe()
+    assert (f"[mindspeed-tft] error: checkpoint {tampered}/iter_{iteration:07d} is corrupt, not "
+            f"loaded: {path}: bytes differ from the manifest in tensor {tensor} (zip member "
+            in result.output), result.describe()
+    if previous is not None:
+        assert (f"the previous checkpoint is {tampered}/iter_{previous:07d}: to resume from it, "
+                f"write {previous} into {tampered}/latest_checkpointed_iteration.txt"
+                in result.output), result.describe()
+    assert not result.named("iteration")

@@ -12,7 +12,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.jobs import HA_ARGS, STANDARD, run_tiny_job
+from tests.jobs import (
+    HA_ARGS,
+    STANDARD,
+    assert_load_refused,
+    run_tiny_job,
+    tamper_with_a_tensor,
+)
 
 pytestmark = pytest.mark.multiproc
 
@@ -127,6 +133,15 @@ def test_fault_produces_a_dump_that_resumes_bit_exact(
     assert "DataLoader worker" not in faulty.output
     assert "unknown" not in {e["kind"] for e in faulty.named("fault_detected")}
     _assert_resumes_like_the_reference(reference, faulty, config, tmp_path, dump_iteration, env)
+    if (layout, phase) == ("dp4", "forward"):
+        # one byte of a tensor of the dump damaged: --load refuses it by name (under tft-run,
+        # which passes its workers' exit code 2 through)
+        tampered = tmp_path / "tampered"
+        path, tensor = tamper_with_a_tensor(faulty.checkpoint_dir, dump_iteration, tampered)
+        refused = run_tiny_job(tmp_path / "refused", load_dir=tampered, launcher="tft-run",
+                               **config)
+        assert refused.returncode == 2, refused.describe()
+        assert_load_refused(refused, tampered, dump_iteration, path, tensor, previous=5)
 
 
 def test_both_holders_of_a_shard_lost_fails_clearly_and_publishes_nothing(tmp_path):

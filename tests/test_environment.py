@@ -37,6 +37,10 @@ CASES = [
      "TTP_CURVE_AUTHORIZED_KEYS (python -m mindspeed_tft.control.wire.keys DIR), or "
      "TTP_ALLOW_INSECURE=1 to run an unauthenticated control plane anyway"),
     ({"TFT_CONTROL_NICE": "5"}, "TFT_CONTROL_NICE='5' is not an integer in [-20, 0] (unset: -10)"),
+    # a rank outside the job (WORLD_SIZE 4) would never fire
+    ({"TFT_INJECT": "kill:rank=0,step=3;kill:rank=7,step=3"},
+     "TFT_INJECT item 2 'kill:rank=7,step=3,phase=forward': rank 7 is outside the job's 4 "
+     "ranks; allowed: 0 to 3"),
     # a number too long for int() (4300 digits): refused by its text, echoed cut
     ({"TFT_INJECT": f"kill:rank={'9' * 5000},step=1"},
      f"TFT_INJECT item 1 'kill:rank={'9' * 50}'… (5017 characters): rank must be at most "

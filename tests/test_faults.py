@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -72,16 +73,16 @@ def test_item_marker_and_describe():
     [
         ("kill:rank=0,step=1;;hang:rank=0,step=2",
          "TFT_INJECT item 2 '': empty item; allowed: KIND:key=value,... with KIND one of "
-         "kill, raise, uce, comm, hang"),
+         "kill, raise, uce, comm, hang, corrupt"),
         ("kill:rank=0,step=1;",
          "TFT_INJECT item 2 '': empty item; allowed: KIND:key=value,... with KIND one of "
-         "kill, raise, uce, comm, hang"),
+         "kill, raise, uce, comm, hang, corrupt"),
         ("oom:rank=0,step=1",
          "TFT_INJECT item 1 'oom:rank=0,step=1': unknown kind 'oom'; allowed: kill, raise, "
-         "uce, comm, hang"),
+         "uce, comm, hang, corrupt"),
         ("KILL:rank=0,step=1",
          "TFT_INJECT item 1 'KILL:rank=0,step=1': unknown kind 'KILL'; allowed: kill, raise, "
-         "uce, comm, hang"),
+         "uce, comm, hang, corrupt"),
         ("kill",
          "TFT_INJECT item 1 'kill': missing required key 'rank'"),
         ("kill:step=3",
@@ -113,7 +114,7 @@ def test_item_marker_and_describe():
          "step, phase, target, point"),
         ("kill:rank=0,step=1,phase=fwd",
          "TFT_INJECT item 1 'kill:rank=0,step=1,phase=fwd': unknown phase 'fwd'; allowed: "
-         "forward, backward, optimizer, save, after, publish, scale"),
+         "forward, backward, optimizer, save, after, publish, scale, transfer"),
         ("kill:rank=0,step=1,phase=publish",
          "TFT_INJECT item 1 'kill:rank=0,step=1,phase=publish': phase publish needs "
          "point=P; allowed: written, synced, aside, renamed, tracker"),
@@ -156,7 +157,7 @@ def test_numbers_are_bounded_and_echoes_cut():
         parse_fault_spec(f"kill:rank=0,step=1;{junk}")
     assert str(info.value) == (f"TFT_INJECT item 2 '{'x' * 60}'… (120000 characters): unknown "
                                f"kind '{'x' * 60}'… (120000 characters); allowed: kill, raise, "
-                               "uce, comm, hang")
+                               "uce, comm, hang, corrupt")
     with pytest.raises(FaultSpecError) as info:
         parse_hang_seconds(junk)
     assert len(str(info.value)) < 200
@@ -278,7 +279,7 @@ def test_fire_rejects_unknown_phase():
     with pytest.raises(ValueError) as info:
         injector_for("").fire(0, "update")
     assert str(info.value) == (
-        "unknown phase 'update'; allowed: forward, backward, optimizer, save, after, publish, scale"
+        "unknown phase 'update'; allowed: forward, backward, optimizer, save, after, publish, scale, transfer"
     )
 
 
@@ -302,13 +303,17 @@ def test_hang_is_bounded(emitted):
 
 
 class DictStore:
-    """A Store with `add` only, like torch's: returns the new value."""
+    """A Store with `compare_set` only, like torch's: sets `desired` when the key is absent
+    (`expected` empty) or holds `expected`; returns the value the key then holds."""
 
     def __init__(self):
-        self.values: dict[str, int] = {}
+        self.values: dict[str, bytes] = {}
+        self.claims = 0
 
-    def add(self, key: str, amount: int) -> int:
-        self.values[key] = self.values.get(key, 0) + amount
+    def compare_set(self, key: str, expected: str, desired: bytes) -> bytes:
+        self.claims += 1
+        if key not in self.values and expected == "" or self.values.get(key) == expected:
+            self.values[key] = desired
         return self.values[key]
 
 
@@ -318,7 +323,8 @@ def test_store_ledger_shared_between_injectors(emitted):
     with pytest.raises(RuntimeError):
         injector_for(spec, store=store).fire(1, "forward")
     injector_for(spec, store=store).fire(1, "forward")  # a restarted worker
-    assert store.values == {"tft_inject/fired/fired-1-raise-rank0-step1-forward": 2}
+    assert list(store.values) == ["tft_inject/fired/fired-1-raise-rank0-step1-forward"]
+    assert store.claims == 2
     assert len(emitted) == 1
 
 
@@ -334,7 +340,7 @@ def test_dir_ledger_shared_between_injectors(tmp_path, emitted):
 
 def test_any_ledger_that_saw_the_item_stops_it(tmp_path, emitted):
     store = DictStore()
-    store.add("tft_inject/fired/fired-1-raise-rank0-step1-forward", 1)
+    store.compare_set("tft_inject/fired/fired-1-raise-rank0-step1-forward", "", b"another")
     injector_for("raise:rank=0,step=1", store=store, state_dir=str(tmp_path)).fire(1, "forward")
     assert emitted == []
     assert (tmp_path / "fired-1-raise-rank0-step1-forward").exists()  # recorded there too
@@ -528,6 +534,7 @@ def test_kill_once_per_job_through_torch_distributed_store(tmp_path):
     (tmp_path / "progress").unlink()
     code, stderr = run_loop(tmp_path, spec, TORCHELASTIC_RESTART_COUNT="1", **env)
     assert (code, progress_lines(tmp_path)) == (0, ALL_STEPS + ["done"]), stderr
-    assert store.add("tft_inject/fired/fired-2-kill-rank0-step1-after", 0) == 2
+    # claimed once, by the first process: a pid and a time of its own
+    assert re.fullmatch(rb"\d+-\d+", store.get("tft_inject/fired/fired-2-kill-rank0-step1-after"))
     assert not list(tmp_path.glob("fired-*"))
     assert [e["kind"] for e in injected_events(tmp_path)] == ["kill"]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.jobs import free_port, run_megatron_job
+from tests.jobs import assert_load_refused, free_port, run_megatron_job, tamper_with_a_tensor
 
 pytestmark = pytest.mark.multiproc
 
@@ -181,6 +181,16 @@ def test_killed_rank_dumps_in_megatron_lm_layout_and_load_resumes_bit_exact(
     losses, expected = resumed.losses(), reference.losses()
     assert sorted(losses) == [6, 7, 8]
     assert all(losses[it] == expected[it] for it in losses), (losses, expected)
+    # the dump carries its manifest (Megatron-LM ignores it); the periodic save of iteration
+    # 4 too, written after Megatron-LM's own save
+    assert (iteration_dir / "mp_rank_00" / "tft_manifest.json").is_file()
+    assert (faulty.checkpoint_dir / "iter_0000004" / "mp_rank_00" / "tft_manifest.json").is_file()
+    if route == "dp4":  # one byte of a tensor damaged: Megatron-LM never gets to load it
+        tampered = tmp_path / "tampered"
+        path, tensor = tamper_with_a_tensor(faulty.checkpoint_dir, 5, tampered)
+        refused = run_megatron_job(tmp_path / "refused", megatron_lm, ha_args=HA,
+                                   load_dir=tampered, **config)
+        assert_load_refused(refused, tampered, 5, path, tensor, previous=4)
 
 
 def test_uce_on_optimizer_state_and_params_is_repaired_in_place(

@@ -172,6 +172,18 @@ def test_tft_run_refuses_contradicting_restart_budgets(tmp_path):
                           "same number")
 
 
+@pytest.mark.multiproc
+def test_tft_run_passes_its_workers_refusal_through(tmp_path):
+    """A bad value only the workers read (TFT_INJECT naming a rank outside the 2-rank job):
+    every worker refuses it with exit code 2, and so does tft-run."""
+    done = _tft_run([], {"TFT_INJECT": "kill:rank=7,step=3"}, tmp_path)
+    line = ("[mindspeed-tft] error: TFT_INJECT item 1 'kill:rank=7,step=3,phase=forward': rank "
+            "7 is outside the job's 2 ranks; allowed: 0 to 1")
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert line in (done.stdout + done.stderr).splitlines()
+    assert "refused their settings (exit code 2" in done.stderr
+
+
 def test_a_controller_whose_port_is_taken_says_so_in_one_line(taken_port, tmp_path):
     """The bind itself (a port taken between the start-up check and the controller's start):
     the same line, as the error `tft-run` and rank 0 print, not ZeroMQ's traceback."""

@@ -66,6 +66,7 @@ from torch.distributed.elastic.multiprocessing.subprocess_handler import Subproc
 
 from mindspeed_tft import patches
 from mindspeed_tft.arguments import CONTROLLER_IN_LAUNCHER_ENV
+from mindspeed_tft.events import store_refused
 
 from ..procfs import killed_returncode
 from .lifetime import TiedSubprocessHandler
@@ -109,6 +110,39 @@ def describe_exit(returncode: int) -> str:
             name = "?"
         return f"died (signal {-returncode}, {name})"
     return f"exited with code {returncode}"
+
+
+#: the most workers a node record may list, and the largest number in it
+_RECORD_MAX_WORKERS = 4096
+_RECORD_MAX_NUMBER = 2**31 - 1
+
+
+def parse_node_record(raw: bytes, key: str) -> dict[str, Any] | None:
+    """A node's record (`RECORD_KEY`) read from the store, checked field by field (types and
+    bounds), or None: refused with a `store_value_refused` event (anyone who can reach the
+    store can write it)."""
+    allowed = ("a JSON object: local_world_size, restart_count, master_port (whole numbers), "
+               "master_addr (text), workers (lists of 5 whole numbers)")
+    try:
+        record = json.loads(raw) if len(raw) < (1 << 20) else None
+    except ValueError:
+        record = None
+
+    def number(value: Any) -> bool:
+        return type(value) is int and 0 <= value <= _RECORD_MAX_NUMBER
+
+    workers = record.get("workers") if isinstance(record, dict) else None
+    if not (isinstance(record, dict) and isinstance(workers, list)
+            and 0 < len(workers) <= _RECORD_MAX_WORKERS
+            and all(isinstance(w, list) and len(w) == 5 and all(map(number, w))
+                    for w in workers)
+            and all(number(record.get(k)) for k in ("local_world_size", "restart_count",
+                                                    "master_port"))
+            and isinstance(record.get("master_addr"), str)
+            and 0 < len(record["master_addr"]) <= 255):
+        store_refused(key, raw, allowed)
+        return None
+    return record
 
 
 class _AppendingHandler(TiedSubprocessHandler):
@@ -321,7 +355,9 @@ class TFTElasticAgent(LocalElasticAgent):
         key = RECORD_KEY.format(info.rank)
         if not info.store.check([key]):
             return False
-        record = json.loads(info.store.get(key))
+        record = parse_node_record(info.store.get(key), key)
+        if record is None:  # refused (an event says why): this node joins as a new one
+            return False
         if record["local_world_size"] != spec.local_world_size:
             raise LauncherError(
                 f"--nproc-per-node {spec.local_world_size} differs from the "
@@ -398,7 +434,7 @@ class TFTElasticAgent(LocalElasticAgent):
         """Node 0: the endpoints the backups of nodes 1 and 2 published (bounded wait)."""
         from datetime import timedelta
 
-        from mindspeed_tft.control.wire.config import parse_hostport
+        from mindspeed_tft.control.wire.config import ControlConfigError, parse_hostport
 
         count = self._auto_backup_count(worker_group)
         keys = [BACKUP_KEY.format(i) for i in range(count)]
@@ -419,7 +455,10 @@ class TFTElasticAgent(LocalElasticAgent):
             except Exception:
                 continue
             if endpoint:
-                backups.append(parse_hostport(endpoint, "published backup"))
+                try:
+                    backups.append(parse_hostport(endpoint, "published backup"))
+                except ControlConfigError as error:  # anyone who reaches the store can write
+                    store_refused(key, endpoint.encode(), f"ip:port ({error})")
         say(f"backup controllers: {', '.join(f'{a}:{p}' for a, p in backups) or 'none'}")
         return backups
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -67,6 +68,27 @@ def megatron_lm_entry(args: argparse.Namespace) -> bool:
     return True
 
 
+#: the exit code of a worker that refused a flag, a variable or a checkpoint at start; passed
+#: through when every failed worker exited with it
+WORKER_USAGE_EXIT_CODE = 2
+
+
+def _refused_at_start(error: ChildFailedError) -> int | None:
+    """`WORKER_USAGE_EXIT_CODE` (said, with torchrun's summary) when the first worker that
+    failed exited with it (it refused a flag, a variable or a checkpoint) and every other
+    one either did too or was stopped by the launcher after it (SIGTERM, SIGKILL), else
+    None."""
+    _, first = error.get_first_failure()
+    stopped = {WORKER_USAGE_EXIT_CODE, -signal.SIGTERM, -signal.SIGKILL}
+    if first.exitcode != WORKER_USAGE_EXIT_CODE or not all(
+            failure.exitcode in stopped for failure in error.failures.values()):
+        return None
+    print(error.format_msg(), file=sys.stderr, flush=True)
+    say(f"ranks {sorted(error.failures)} refused their settings (exit code "
+        f"{WORKER_USAGE_EXIT_CODE}; their error is above); exit code {WORKER_USAGE_EXIT_CODE}")
+    return WORKER_USAGE_EXIT_CODE
+
+
 def hosts_controller(args: argparse.Namespace) -> bool:
     """Whether this launcher will host the job's controller, known before the rendezvous:
     the only node, or node 0 of a static rendezvous (torchrun's default)."""
@@ -83,12 +105,22 @@ def launch(args: argparse.Namespace) -> int:
     except LauncherError as e:
         say(f"error: {e}")
         return 2
+    from mindspeed_tft.control.wire.transport import raise_fd_limit
+
+    # node 0's launcher serves the rendezvous store (and the controller), whose connections
+    # any local user can open: the soft open-files limit up to the hard one (workers inherit)
+    raise_fd_limit()
     args.max_restarts = options.torch_max_restarts  # torch's whole-group restarts
     if megatron_lm_entry(args):
         say(f"{args.training_script_args[0]} is a Megatron-LM training script: its workers run "
             "it through `python -m mindspeed_tft.megatron` (the Megatron-LM host adaptor)")
     if not options.high_availability:
-        torch_run_functions()[0](args)
+        try:
+            torch_run_functions()[0](args)
+        except ChildFailedError as e:
+            if _refused_at_start(e) is None:
+                raise
+            return WORKER_USAGE_EXIT_CODE
         return 0
 
     from mindspeed_tft.control.wire.config import ControlConfig, ControlConfigError, check_port_free
@@ -125,7 +157,9 @@ def launch(args: argparse.Namespace) -> int:
             say(f"the job ended with a dying-gasp checkpoint (ranks {sorted(e.failures)} "
                 f"exited with {dump_exit_code}); exit code {dump_exit_code}")
             return dump_exit_code
-        raise
+        if _refused_at_start(e) is None:
+            raise
+        return WORKER_USAGE_EXIT_CODE
     return 0
 
 

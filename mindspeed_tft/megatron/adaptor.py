@@ -321,7 +321,12 @@ def wrap_load_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
             print(f"[mindspeed-tft] rank {_args().rank}: restarted worker: its state comes from "
                   "its peers, not from --load", flush=True)
             return 0, 0
-        _repair_interrupted_publish(getattr(_args(), kwargs.get("load_arg", "load"), None))
+        load_arg = kwargs.get("load_arg", "load")
+        root = getattr(_args(), load_arg, None)
+        _repair_interrupted_publish(root)
+        from mindspeed_tft.recovery import manifest  # checked before any tensor is read
+
+        manifest.before_load(root, startup=load_arg == "load")
         return original(*args, **kwargs)
 
     return load_checkpoint
@@ -589,7 +594,11 @@ def wrap_save_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
         state = _host.state
         if state is not None and len(args) >= 3:  # the live ones, new after a scale change
             args = (state.model, state.optimizer, state.opt_param_scheduler, *args[3:])
+        from mindspeed_tft.recovery import manifest
+
+        manifest.before_save(_args().save, iteration)
         result = original(iteration, *args, **kwargs)
+        manifest.after_save(_args().save, iteration)  # every rank's files are in place
         if _host.state is not None:  # Megatron-LM publishes inside its save: after it
             _host.hooks.on_phase(_host.state, "save", iteration - 1)
         return result

@@ -241,6 +241,11 @@ class TFTPlugin:
                 (`TTP_*`) is not allowed; the process exits 2 instead when the controller's
                 port was taken after the start-up check.
         """
+        # the store's highest logged iteration is bounded by the job's last one
+        iteration_log.limit = getattr(self.args, "train_iters", None) or None
+        from mindspeed_tft.control.wire.transport import raise_fd_limit
+
+        raise_fd_limit()  # the soft open-files limit up to the hard one: peers' connections
         configure_events(getattr(self.args, "tft_events_file", None))
         if not self.high_availability:
             return
@@ -257,6 +262,8 @@ class TFTPlugin:
         patches.install("connection-tracking")  # before any process group exists
         config = ControlConfig.from_env()
         self.control_config = config
+        if config.job_token:  # what the logging rank writes to the store is the job's
+            iteration_log.key = config.job_token.encode()
         if self.args.distributed_backend == "gloo":
             patches.install("gloo-collectives")
         rank, world_size = self.args.rank, self.features.parallel.world_size

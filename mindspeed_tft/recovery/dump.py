@@ -39,10 +39,12 @@ from mindspeed_tft.recovery.layout import (
     CheckpointError,
     iteration_dir_name,
     load_file,
+    make_save_dirs,
     publish_checkpoint,
     save_file,
     this_rank_dir_name,
 )
+from mindspeed_tft.recovery.manifest import write_manifest
 from mindspeed_tft.recovery.snapshot import StepSnapshot, restore_scheduler
 
 SHARDS_DIRNAME = "tft_shards"
@@ -104,7 +106,7 @@ def write_shard(state: RecoverableState, root: str, lock_step: int, chunk: int, 
     if not _distributed_optimizers(state.optimizer):
         raise DumpError("write_shard needs the distributed optimizer")
     directory = os.path.join(tmp_dir(root, lock_step), this_rank_dir_name(), SHARDS_DIRNAME)
-    os.makedirs(directory, exist_ok=True)
+    make_save_dirs(directory, root)
     path = os.path.join(directory, f"shard_{index:03d}.pt")
     partial = path + ".partial"
     save_file(shard_record(state, lock_step, chunk, index), partial)
@@ -189,7 +191,7 @@ def assemble(
     own `shard_record`, is used from memory instead of its file)."""
     lock_step = snapshot.iteration
     rank_dir = os.path.join(tmp_dir(root, lock_step), this_rank_dir_name())
-    os.makedirs(rank_dir, exist_ok=True)
+    make_save_dirs(rank_dir, root)
     opts = _distributed_optimizers(state.optimizer)
     if opts:
         shards_dir = os.path.join(rank_dir, SHARDS_DIRNAME)
@@ -203,6 +205,7 @@ def assemble(
               os.path.join(rank_dir, MODEL_FILENAME))
     if opts:
         shutil.rmtree(os.path.join(rank_dir, SHARDS_DIRNAME), ignore_errors=True)
+    write_manifest(rank_dir, lock_step)
     return rank_dir
 
 

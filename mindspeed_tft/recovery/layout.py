@@ -127,13 +127,56 @@ def fsync_tree(top: str) -> None:
         fsync_dir(dirpath)
 
 
+#: the mode of a save folder this project creates (the umask applies too): weights and
+#: optimizer state are the user's and their group's, nobody else's
+SAVE_DIR_MODE = 0o750
+
+
+def make_save_dirs(path: str, root: str) -> None:
+    """Create `path` and its missing parents up to the save folder `root`. A new folder gets
+    the save folder's mode when that existed already (the user's choice), else
+    `SAVE_DIR_MODE` (`root` itself included), and the group of the folder it is created in
+    (the save folder's group)."""
+    root = os.path.abspath(root)
+    path = os.path.abspath(path)
+    mode = SAVE_DIR_MODE
+    if os.path.isdir(root):
+        mode = os.stat(root).st_mode & 0o7777
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder, mode)
+        except FileExistsError:  # another rank made it
+            continue
+        take_group(folder)
+
+
+def take_group(path: str) -> None:
+    """Give `path` the group of the folder it is in (where the folder's group is not the
+    process's, e.g. a project group; nothing where that is not allowed)."""
+    gid = os.stat(os.path.dirname(os.path.abspath(path))).st_gid
+    try:
+        if os.stat(path).st_gid != gid:
+            os.chown(path, -1, gid)
+    except OSError:
+        pass
+
+
 def save_file(obj: Any, path: str) -> None:
-    """`torch.save` to `path`, then fsync it (the writer's own flush, which a shared file
-    system needs before another node publishes the folder)."""
+    """`torch.save` to `path` (the user's umask, the folder's group), then fsync it (the
+    writer's own flush, which a shared file system needs before another node publishes the
+    folder)."""
     with open(path, "wb") as f:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
+    take_group(path)
 
 
 _AT_FDCWD = -100

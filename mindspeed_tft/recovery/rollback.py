@@ -83,10 +83,13 @@ def transfer_shards(
         copied = copy_shard(state.optimizer, state.model, src=src, dst=me,
                             expect_params=bool(entry.get("params")))
         received = decode_snapshot(_recv_bytes(src))
+        copied.check()  # a damaged shard fails the repair (after the sender's last bytes)
         got_params |= copied.param_bytes > 0
         emit("shard_received", me, source=src, optimizer=entry["optimizer"],
              shard=entry["shard"], iteration=lock_step, bytes=copied.nbytes,
-             param_bytes=copied.param_bytes, seconds=round(copied.seconds, 4))
+             param_bytes=copied.param_bytes, seconds=round(copied.seconds, 4),
+             check_seconds=round(copied.check_seconds, 4),
+             hash_seconds=round(copied.hash_seconds, 4))
         log.info("rank %d received %s shard %s from rank %d (%d bytes)", me,
                  entry["optimizer"], entry["shard"], src, copied.nbytes)
     for entry in send:

@@ -36,12 +36,16 @@ How the bytes move (`copy_shard`):
 - direct and packed messages alternate (`isend`/`irecv`, one tag each): the receiver
   unpacks a packed message while the next direct one is on the wire.
 
-No checksum of the bytes on the way: the transports already check them (TCP and Ethernet
-frames under gloo, the link-level CRCs of NVLink, InfiniBand and RoCE under NCCL/HCCL), and a
-CPU checksum of the shard runs slower than the transfer itself (CRC-32 at 3.5 GB/s here vs a
-4 GB/s send; on an accelerator the shard would first have to come to the host). The
-previous SHA-256 over byte copies on both sides cost 10x the transfer. Replicas are checked
-end to end by `--tft-check-replicas-interval` (`replica.check`, `shard_digest` below).
+Every message carries its checksum: after its messages are posted, the sender computes the
+XXH3-64 digest (the `xxhash` library) of each message's bytes while they travel, and sends
+the digests as one last message; the receiver digests each message as it lands (while the
+next is on the wire) and compares. A mismatch names the message's tensors and the sender:
+the shard is damaged (a link, a memory or a `TFT_INJECT` ``corrupt`` item that flips a byte
+of what is sent, never of the sender's state), `CopyResult.check` raises
+`ShardTransferError`, the repair fails and the job ends in the dump, whose holders are never
+the receiver (it is the rank that lost its state). The digests cost about what a copy of the
+bytes in memory costs (bench/README.md, "`bench/checksums.py`"), beside a transfer
+that also moves them between processes.
 
 `shard_digest`: CRC-32 of a rank's shard, read in place (replica checks).
 """
@@ -58,6 +62,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mindspeed_tft import faults
 from mindspeed_tft.events import work_counts
 
 #: tensors of at least this many bytes travel as themselves; the smaller ones are packed.
@@ -72,6 +77,8 @@ _MAGIC = 0x54465453  # "TFTS"
 _HEADER_LEN = 7
 #: the tag of the receiver's "every receive is posted" message
 _GO_TAG = 1 << 20
+#: the tag of the sender's digests (one int64 per message)
+_DIGEST_TAG = (1 << 20) + 1
 
 
 class ShardTransferError(RuntimeError):
@@ -148,6 +155,15 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     return _flat(tensor).view(torch.uint8)
 
 
+def _message_digest(buffer: torch.Tensor) -> int:
+    """XXH3-64 of a message's bytes, as an int64 (the digests travel as one tensor)."""
+    import xxhash
+
+    # numpy's stub lacks ndarray.__buffer__ (the array has the buffer protocol)
+    value = xxhash.xxh3_64_intdigest(_bytes_of(buffer).numpy())  # type: ignore[arg-type]
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
 def _posted(work: dist.Work | None) -> dist.Work:
     """The request of a point-to-point op (torch returns None to a rank outside the group:
     never so here, where both ends are members)."""
@@ -187,6 +203,18 @@ class CopyResult:
     nbytes: int
     seconds: float = 0.0
     param_bytes: int = 0
+    #: what arrived damaged (its checksum differs from the sender's), None when all is intact
+    damaged: str | None = None
+    #: (receiver) seconds the checksums added after the last byte (the last message's digest,
+    #: the wait for the sender's), and the seconds of all its digests
+    check_seconds: float = 0.0
+    hash_seconds: float = 0.0
+
+    def check(self) -> None:
+        """Raise `ShardTransferError` when the shard arrived damaged (the receiver's state
+        then holds the damaged bytes: it must not train on them)."""
+        if self.damaged is not None:
+            raise ShardTransferError(self.damaged)
 
 
 @dataclass
@@ -245,9 +273,20 @@ def _send(shard: Shard, params: list[torch.Tensor], dst: int,
     works = [_posted(dist.isend(header, dst=dst, group=group))]
     buffers = [_bytes_of(tensors[m.indices[0]]) if m.direct
                else torch.cat([_flat(tensors[j]) for j in m.indices]) for m in plan]
+    digests: list[int] | None = None
+    if buffers and faults.transfer_corruption(shard.step):
+        # TFT_INJECT corrupt: a byte flips on the way, after its digest was taken
+        digests = [_message_digest(b) for b in buffers]
+        buffers[0] = buffers[0].clone()
+        flipped = buffers[0].view(torch.uint8)
+        flipped[flipped.numel() // 2] ^= 0xFF
     ready.wait()  # every receive is posted: the messages go out back to back
     works += [_posted(dist.isend(b, dst=dst, group=group, tag=i + 1))
               for i, b in enumerate(buffers)]
+    if digests is None:  # while the messages travel
+        digests = [_message_digest(b) for b in buffers]
+    works.append(_posted(dist.isend(torch.tensor(digests, dtype=torch.int64), dst=dst,
+                                    group=group, tag=_DIGEST_TAG)))
     for work in works:
         work.wait()
 
@@ -271,14 +310,27 @@ class _Layout:
             for m in plan])
 
 
+@dataclass
+class _Checked:
+    """The receiver's checksum verdict: what arrived damaged (None: nothing), the seconds the
+    checksums added after the last message arrived (its digest, the wait for the sender's) and
+    the seconds of all its digests (most of them while later messages travelled)."""
+
+    damaged: str | None
+    seconds: float
+    hashing: float
+
+
 def _receive(shard: Shard, params: list[torch.Tensor], header: torch.Tensor, pending: Any,
              src: int, group: dist.ProcessGroup | None, *, entered: float,
-             expect_params: bool) -> tuple[int, float, int]:
+             expect_params: bool) -> tuple[int, float, int, _Checked]:
     """Receive a shard, and the model params when the sender sends them, once the `header`
     that `pending` receives has come; returns the step, the seconds since both holders
     were in `copy_shard` and the number of param buffers received. The receiver lays out
     its buffers before the header comes (for the params it expects; again after it, if the
-    sender decided otherwise), so that its receives are posted as soon as it is checked."""
+    sender decided otherwise), so that its receives are posted as soon as it is checked.
+    The last value says what arrived damaged (its digest differs from the sender's), if
+    anything, and the seconds the checksums added."""
     expected = params if expect_params else []
     layout = _Layout.of(shard.tensors + expected)
     pending.wait()
@@ -300,16 +352,38 @@ def _receive(shard: Shard, params: list[torch.Tensor], header: torch.Tensor, pen
         )
     works = [_posted(dist.irecv(b, src=src, group=group, tag=i + 1))
              for i, b in enumerate(layout.buffers)]
+    sent_digests = torch.empty(len(plan), dtype=torch.int64)
+    digests_work = _posted(dist.irecv(sent_digests, src=src, group=group, tag=_DIGEST_TAG))
     # only now may the sender post its messages: a receive posted while a message arrives
     # on the same connection waits for its last byte (the connection's lock), and the
     # sender would see one receive at a time
     go = _posted(dist.isend(torch.ones(1, dtype=torch.int64), dst=src, group=group, tag=_GO_TAG))
+    digests = []
+    hashing = last = 0.0
     for message, buffer, work in zip(plan, layout.buffers, works, strict=True):
         work.wait()
-        if not message.direct:  # while the next messages arrive
+        began = time.perf_counter()
+        digests.append(_message_digest(buffer))  # while the next messages arrive
+        last = time.perf_counter() - began
+        hashing += last
+        if not message.direct:
             _unpack(buffer, [tensors[j] for j in message.indices])
     go.wait()
-    return step, _since_both(entered, arrived, arrived_ns, sent_ns), sent_params
+    began = time.perf_counter()
+    digests_work.wait()
+    # what the checksums add after the last byte: its message's digest, then the wait for
+    # the sender's (the other digests ran while later messages were on the wire)
+    exposed = last + time.perf_counter() - began
+    damaged = [i for i, (mine, theirs) in enumerate(zip(digests, sent_digests.tolist(),
+                                                        strict=True)) if mine != theirs]
+    problem = None
+    if damaged:
+        first = plan[damaged[0]]
+        problem = (f"the shard from rank {src} arrived damaged: {len(damaged)} of {len(plan)} "
+                   f"messages differ from the sender's checksum (the first holds tensors "
+                   f"{first.indices[:4]} of {len(tensors)}, {first.nbytes} bytes)")
+    return (step, _since_both(entered, arrived, arrived_ns, sent_ns), sent_params,
+            _Checked(problem, exposed, hashing))
 
 
 def _since_both(entered: float, arrived: float, arrived_ns: int, sent_ns: int) -> float:
@@ -347,7 +421,9 @@ def copy_shard(
     model params travel too, into the receiver's param buffers (distributed optimizer only);
     otherwise the receiver's model params are not touched (see the module docstring).
     `expect_params` (the receiver's guess of that choice) only lets it lay out its buffers
-    before the header comes; a wrong guess costs that layout again, nothing else."""
+    before the header comes; a wrong guess costs that layout again, nothing else. The
+    receiver verifies every message's checksum: `CopyResult.damaged` says what differs
+    (`CopyResult.check` raises then; the caller first finishes what the sender still sends)."""
     entered, entered_ns = time.perf_counter(), time.time_ns()
     me = dist.get_rank()
     if me == src:
@@ -363,10 +439,11 @@ def copy_shard(
     pending = dist.irecv(header, src=src, group=group)  # it travels while the shard is laid out
     shard = local_shard(optimizer, model, create=True)
     params = param_buffers(model)
-    step, seconds, received = _receive(shard, params, header, pending, src, group,
-                                       entered=entered, expect_params=expect_params)
+    step, seconds, received, checked = _receive(shard, params, header, pending, src, group,
+                                                entered=entered, expect_params=expect_params)
     for state in shard.states:
         state["step"] = torch.tensor(float(step))
     got = sum(t.numel() * t.element_size() for t in params) if received else 0
     work_counts.add("state_bytes_received", shard.nbytes + got)
-    return CopyResult(shard.nbytes + got, seconds, param_bytes=got)
+    return CopyResult(shard.nbytes + got, seconds, param_bytes=got, damaged=checked.damaged,
+                      check_seconds=checked.seconds, hash_seconds=checked.hashing)

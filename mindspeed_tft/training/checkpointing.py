@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from mindspeed_tft.events import emit
+from mindspeed_tft.recovery import manifest
 from mindspeed_tft.recovery.layout import (
     CHECKPOINT_SAFE_GLOBALS,
     CHECKPOINT_VERSION,
@@ -42,6 +43,7 @@ from mindspeed_tft.recovery.layout import (
     get_rng_state,
     iteration_dir_name,
     load_file,
+    make_save_dirs,
     publish_checkpoint,
     resolve_checkpoint,
     save_file,
@@ -111,21 +113,26 @@ def save_checkpoint(
     rank_dir = os.path.join(tmp_dir, this_rank_dir_name())
     if dist.get_rank() == 0:
         shutil.rmtree(tmp_dir, ignore_errors=True)
-        os.makedirs(tmp_dir, exist_ok=True)
+        make_save_dirs(tmp_dir, root)
     dist.barrier()
 
     optimizer = state.optimizer
     if args.use_distributed_optimizer and not args.no_save_optim:
         # Collective over the data-parallel group; data-parallel rank 0 writes.
-        os.makedirs(rank_dir, exist_ok=True)
+        make_save_dirs(rank_dir, root)
         distrib_file = os.path.join(rank_dir, DISTRIB_OPTIM_FILENAME)
         optimizer.save_parameter_state(distrib_file)
         if os.path.isfile(distrib_file):  # megatron-core's writer: data-parallel rank 0
             _fsync_file(distrib_file)
 
     if _is_data_parallel_writer():
-        os.makedirs(rank_dir, exist_ok=True)
+        make_save_dirs(rank_dir, root)
         save_file(checkpoint_state_dict(state), os.path.join(rank_dir, MODEL_FILENAME))
+    # every file is written (with optimizer replicas, each replica's data-parallel rank 0
+    # writes the same distrib_optim.pt: the manifest waits for all of them)
+    dist.barrier()
+    if _is_data_parallel_writer():
+        manifest.write_manifest(rank_dir, iteration)
 
     if hooks is not None:
         hooks.on_phase(state, "save", iteration - 1)
@@ -228,6 +235,9 @@ def load_checkpoint(state: Any, root: str | None = None) -> int:
         return 0
     iteration, directory = found
     rank_dir = _rank_dir_or_error(root, iteration, directory)
+    # before any tensor is read: a mismatch exits 2 at start-up, fails a repair
+    manifest.verify_for_load(root, os.path.basename(rank_dir), _is_data_parallel_writer(),
+                             dist.get_rank(), startup=startup)
     model_file = os.path.join(rank_dir, MODEL_FILENAME)
     # Megatron-LM's format: args is an argparse.Namespace, the RNG state has numpy arrays
     state_dict = load_file(model_file, CHECKPOINT_SAFE_GLOBALS)

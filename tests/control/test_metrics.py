@@ -197,3 +197,38 @@ def test_goodput_is_the_reports_over_complete_lines(tmp_path: Path) -> None:
         f.write(lines[3][20:])
     assert reader.ratio() == goodput(events).ratio == pytest.approx(3.75 / 4.5)
     assert EventsGoodput(lambda: None).ratio() is None  # no events file in this process
+
+
+def test_idle_connections_hold_a_bounded_pool_and_time_out(monkeypatch) -> None:
+    """Hundreds of idle connections: the endpoint starts no thread beyond its pool, closes
+    the ones beyond its queue at once, and the idle ones after the read timeout; a scrape
+    then answers."""
+    import threading
+    import time
+
+    from mindspeed_tft.control.controller import metrics
+
+    monkeypatch.setattr(metrics._QuietHandler, "timeout", 0.5)
+    class Silent:  # a controller whose loop does not answer: tft_controller_up 0
+        def snapshot(self, timeout: float = 0) -> dict:
+            raise TimeoutError
+
+    server = MetricsServer(Silent(), "127.0.0.1", 0)
+    try:
+        before = threading.active_count()
+        idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(150)]
+        time.sleep(0.5)
+        assert threading.active_count() - before <= metrics.METRICS_THREADS
+        closed = 0
+        for sock in idle:
+            sock.settimeout(3)
+            try:
+                closed += sock.recv(1) == b""  # closed by the server: shed or timed out
+            except OSError:
+                pass
+            sock.close()
+        assert closed == len(idle), (closed, server._httpd.shed)  # type: ignore[attr-defined]
+        reply = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5)
+        assert b"tft_controller_up" in reply.read()  # answered
+    finally:
+        server.stop()

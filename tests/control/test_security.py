@@ -399,7 +399,11 @@ def test_forged_reports_for_a_registered_rank_change_nothing(tmp_path: Path) -> 
         # a replayed (old sequence number) report from the liar's own rank is dropped too
         liar.send(encode(MsgType.REPORT, 2, 1, {"kind": "unknown", "message": "replay",
                                                 "step": 0, "status": "updated"}))
-        after = wait_for(lambda: (s := job.snapshot(snap)) and s["dropped_total"] >= 17 and s, 10,
+        # and one whose sequence number jumps far ahead (it would make every later message of
+        # the rank look replayed): dropped, the counter stays where it was
+        liar.send(encode(MsgType.REPORT, 2, 1 << 40, {"kind": "unknown", "message": "jump",
+                                                      "step": 0, "status": "updated"}))
+        after = wait_for(lambda: (s := job.snapshot(snap)) and s["dropped_total"] >= 18 and s, 10,
                          what="forgeries counted")
         time.sleep(3 * INTERVAL)
         after = job.snapshot(snap)
@@ -409,6 +413,7 @@ def test_forged_reports_for_a_registered_rank_change_nothing(tmp_path: Path) -> 
         assert after["ranks"]["1"] == before["ranks"]["1"]
         assert after["dropped"]["spoof"] == 8 and after["dropped"]["unregistered"] == 6
         assert after["dropped"]["rank_taken"] == 2 and after["dropped"]["replay"] == 1
+        assert after["dropped"]["seq_jump"] == 1
         assert not [e for e in job.events() if e["event"] == "fault_detected"]
         assert all(p.controller_state == "NORMAL" for p in procs)
     finally:

@@ -20,6 +20,7 @@ from ..wire.classify import FaultKind
 from ..wire.config import ControlConfig
 from ..wire.order_types import ExitOrder, Payload
 from ..wire.protocol import (
+    SEQ_WINDOW,
     TO_CONTROLLER,
     DropCounter,
     Limits,
@@ -28,6 +29,7 @@ from ..wire.protocol import (
     ProtocolError,
     decode,
     peek,
+    seq_in_window,
 )
 from ..wire.transport import token_ok
 from .admission import Admission
@@ -138,6 +140,9 @@ class Inbox:
             self.drops.drop("spoof", f"{msg.type} claims rank {msg.sender} from rank {row.rank}'s connection")
         elif msg.seq <= row.last_seq:
             self.drops.drop("replay", f"{msg.type} seq {msg.seq} <= {row.last_seq}")
+        elif not seq_in_window(msg.seq, row.last_seq):
+            self.drops.drop("seq_jump", f"{msg.type} seq {msg.seq} > {row.last_seq} + "
+                                        f"{SEQ_WINDOW}")
         else:
             row.last_seq = msg.seq
             row.last_seen = self.sockets.now

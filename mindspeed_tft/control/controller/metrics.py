@@ -39,6 +39,11 @@ process has no events file (`--tft-events-file` / `TFT_EVENTS_FILE`) or no event
 recomputed only when events were appended since the last scrape; the events are kept in
 memory (as `report` does), which a job writing millions of events pays for.
 
+Connections: scrapes are answered by `METRICS_THREADS` threads; at most `METRICS_QUEUE`
+connections wait for one and later ones are closed at once, and a connection that does not
+send its request within `METRICS_READ_TIMEOUT` seconds is closed: idle connections hold a
+bounded number of threads and files.
+
 Thread safety: the controller's loop thread owns its state. A scrape (in the HTTP server's
 threads) asks the loop for a snapshot (`Controller.snapshot`, the loop answers between
 frames), and reads the events file under its own lock.
@@ -51,7 +56,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
-from socketserver import ThreadingMixIn
+from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
 from typing import Any, Protocol
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -225,13 +230,53 @@ def _incidents(core: Any, snap: dict[str, Any]) -> Iterator[Any]:
                                    "went back on", value=stats["iterations_lost"])
 
 
+#: threads that answer scrapes, connections that may wait for one (more are closed at
+#: once), and seconds a connection may take to send its request
+METRICS_THREADS = 4
+METRICS_QUEUE = 16
+METRICS_READ_TIMEOUT = 5.0
+
+
 class _QuietHandler(WSGIRequestHandler):
+    # an idle or slow connection holds a thread this long at most (socket timeout)
+    timeout = METRICS_READ_TIMEOUT
+
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
         pass  # a scrape every few seconds is not news
 
 
-class _Server(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
+class _Server(WSGIServer):
+    """A WSGI server answering on a bounded pool: `METRICS_THREADS` threads, at most
+    `METRICS_QUEUE` connections waiting; a connection beyond them is closed at once, so
+    idle connections cannot make the process start a thread each."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._pool = ThreadPoolExecutor(METRICS_THREADS, thread_name_prefix="tft-metrics-req")
+        self._slots = threading.BoundedSemaphore(METRICS_THREADS + METRICS_QUEUE)
+        self.shed = 0
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shed += 1
+            self.shutdown_request(request)
+            return
+        self._pool.submit(self._answer, request, client_address)
+
+    def _answer(self, request: Any, client_address: Any) -> None:
+        try:
+            self.finish_request(request, client_address)
+        except OSError:  # timed out or gone: nothing to report
+            pass
+        except Exception:
+            self.handle_error(request, client_address)
+        finally:
+            self.shutdown_request(request)
+            self._slots.release()
+
+    def server_close(self) -> None:
+        super().server_close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class MetricsServer:

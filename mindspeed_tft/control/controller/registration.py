@@ -18,7 +18,7 @@ import zmq
 
 from ...features import Features
 from ..wire.config import ControlConfig
-from ..wire.protocol import DropCounter, Message, MsgType
+from ..wire.protocol import DropCounter, Message, MsgType, seq_in_window
 from ..wire.transport import REFUSED, REFUSED_FOR_NOW, token_ok
 from .elasticity import Elasticity
 from .ranktable import CONNECTED, Health, RankInfo, RankTable
@@ -130,7 +130,7 @@ class Registration:
 
     def _repeated(self, row: RankInfo, msg: Message, now: float) -> None:
         p, rank = msg.payload, row.rank
-        if msg.seq > row.last_seq:
+        if seq_in_window(msg.seq, row.last_seq):
             row.last_seq = msg.seq
         row.last_seen = now
         if p.get("replica") is not None:  # the layout, known after the registration

@@ -10,6 +10,7 @@ token, and sends without ever blocking.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
@@ -23,6 +24,7 @@ from ..wire.transport import (
     MONITOR_EVENTS,
     MONITOR_NAMES,
     CurveKeys,
+    FdReserve,
     bind_router,
     bound_port,
     check_bind,
@@ -37,6 +39,10 @@ from .admission import FD_RESERVE, PENDING_MARGIN, Admission
 log = logging.getLogger("mindspeed_tft.control.controller")
 
 DRAIN_BATCH = 4096
+#: after the process ran out of files: seconds before the reserve is taken again (doubling
+#: while it keeps running out, up to `OUT_OF_FILES_BACKOFF_MAX`)
+OUT_OF_FILES_BACKOFF = 0.1
+OUT_OF_FILES_BACKOFF_MAX = 2.0
 #: seconds the loop reads input before it supervises again, however much is queued
 DRAIN_SLICE = 0.05
 
@@ -58,6 +64,11 @@ class ControllerSockets:
         self.wake_r, self.wake_w = os.pipe()
         #: when the last frame was taken (`drain`): liveness is when a frame was read
         self.now = time.monotonic()
+        #: files held back for when the process runs out (`_out_of_files`), and when to
+        #: take them again
+        self.reserve: FdReserve | None = None
+        self._refill_at: float | None = None
+        self._backoff = OUT_OF_FILES_BACKOFF
 
     def open(self, world_size: int, bind_addr: str, port: int, role: str) -> int:
         """Bind the ROUTER on `bind_addr:port` (0: any free port) and monitor it; returns
@@ -89,6 +100,7 @@ class ControllerSockets:
             raise port_in_use(bind_addr, port, "the controller" if active else what,
                               "TTP_PORT" if active else "TTP_BACKUP_ADDRS") from None
         self.monitor = monitor_socket(self.router, MONITOR_EVENTS)
+        self.reserve = FdReserve()
         return bound_port(self.router)
 
     def wake(self) -> None:
@@ -99,6 +111,8 @@ class ControllerSockets:
             pass
 
     def close(self) -> None:
+        if self.reserve is not None:
+            self.reserve.close()
         if self.monitor is not None:
             try:
                 self.router.disable_monitor()  # type: ignore[union-attr]
@@ -190,11 +204,31 @@ class ControllerSockets:
         self.admission.on_event(event, value, self.now)  # accepted/disconnected: by fd
         n = self.connections.get(name, 0) + 1
         self.connections[name] = n
+        if event == zmq.EVENT_ACCEPT_FAILED and value in (errno.EMFILE, errno.ENFILE):
+            self._out_of_files(value)
+        elif self._refill_at is not None and self.now >= self._refill_at:
+            self._refill_at = None if self.reserve is None or self.reserve.refill() else (
+                self.now + self._backoff)
+            if self._refill_at is None:
+                self._backoff = OUT_OF_FILES_BACKOFF
         if name not in ("disconnected", "accepted") and (n <= 10 or n % 1000 == 0):
             log.warning("connection event #%d: %s", n, name)
         if event == zmq.EVENT_ACCEPTED and self.admission.crowded():
             self.admission.enforce(self.now)  # the oldest pending make room for the newest
         return True
+
+    def _out_of_files(self, code: int) -> None:
+        """libzmq could not accept a connection: the process (EMFILE) or the system (ENFILE)
+        has no file left. The reserve goes back, so that the pending accept (a rank's
+        registration) succeeds and admission can judge it; it is taken again after a back-off
+        that doubles while this repeats (libzmq retries the accept at once: without files
+        freed, it would repeat it in a loop)."""
+        freed = self.reserve.release() if self.reserve is not None else 0
+        if freed or self._refill_at is None:
+            log.warning("out of open files (%s): %d reserved ones given back; taken again in "
+                        "%.1f s", errno.errorcode.get(code, code), freed, self._backoff)
+            self._refill_at = self.now + self._backoff
+            self._backoff = min(2 * self._backoff, OUT_OF_FILES_BACKOFF_MAX)
 
     def key(self, part: zmq.Frame) -> str | None:
         """CURVE: the sender's public key, the ZAP User-Id of its frame (None without)."""

@@ -5,7 +5,8 @@ Every message is one ZeroMQ frame holding a msgpack array
     [version, type, sender, seq, payload]
 
 `version` is `PROTOCOL_VERSION`; `type` one of the `MsgType` names; `sender` the sending
-rank (`CONTROLLER` = -1 for controllers); `seq` a per-sender counter that only grows;
+rank (`CONTROLLER` = -1 for controllers); `seq` a per-sender counter that only grows (a
+receiver takes a message only within `SEQ_WINDOW` of the sender's last one);
 `payload` a map checked against the schema of its type (`SCHEMAS`): required and optional
 keys with their types and ranges; unknown keys are refused.
 
@@ -36,6 +37,16 @@ CONTROLLER = -1
 MAX_RANK = (1 << 24) - 1
 MAX_STEP = (1 << 62)
 MAX_TEXT = 4096
+#: how far one message's `seq` may run ahead of the last one its receiver took from the same
+#: sender (a sender's messages arrive in order over one connection: far more than a rank
+#: sends in hours); one further ahead is dropped, so that a forged frame cannot push the
+#: counter out of a live rank's reach (a bound, not an authentication: that is CURVE's)
+SEQ_WINDOW = 100_000
+
+
+def seq_in_window(seq: int, last: int) -> bool:
+    """Whether `seq` follows `last` within `SEQ_WINDOW`."""
+    return last < seq <= last + SEQ_WINDOW
 MAX_RANKS_PER_MESSAGE = 1 << 21
 
 

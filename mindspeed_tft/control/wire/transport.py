@@ -81,26 +81,70 @@ def bound_port(sock: zmq.Socket) -> int:
     return int(last.rsplit(":", 1)[1])
 
 
-def raise_fd_limit(needed: int, warn_below: int | None = None) -> int:
-    """Raise this process's open-files soft limit towards `needed` (at most to the hard
-    limit; a controller holds one TCP connection per rank); returns the soft limit now in
-    force, and warns when it is below `warn_below` (default `needed`)."""
+#: the soft open-files limit asked for where the hard limit is unlimited (the kernel's usual
+#: ceiling, fs.nr_open)
+UNLIMITED_FILES = 1 << 20
+#: descriptors `FdReserve` holds for a controller to give back when the process runs out
+RESERVE_FILES = 32
+
+
+def raise_fd_limit(needed: int = 0, warn_below: int | None = None) -> int:
+    """Raise this process's open-files soft limit to its hard limit (a store, a controller
+    and their peers' connections share it: any local user can open connections to them);
+    returns the soft limit now in force, and warns when it is below `warn_below` (default
+    `needed`)."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft >= needed or soft == resource.RLIM_INFINITY:
-        return soft
-    target = needed if hard == resource.RLIM_INFINITY else min(hard, needed)
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        soft = target
-    except (ValueError, OSError) as e:
-        log.warning("cannot raise the open-files limit to %d: %s", target, e)
+    target = UNLIMITED_FILES if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as e:
+            log.warning("cannot raise the open-files limit to %d: %s", target, e)
     floor = needed if warn_below is None else warn_below
-    if soft < floor:
+    if soft != resource.RLIM_INFINITY and soft < floor:
         log.warning("open-files limit %d (hard limit %s) is below the %d this process needs",
                     soft, hard, floor)
     return soft
+
+
+class FdReserve:
+    """Open files held back (descriptors of /dev/null) for the moment the process runs out:
+    `release` closes them so that a listener's pending accept (a rank's registration) can
+    succeed, `refill` takes them again once files are free."""
+
+    def __init__(self, count: int = RESERVE_FILES) -> None:
+        self.count = count
+        self._fds: list[int] = []
+        self.releases = 0
+        self.refill()
+
+    def refill(self) -> int:
+        """Take the reserve again (as far as files are free); returns how many are held."""
+        while len(self._fds) < self.count:
+            try:
+                self._fds.append(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
+            except OSError:
+                break
+        return len(self._fds)
+
+    def release(self) -> int:
+        """Give the reserve back to the process; returns how many files were freed."""
+        freed = len(self._fds)
+        for fd in self._fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._fds = []
+        if freed:
+            self.releases += 1
+        return freed
+
+    def close(self) -> None:
+        self.release()
 
 
 def load_cert(path: str) -> tuple[bytes, bytes | None]:
