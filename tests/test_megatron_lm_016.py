@@ -24,6 +24,9 @@ HA = "--enable-high-availability --tft-check-replicas-interval 1"
 ITERS = {"train_iters": 8, "save_interval": 4, "precision": "fp32"}  # as test_megatron_lm.py
 DP4 = {"layout": "dp4"}
 DUMP_EXIT_CODE = 75
+#: Megatron-LM's default data loader: 2 worker processes per rank (the jobs' script passes
+#: --num-workers 0 otherwise); a reference without them has the same batches
+WORKERS = {"NUM_WORKERS": "2"}
 RANGE = "supported: 0.12.1 to 0.16.1 (pip install 'megatron-core>=0.12.1,<=0.16.1')"
 
 
@@ -91,20 +94,33 @@ def test_trains_in_megatron_lm_016s_loop(megatron_reference_016):
     assert all(e["match"] for e in job.named("replica_check"))
 
 
+#: what Megatron-LM's `pretrain` still imports after a warm spare took its rank: its dataset
+#: helpers, which rank 0 compiles at start-up (a spare may be ready before they exist)
+LATE_IMPORTS = {"megatron.core.datasets.helpers", "megatron.core.datasets.helpers_cpp"}
+
+
 @pytest.mark.multiproc
-def test_worker_reboot_under_tft_run_016(megatron_lm_016, megatron_reference_016, tmp_path):
+@pytest.mark.parametrize("spares", [0, 1], ids=["cold", "warm spare"])
+def test_worker_reboot_under_tft_run_016(spares, megatron_lm_016, megatron_reference_016,
+                                         tmp_path):
     """Done when (issue 50): a 4-rank tiny job in core_v0.16.1's unchanged pretrain_gpt.py
     under `tft-run` (no -m, no import), rank 2 killed in backward of step 5 and replaced (only
-    it), every loss equal to the fault-free run's."""
+    it), every loss equal to the fault-free run's: by a new process (cold), or by the warm
+    spare of `--tft-spares-per-node 1`, which did the workers' imports before the fault."""
     reference = megatron_reference_016(ha_args=HA, **DP4, **ITERS)
+    launcher = f"tft-run --tft-spares-per-node {spares}" if spares else "tft-run"
     job = run_megatron_job(tmp_path, megatron_lm_016, ha_args=f"{HA} --enable-worker-reboot",
-                           entry="", launcher="tft-run",
+                           entry="", launcher=launcher,
                            inject="kill:rank=2,step=5,phase=backward", **DP4, **ITERS)
     assert job.returncode == 0, job.describe()
     assert "is a Megatron-LM training script: its workers run it through" in job.output
     assert [e["strategy"] for e in job.named("strategy")] == ["recover"]
     pids = job.pids()
     assert {r: len(p) for r, p in pids.items()} == {0: 1, 1: 1, 2: 2, 3: 1}
+    if spares:
+        spare, late = job.spare_handover(2)
+        assert pids[2][1] == spare
+        assert set(late.split(", ")) <= LATE_IMPORTS | {"none"}, late
     assert job.losses() == reference.losses()
     assert all(e["match"] for e in job.named("replica_check"))
 
@@ -113,13 +129,18 @@ def test_worker_reboot_under_tft_run_016(megatron_lm_016, megatron_reference_016
 def test_uce_on_optimizer_state_is_repaired_in_place_016(megatron_lm_016,
                                                          megatron_reference_016, tmp_path):
     """Done when (issue 50): a UCE on rank 1's optimizer state in step 3 is repaired in place
-    from its replica; no process restarts, every loss equal to the fault-free run's."""
+    from its replica, and so is a communication error of rank 2 in step 6 (the same job: one
+    run for both); no process restarts, every loss equal to the fault-free run's. The
+    adaptor comes in by the one-line import at the top of the user's script (the third
+    route: `pretrain_gpt_tft.py`, the fixture's copy of pretrain_gpt.py with that line)."""
     reference = megatron_reference_016(ha_args=HA, **DP4, **ITERS)
     job = run_megatron_job(tmp_path, megatron_lm_016, ha_args=f"{HA} --enable-hbmfault-repair",
-                           inject="uce:rank=1,step=3,phase=backward,target=optimizer",
-                           **DP4, **ITERS)
+                           inject="uce:rank=1,step=3,phase=backward,target=optimizer;"
+                                  "comm:rank=2,step=6,phase=backward",
+                           entry="", script="pretrain_gpt_tft.py", **DP4, **ITERS)
     assert job.returncode == 0, job.describe()
-    assert [e["strategy"] for e in job.named("strategy")] == ["retry"]
+    assert [e["strategy"] for e in job.named("strategy")] == ["retry", "retry"]
+    # the UCE's shard comes from its replica; the comm error corrupted nothing
     assert [(e["rank"], e["iteration"]) for e in job.named("shard_received")] == [(1, 3)]
     assert all(len(p) == 1 for p in job.pids().values())
     assert job.losses() == reference.losses()
@@ -129,16 +150,18 @@ def test_uce_on_optimizer_state_is_repaired_in_place_016(megatron_lm_016,
 @pytest.mark.multiproc
 def test_dump_then_plain_megatron_lm_016_resumes_bit_exact(megatron_lm_016,
                                                            megatron_reference_016, tmp_path):
-    """Done when (issue 50): rank 1 killed in backward of step 5 under plain torchrun; the
-    survivors write the dying-gasp checkpoint in Megatron-LM's layout. Megatron-LM
+    """Done when (issue 50): rank 1 killed in backward of step 5 under plain torchrun, with
+    Megatron-LM's default data loader (2 worker processes per rank, which torchrun's SIGTERM
+    reaches); the survivors write the dying-gasp checkpoint in Megatron-LM's layout. Megatron-LM
     core_v0.16.1 without the plugin's flags (high availability off: the plugin inactive; the
     format flag because its default is torch_dist) resumes from it with --load, and its losses
     equal the fault-free run's."""
     plain = {"ha_args": "", "extra_args": ["--ckpt-format", "torch"]}
     reference = megatron_reference_016(ha_args=HA, **DP4, **ITERS)
-    faulty = run_megatron_job(tmp_path / "faulty", megatron_lm_016, ha_args=HA,
+    faulty = run_megatron_job(tmp_path / "faulty", megatron_lm_016, ha_args=HA, env=WORKERS,
                               inject="kill:rank=1,step=5,phase=backward", **DP4, **ITERS)
     assert faulty.returncode != 0
+    assert "DataLoader worker" not in faulty.output  # the stop is no fault of a healthy rank
     iteration_dir = faulty.checkpoint_dir / "iter_0000005"
     assert [(e["iteration"], e["path"]) for e in faulty.named("dump_saved")] == [
         (5, str(iteration_dir))]
@@ -177,3 +200,34 @@ def test_megatrons_own_fault_tolerance_switches_are_decided_at_start_016(
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
     assert f"[mindspeed-tft] error: {message}" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.multiproc
+def test_elastic_training_shrinks_in_megatron_lm_016s_loop(megatron_lm_016,
+                                                          megatron_reference_016, tmp_path):
+    """A killed rank that gets no replacement: core_v0.16.1's own loop continues at DP2 from the
+    dump (its setup_model_and_optimizer and load_checkpoint) and finishes every iteration with
+    the fault-free samples and learning rate, losses within tests/test_elastic.py's tolerance
+    (exact before the shrink), as on core_v0.12.1."""
+    from tests.test_elastic import LOSS_TOLERANCE
+
+    reference = megatron_reference_016(ha_args=HA, **DP4, **ITERS)
+    job = run_megatron_job(tmp_path, megatron_lm_016, entry="", launcher="tft-run",
+                           ha_args=f"{HA} --enable-worker-reboot --enable-elastic-training",
+                           inject="kill:rank=1,step=4,phase=backward",
+                           env={"TFT_MAX_WORKER_RESTARTS": "0"}, **DP4, **ITERS)
+    assert job.returncode == 0, job.describe()
+    (shrink,) = job.named("scale_in")
+    assert (shrink["ranks"], shrink["dp_size"], shrink["left"], shrink["step"]) == (
+        [0, 2], 2, [1, 3], 4)
+    expected = {e["iteration"]: e for e in reference.named("iteration")}
+    logged = job.named("iteration")
+    assert [e["iteration"] for e in logged] == sorted(expected)
+    for event in logged:
+        want = expected[event["iteration"]]
+        assert (event["consumed_samples"], event["lr"]) == (want["consumed_samples"], want["lr"])
+        assert abs(event["loss"] - want["loss"]) <= LOSS_TOLERANCE, event
+        if event["iteration"] <= 4:
+            assert event["loss"] == want["loss"], event
+    checks = [e for e in job.named("replica_check") if e["iteration"] > 4]
+    assert checks and all(e["match"] for e in checks)

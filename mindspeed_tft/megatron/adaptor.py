@@ -680,13 +680,31 @@ def wrap_compile_helpers(original: Callable[..., Any]) -> Callable[..., Any]:
     return compile_helpers
 
 
+#: what Megatron-LM's start-up imports late (inside functions), where this version has it:
+#: core_v0.16.1 builds its tokenizer (`megatron.core.tokenizers`) and einops binds its torch
+#: backend on first use; a warm spare imports them before it takes a rank
+LATE_START_UP_IMPORTS = ("megatron.core.tokenizers.text.models", "einops._torch_specific")
+
+
+def _warm_imports() -> tuple[str, ...]:
+    import importlib.util
+
+    def present(name: str) -> bool:
+        try:
+            return importlib.util.find_spec(name) is not None
+        except ImportError:  # a package on the way does not exist in this version
+            return False
+
+    return (*SETUP_IMPORTS, *(name for name in LATE_START_UP_IMPORTS if present(name)))
+
+
 def wrap_pretrain(original: Callable[..., Any]) -> Callable[..., Any]:
     def pretrain(*args: Any, **kwargs: Any) -> Any:
         from mindspeed_tft import startup
         from mindspeed_tft.launcher.spare import wait_for_assignment
 
         # a warm spare of tft-run: imports done, waits for its rank
-        wait_for_assignment(warm_imports=SETUP_IMPORTS)
+        wait_for_assignment(warm_imports=_warm_imports())
         startup.imports_done()
         result = original(*args, **kwargs)
         plugin = _host.plugin
