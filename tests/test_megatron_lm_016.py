@@ -11,6 +11,7 @@ loop (`megatron_reference_016`, one per configuration per session).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -61,11 +62,10 @@ def test_a_megatron_core_outside_the_range_is_refused_at_start(version, route, t
         f"[mindspeed-tft] error: megatron-core {version} ({info}) is not supported; {RANGE}"]
 
 
-@pytest.mark.multiproc
-def test_reference_trainer_trains_on_megatron_core_016(megatron_lm_016, tmp_path):
-    """The reference trainer with megatron-core 0.16.1: the clone's `megatron.core`, its
-    dataset helpers built as the wheel ships them (megatron-core's own `compile_helpers`, in
-    the clone's tree), high availability on."""
+def _megatron_core_016(megatron_lm_016: Path) -> dict[str, str]:
+    """The environment of a process whose megatron-core is the clone's 0.16.1, its dataset
+    helpers built as the wheel ships them (megatron-core's own `compile_helpers`, in the
+    clone's tree)."""
     env = {**os.environ, "PYTHONPATH": str(megatron_lm_016),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     built = subprocess.run([sys.executable, "-c", "from megatron.core.datasets.utils import "
@@ -73,6 +73,14 @@ def test_reference_trainer_trains_on_megatron_core_016(megatron_lm_016, tmp_path
                            text=True, timeout=300)
     assert built.returncode == 0, built.stderr[-3000:]
     assert list((megatron_lm_016 / "megatron" / "core" / "datasets").glob("helpers_cpp*"))
+    return env
+
+
+@pytest.mark.multiproc
+def test_reference_trainer_trains_on_megatron_core_016(megatron_lm_016, tmp_path):
+    """The reference trainer with megatron-core 0.16.1 (`_megatron_core_016`), high
+    availability on."""
+    _megatron_core_016(megatron_lm_016)
     job = run_tiny_job(tmp_path, layout="dp2", ha_args=HA, train_iters=4, save_interval=2,
                        env={"PYTHONPATH": str(megatron_lm_016)})
     assert job.returncode == 0, job.describe()
@@ -231,3 +239,21 @@ def test_elastic_training_shrinks_in_megatron_lm_016s_loop(megatron_lm_016,
             assert event["loss"] == want["loss"], event
     checks = [e for e in job.named("replica_check") if e["iteration"] > 4]
     assert checks and all(e["match"] for e in checks)
+
+
+@pytest.mark.multiproc
+def test_replica_memory_formula_on_megatron_core_016(megatron_lm_016, tmp_path):
+    """One job of bench/memory.py on megatron-core 0.16.1 (d = 2, N = 2, fp32 grads): the
+    bytes per parameter rank 0 holds equal the formula (6 + 12 N / d = 18) within 1%, as
+    tests/test_plan.py checks on 0.12.1."""
+    env = _megatron_core_016(megatron_lm_016)
+    bench = Path(__file__).resolve().parents[1] / "bench" / "memory.py"
+    argv = ["--dims", "2", "--replicas", "2", "--grads", "fp32", "--layers", "2", "--hidden",
+            "128", "--ffn", "352", "--seq", "32", "--timeout", "120", "--keep", str(tmp_path)]
+    job = subprocess.run([sys.executable, str(bench), *argv], cwd=bench.parents[1], env=env,
+                         capture_output=True, text=True, timeout=240)
+    assert job.returncode == 0, job.stdout[-2000:] + job.stderr[-4000:]
+    (row,) = json.loads(job.stdout.splitlines()[-1])["rows"]
+    assert (row["d"], row["n"], row["grad"], row["ha"], row["formula"]) == (2, 2, "fp32", "on",
+                                                                           18.0)
+    assert abs(row["measured"] - row["formula"]) <= 0.01 * row["formula"], row

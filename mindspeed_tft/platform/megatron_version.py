@@ -107,11 +107,15 @@ def version() -> Version:
 
 
 def check() -> Version:
-    """`version()`, or one line on stderr and exit code 2 when it is unsupported."""
+    """`version()`, or exit code 2 when it is unsupported, with one line on stderr (from rank
+    0 of a launched job, or from a process started without a launcher)."""
+    from mindspeed_tft.envvars import launcher_value
+
     try:
         return version()
     except UnsupportedVersion as error:
-        print(f"[mindspeed-tft] error: {error}", file=sys.stderr, flush=True)
+        if launcher_value("RANK") in (None, "0"):
+            print(f"[mindspeed-tft] error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
 
 
