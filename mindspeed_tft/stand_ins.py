@@ -23,57 +23,46 @@ import sys
 import types
 from typing import Any, NoReturn
 
-#: (module replaced, the module it cannot import)
-REPLACED = (("megatron.core.transformer.custom_layers.batch_invariant_kernels", "triton"),)
-#: the stand-in modules carry this attribute (True)
-MARK = "__mindspeed_tft_stand_in__"
+#: the module replaced, and the module it cannot import
+REPLACED = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
+MISSING = "triton"
+#: its public functions (its ``__all__``) that change the mode: each refuses
+SWITCHES = ("set_batch_invariant_mode", "disable_batch_invariant_mode",
+            "enable_batch_invariant_mode")
 
 
-def _refuse(module: str, missing: str) -> Any:
-    def refuse(*args: Any, **kwargs: Any) -> NoReturn:
-        raise RuntimeError(
-            f"{module} needs {missing}, which is not installed here (mindspeed-tft stands in "
-            f"for the module so that Megatron-LM imports without it); fix: pip install "
-            f"{missing}, or leave the option that needs it (--batch-invariant-mode) off")
-
-    return refuse
+def _refuse(*args: Any, **kwargs: Any) -> NoReturn:
+    raise RuntimeError(
+        f"{REPLACED} needs {MISSING}, which is not installed here (mindspeed-tft stands in for "
+        f"the module so that Megatron-LM imports without it); fix: pip install {MISSING}, or "
+        "leave --batch-invariant-mode off")
 
 
-def _stand_in(name: str, missing: str) -> types.ModuleType:
-    module = types.ModuleType(name, f"mindspeed-tft's stand-in for {name} ({missing} is "
-                                    "not installed): see mindspeed_tft.stand_ins")
-    setattr(module, MARK, True)
-    for function in ("enable_batch_invariant_mode", "disable_batch_invariant_mode",
-                     "set_batch_invariant_mode"):
-        setattr(module, function, _refuse(name, missing))
+def _stand_in() -> types.ModuleType:
+    module = types.ModuleType(REPLACED, f"mindspeed-tft's stand-in for {REPLACED} ({MISSING} "
+                                        "is not installed): see mindspeed_tft.stand_ins")
+    for function in SWITCHES:
+        setattr(module, function, _refuse)
     module.is_batch_invariant_mode_enabled = lambda: False  # type: ignore[attr-defined]
-    module.__all__ = [  # type: ignore[attr-defined]
-        "set_batch_invariant_mode", "is_batch_invariant_mode_enabled",
-        "disable_batch_invariant_mode", "enable_batch_invariant_mode"]
+    module.__all__ = [*SWITCHES, "is_batch_invariant_mode_enabled"]  # type: ignore[attr-defined]
     return module
 
 
-def needed() -> list[tuple[str, str]]:
-    """The modules of `REPLACED` that this megatron-core has and that cannot import here."""
-    found = []
-    for name, missing in REPLACED:
-        if importlib.util.find_spec(missing) is not None:
-            continue
-        try:
-            if importlib.util.find_spec(name) is None:
-                continue
-        except ModuleNotFoundError:  # a package on the way does not exist in this version
-            continue
-        found.append((name, missing))
-    return found
+def needed() -> bool:
+    """Whether this megatron-core has the module and it cannot import here."""
+    if importlib.util.find_spec(MISSING) is not None:
+        return False
+    try:
+        return importlib.util.find_spec(REPLACED) is not None
+    except ModuleNotFoundError:  # a package on the way does not exist in this version
+        return False
 
 
 def install() -> None:
-    """Put the stand-ins in place (the ``stand-ins`` moment of `mindspeed_tft.patches`)."""
-    for name, missing in needed():
-        if name in sys.modules:
-            continue
-        package, _, attr = name.rpartition(".")
-        module = _stand_in(name, missing)
-        sys.modules[name] = module
-        setattr(importlib.import_module(package), attr, module)
+    """Put the stand-in in place (the ``stand-ins`` moment of `mindspeed_tft.patches`)."""
+    if REPLACED in sys.modules or not needed():
+        return
+    package, _, attr = REPLACED.rpartition(".")
+    module = _stand_in()
+    sys.modules[REPLACED] = module
+    setattr(importlib.import_module(package), attr, module)

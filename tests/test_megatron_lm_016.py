@@ -257,3 +257,27 @@ def test_replica_memory_formula_on_megatron_core_016(megatron_lm_016, tmp_path):
     assert (row["d"], row["n"], row["grad"], row["ha"], row["formula"]) == (2, 2, "fp32", "on",
                                                                            18.0)
     assert abs(row["measured"] - row["formula"]) <= 0.01 * row["formula"], row
+
+
+def test_the_triton_stand_in_refuses_batch_invariant_mode_naming_the_fix(megatron_lm_016):
+    """Where Triton does not import, Megatron-LM core_v0.16.1 imports with the stand-in of
+    `batch_invariant_kernels` (the `stand-ins` moment): the mode reads as off, and switching
+    it on refuses with the fix."""
+    program = (
+        "from mindspeed_tft import patches\n"
+        "from mindspeed_tft.platform import import_megatron_core\n"
+        "import_megatron_core(); assert patches.install('stand-ins')\n"
+        "import megatron.training.initialize as init\n"
+        "from megatron.core.transformer.custom_layers import batch_invariant_kernels as bik\n"
+        "assert init.enable_batch_invariant_mode is bik.enable_batch_invariant_mode\n"
+        "assert bik.is_batch_invariant_mode_enabled() is False\n"
+        "bik.enable_batch_invariant_mode()\n")
+    env = {**os.environ, "PYTHONPATH": str(megatron_lm_016), "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True,
+                          text=True, timeout=180)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert done.stderr.splitlines()[-1] == (
+        "RuntimeError: megatron.core.transformer.custom_layers.batch_invariant_kernels needs "
+        "triton, which is not installed here (mindspeed-tft stands in for the module so that "
+        "Megatron-LM imports without it); fix: pip install triton, or leave "
+        "--batch-invariant-mode off")
