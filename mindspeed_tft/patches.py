@@ -10,6 +10,9 @@ never patches anything.
 
 Moments, in the order a training process meets them:
 
+- ``stand-ins``: the Megatron-LM host adaptor, before Megatron-LM's imports, where a module
+  megatron-core has cannot import here (`mindspeed_tft.stand_ins`: a module put in
+  sys.modules and on its package, not an attribute swap);
 - ``cpu``: the platform adaptor on a machine without an accelerator (`apply_platform_adaptor`);
 - ``torch-adam``: megatron-core without Apex / Transformer Engine falls back to torch's Adam;
 - ``update-bracket``: the trainer starts reporting its optimizer updates (SPEC 3);
@@ -28,9 +31,14 @@ Scoped swaps (a name replaced for the duration of a ``with`` block and put back)
 too, under the moment ``scoped``; they are made with `swapped`, which refuses a target the
 table does not declare.
 
-`tests/test_patches.py` resolves every target against the pinned versions (torch 2.13,
-megatron-core 0.12.1, Megatron-LM core_v0.12.1) and checks that each installer changes
-exactly its targets.
+Each patch says which versions it applies to (`Fits`): torch 2.13, or a range of
+megatron-core / Megatron-LM releases inside the supported one (0.12.1 to 0.16.1,
+`mindspeed_tft.platform.megatron_version`; Megatron-LM's ``megatron/training`` is read at
+the version of the ``megatron/core`` beside it). An installer changes exactly the targets
+that apply to the megatron-core of its process (`applicable`). `tests/test_patches.py`
+resolves every target against each pinned version it claims (megatron-core and Megatron-LM
+core_v0.12.1 and core_v0.16.1) and checks that each installer changes exactly its targets
+there.
 """
 
 from __future__ import annotations
@@ -41,18 +49,49 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-TORCH = "torch 2.13"
-MCORE = "megatron-core 0.12.1"
-MLM = "Megatron-LM core_v0.12.1"
+
+@dataclass(frozen=True)
+class Fits:
+    """The releases of `library` a patch applies to: `low` to `high`, both included (for
+    megatron-core and Megatron-LM, releases of megatron-core: a Megatron-LM tree is read at
+    the version of its ``megatron/core``)."""
+
+    library: str
+    low: str
+    high: str
+
+    def __str__(self) -> str:
+        return f"{self.library} {self.low}" + ("" if self.low == self.high else f" to {self.high}")
+
+    @property
+    def megatron(self) -> bool:
+        """Whether the range is one of megatron-core releases (else: torch's)."""
+        return self.library != "torch"
+
+    def covers(self, megatron_core: Any) -> bool:
+        """Whether a process on megatron-core `megatron_core` (a `packaging` Version) gets
+        the patch: always for torch's, by the range for megatron-core's and Megatron-LM's."""
+        from packaging.version import Version
+
+        return not self.megatron or Version(self.low) <= megatron_core <= Version(self.high)
+
+
+TORCH = Fits("torch", "2.13", "2.13")
+#: megatron-core, the whole supported range / one end of it
+MCORE = Fits("megatron-core", "0.12.1", "0.16.1")
+MCORE_016 = Fits("megatron-core", "0.16.1", "0.16.1")
+#: Megatron-LM's megatron/training and megatron/legacy, likewise
+MLM = Fits("Megatron-LM", "0.12.1", "0.16.1")
+VERSIONS = (TORCH, MCORE, MCORE_016, MLM)
 
 
 @dataclass(frozen=True)
 class Patch:
-    """One replaced name: ``module:qualified.name``, why, and the version it fits."""
+    """One replaced name: ``module:qualified.name``, why, and the versions it applies to."""
 
     target: str
     why: str
-    version: str
+    version: Fits
 
 
 @dataclass(frozen=True)
@@ -65,7 +104,7 @@ class Moment:
     patches: tuple[Patch, ...]
 
 
-def _p(target: str, why: str, version: str) -> Patch:
+def _p(target: str, why: str, version: Fits) -> Patch:
     return Patch(target, why, version)
 
 
@@ -73,6 +112,13 @@ _CPU_DEVICE = "megatron-core places tensors on `torch.cuda.current_device()` / d
 _CPU_TYPE = "compares `Tensor.type()` with 'torch.cuda.*Tensor' names: CPU tensors answer them"
 
 TABLE: tuple[Moment, ...] = (
+    Moment("stand-ins", "the Megatron-LM host adaptor is installed, before Megatron-LM's "
+           "imports, where a module megatron-core has cannot import here", "mindspeed_tft.stand_ins:install", (
+        _p("megatron.core.transformer.custom_layers:batch_invariant_kernels",
+           "imports Triton at its top and Megatron-LM's initialize imports it (for "
+           "--batch-invariant-mode only): without Triton (CPU), a stand-in module whose "
+           "functions refuse naming the fix", MCORE_016),
+    )),
     Moment("cpu", "platform adaptor on CPU", "mindspeed_tft.platform.cpu_adaptor:apply", (
         *(_p(f"torch:{name}", f"{_CPU_DEVICE}: a CUDA device argument means the CPU", TORCH)
           for name in ("tensor", "zeros", "ones", "empty", "full", "arange")),
@@ -293,6 +339,13 @@ def resolve(target: str) -> tuple[Any, str, Any]:
     if isinstance(owner, type) and attr in owner.__dict__:
         return owner, attr, owner.__dict__[attr]  # the class's own (a staticmethod stays one)
     return owner, attr, getattr(owner, attr)  # a module's, or one a class inherits
+
+
+def applicable(name: str, megatron_core: Any) -> tuple[Patch, ...]:
+    """The patches of moment `name` that apply on megatron-core `megatron_core` (a
+    `packaging` Version: `mindspeed_tft.platform.megatron_version.version()` in a training
+    process)."""
+    return tuple(p for p in moment(name).patches if p.version.covers(megatron_core))
 
 
 def install(name: str) -> bool:

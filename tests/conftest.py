@@ -1,8 +1,9 @@
 """Shared fixtures: one fault-free reference run per layout and configuration per session.
 
 Tests that compare a faulty or resumed run against a run that never failed ask
-`reference_job(layout, **config)` (the reference trainer) or `megatron_reference(layout,
-**config)` (Megatron-LM's own loop); the first ask runs the job, later asks reuse it.
+`reference_job(layout, **config)` (the reference trainer), `megatron_reference(layout,
+**config)` (Megatron-LM core_v0.12.1's own loop) or `megatron_reference_016(layout, **config)`
+(core_v0.16.1's); the first ask runs the job, later asks reuse it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.clones import clone
 from tests.jobs import REPO, JobResult, run_megatron_job, run_tiny_job
 
 
@@ -37,23 +39,18 @@ def reference_job(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Job
     return get
 
 
-#: Megatron-LM core_v0.12.1, unmodified: MEGATRON_LM as scripts/test.sh sets it
-#: (scripts/megatron_clones.sh finds or fetches it), else shared/ beside the repository
-MEGATRON_LM_SOURCE = Path(os.environ.get("MEGATRON_LM") or REPO.parent / "shared" / "megatron-lm")
 #: the one line a user adds at the top of their own pretrain_gpt.py
 ADAPTOR_LINE = "import mindspeed_tft.megatron_adaptor  # noqa: F401\n"
 
 
-@pytest.fixture(scope="session")
-def megatron_lm(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A writable copy of Megatron-LM for this session (it compiles its dataset helpers into
-    its own tree), with `pretrain_gpt_tft.py`: its pretrain_gpt.py plus the one-line import."""
-    source = MEGATRON_LM_SOURCE
-    assert (source / "pretrain_gpt.py").is_file(), (
-        f"Megatron-LM core_v0.12.1 not found at {source}: set MEGATRON_LM to a clone, or run "
-        "scripts/megatron_clones.sh (it finds or fetches one)")
-    copy = tmp_path_factory.mktemp("megatron-lm") / "Megatron-LM"
-    shutil.copytree(source, copy)
+def _writable_copy(version: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A writable copy of the Megatron-LM clone of megatron-core `version` for this session
+    (it compiles its dataset helpers into its own tree), with `pretrain_gpt_tft.py`: its
+    pretrain_gpt.py plus the one-line import."""
+    source = clone(version)
+    assert not isinstance(source, str), source
+    copy = tmp_path_factory.mktemp(f"megatron-lm-{version}") / "Megatron-LM"
+    shutil.copytree(source, copy, ignore=shutil.ignore_patterns("__pycache__"))
     for path in copy.rglob("*"):
         path.chmod(path.stat().st_mode | stat.S_IWUSR)
     script = (copy / "pretrain_gpt.py").read_text()
@@ -61,11 +58,8 @@ def megatron_lm(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return copy
 
 
-@pytest.fixture(scope="session")
-def megatron_reference(
-    megatron_lm: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Callable[..., JobResult]:
-    """Fault-free runs in Megatron-LM's own loop, one per configuration per session."""
+def _reference_runs(megatron_lm: Path, tmp_path_factory: pytest.TempPathFactory,
+                    label: str) -> Callable[..., JobResult]:
     cache: dict[tuple, JobResult] = {}
 
     def get(layout: str, **config) -> JobResult:
@@ -73,13 +67,45 @@ def megatron_reference(
         config = {k: v for k, v in config.items() if not (k == "extra_args" and not v)}
         key = (layout, repr(sorted(config.items())))
         if key not in cache:
-            run_dir = tmp_path_factory.mktemp(f"megatron-reference-{layout}")
+            run_dir = tmp_path_factory.mktemp(f"{label}-{layout}")
             result = run_megatron_job(run_dir, megatron_lm, layout=layout, **config)
             assert result.returncode == 0, result.describe()
             cache[key] = result
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def megatron_lm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Megatron-LM core_v0.12.1 ($MEGATRON_LM, else shared/megatron-lm beside the checkout),
+    a writable copy (see `_writable_copy`)."""
+    return _writable_copy("0.12.1", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def megatron_reference(
+    megatron_lm: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[..., JobResult]:
+    """Fault-free runs in Megatron-LM's own loop, one per configuration per session."""
+    return _reference_runs(megatron_lm, tmp_path_factory, "megatron-reference")
+
+
+@pytest.fixture(scope="session")
+def megatron_lm_016(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Megatron-LM core_v0.16.1 ($MEGATRON_LM_016, else shared/megatron-lm-0.16.1 beside the
+    checkout), a writable copy (see `_writable_copy`); first on PYTHONPATH, its megatron.core
+    (0.16.1) shadows the venv's megatron-core wheel."""
+    return _writable_copy("0.16.1", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def megatron_reference_016(
+    megatron_lm_016: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[..., JobResult]:
+    """Fault-free runs in Megatron-LM core_v0.16.1's own loop, one per configuration per
+    session."""
+    return _reference_runs(megatron_lm_016, tmp_path_factory, "megatron-016-reference")
 
 
 @pytest.fixture(scope="session")

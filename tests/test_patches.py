@@ -1,10 +1,11 @@
 """`mindspeed_tft.patches` is the whole truth about what mindspeed-tft changes in third-party code.
 
-What this file proves, against the pinned versions (torch 2.13, megatron-core 0.12.1,
-Megatron-LM core_v0.12.1 with its `megatron.training` and `megatron.legacy`):
+What this file proves, against each pinned version (torch 2.13; Megatron-LM core_v0.12.1 and
+core_v0.16.1, each with its `megatron.core`, `megatron.training` and `megatron.legacy`, first
+on the path), checking at each version the patches that claim it (`patches.applicable`):
 
-- every target of every moment of `TABLE` exists (`patches.resolve` finds it), and the pinned
-  versions are the ones installed;
+- every target of every moment of `TABLE` that applies there exists (`patches.resolve` finds
+  it), and the pinned versions are the ones imported;
 - each moment's installer, run on its own in a fresh process, replaces every target it
   declares and nothing else: no other attribute of the modules and classes those targets
   live in changes, nor any attribute of any other loaded torch / megatron module or of the
@@ -17,8 +18,8 @@ Megatron-LM core_v0.12.1 with its `megatron.training` and `megatron.legacy`):
   moment is installed.
 
 Patches are only ever installed in subprocesses (they would leak into other tests): one
-subprocess imports the third-party modules once and forks a fresh child per check (see
-`_PROBE`); the whole file takes a few seconds of CPU.
+subprocess per version imports the third-party modules once and forks a fresh child per
+check (see `_PROBE`); the whole file takes a few seconds of CPU per version.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import Any
 import pytest
 
 from mindspeed_tft import patches
+from tests.clones import VERSIONS, clone
 
 REPO = Path(__file__).resolve().parents[1]
 INSTALLED_MOMENTS = [m.name for m in patches.TABLE if m.installer is not None]
@@ -58,6 +60,18 @@ MARKER = "_mindspeed_tft"  # the package's own markers (e.g. torchrun's "hooked"
 
 def eager(model=None, **_):
     return model if model is not None else (lambda fn: fn)
+
+
+def applicable(name):
+    """The targets of moment `name` that apply to the megatron-core on the path."""
+    from megatron.core.package_info import __version__
+    from packaging.version import Version
+
+    return [p.target for p in patches.applicable(name, Version(__version__))]
+
+
+def all_applicable():
+    return [t for m in patches.TABLE for t in applicable(m.name)]
 
 
 def import_target_modules(targets):
@@ -122,12 +136,14 @@ def owner_label(target):
     return f"{module}:{path}" if path else module
 
 
-def probe_install(name):
+def probe_install(name, absent_before=False):
     # Every installer runs standalone, no other moment first. Preconditions: "megatron-lm" and
     # "megatron-lm-cpu" import megatron.training (Megatron-LM on PYTHONPATH); "cpu" changes
     # nothing where CUDA is available (the test hides it); "torch-adam" nothing with Apex/TE.
-    row = patches.moment(name)
-    targets = [p.target for p in row.patches]
+    # "stand-ins" runs in the parent before the other targets are imported (Megatron-LM
+    # core_v0.16.1 cannot import without them where Triton is absent): its targets do not
+    # resolve before it (`absent_before`), and the checks after it do not count it.
+    targets = applicable(name)
     if name == "torch-adam":
         from megatron.core.optimizer import distrib_optimizer
 
@@ -135,14 +151,22 @@ def probe_install(name):
             return {"skip": "Apex or Transformer Engine is installed: megatron-core does not "
                             "fall back to torch's Adam, the installer rightly does nothing"}
     values, missing = resolve_all(targets)
-    if missing:
+    if name == "stand-ins" and not targets:
+        return {"skip": "no module this megatron-core has needs a stand-in"}
+    if absent_before:
+        if values:
+            return {"skip": f"{sorted(values)} import here: nothing to stand in for"}
+        values = {t: (importlib.import_module(t.partition(":")[0]), t.partition(":")[2], None)
+                  for t in targets}
+    elif missing:
         return {"error": f"unresolved targets: {missing}"}
     owners = {id(o): (owner_label(t), o) for t, (o, _, _) in values.items()}
     declared = {(id(o), attr) for o, attr, _ in values.values()}
     before = snapshot(owners.values())
     first = patches.install(name)
     after_values, _ = resolve_all(targets)
-    unchanged = [t for t in targets if after_values[t][2] is values[t][2]]
+    unchanged = [t for t in targets if t not in after_values
+                 or after_values[t][2] is values[t][2]]
     undeclared = [f"{label}.{attr} ({how})" for key, label, attr, how in changes(before)
                   if (key, attr) not in declared]
     in_owners = [f"{label}.{attr} ({how})" for key, label, attr, how in changes(before)
@@ -150,7 +174,7 @@ def probe_install(name):
     again_before = snapshot(owners.values())
     second = patches.install(name)
     again = [f"{label}.{attr} ({how})" for _, label, attr, how in changes(again_before)]
-    return {"first": first, "second": second, "installed": patches.installed(),
+    return {"first": first, "second": second, "installed": installed_here(name),
             "unchanged": unchanged, "undeclared": undeclared, "undeclared_in_owners": in_owners,
             "changed_by_second": again, "owners": sorted(v[0] for v in owners.values()),
             "scanned": len(before)}
@@ -173,9 +197,9 @@ def probe_imports():
     import torch
 
     early = [m for m in sys.modules if m.startswith("mindspeed_tft.") and
-             m != "mindspeed_tft.patches"]
+             m not in ("mindspeed_tft.patches", "mindspeed_tft.stand_ins")]
     assert not early, f"imported before the check: {early}"
-    values, missing = resolve_all([p.target for m in patches.TABLE for p in m.patches])
+    values, missing = resolve_all(all_applicable())
     before = snapshot()
     import mindspeed_tft
     skip = {"mindspeed_tft.megatron_adaptor", "mindspeed_tft.torchrun_adaptor"}
@@ -194,12 +218,23 @@ def probe_imports():
             "mcore_file": info.__file__, "training_file": sys.modules["megatron.training"].__file__,
             "missing": missing, "modules": names, "failed": failed, "moved": moved,
             "changed": [f"{label}.{attr} ({how})" for _, label, attr, how in changes(before)],
-            "installed": patches.installed(), "scanned": len(before)}
+            "installed": installed_here(), "scanned": len(before)}
+
+
+def installed_here(name=None):
+    """The moments installed in this process, but "stand-ins" (installed by the parent)."""
+    return [m for m in patches.installed() if m != "stand-ins" or name == "stand-ins"]
 
 
 def main(out_dir):
-    import_target_modules([p.target for m in patches.TABLE for p in m.patches])
-    checks = ["imports", *[m.name for m in patches.TABLE if m.installer is not None]]
+    with patches.swapped("torch:compile", eager):
+        import megatron.core  # noqa: F401
+        stand_ins = probe_install("stand-ins", absent_before=True)
+    with open(os.path.join(out_dir, "stand-ins.json"), "w") as f:
+        json.dump(stand_ins, f)
+    import_target_modules(all_applicable())
+    checks = ["imports", *[m.name for m in patches.TABLE
+                           if m.installer is not None and m.name != "stand-ins"]]
     children = {}
     for name in checks:
         pid = os.fork()
@@ -212,7 +247,7 @@ def main(out_dir):
                 json.dump(result, f)
             os._exit(0)
         children[pid] = name
-    results = {}
+    results = {"stand-ins": stand_ins}
     for pid, name in children.items():
         _, status = os.waitpid(pid, 0)
         try:
@@ -227,20 +262,10 @@ main(sys.argv[1])
 '''
 
 
-def megatron_lm() -> Path | str:
-    """The Megatron-LM clone (core_v0.12.1): $MEGATRON_LM, else ../shared/megatron-lm; or why
-    there is none."""
-    path = Path(os.environ.get("MEGATRON_LM")
-                or Path(__file__).resolve().parents[2] / "shared" / "megatron-lm")
-    if not (path / "megatron" / "training" / "__init__.py").is_file():
-        return (f"Megatron-LM core_v0.12.1 not found at {path} (no megatron/training): clone "
-                "it there or set MEGATRON_LM to a clone")
-    return path
-
-
-def _run_probe(out_dir: Path) -> Probe | str:
-    """Every check's result, by name ("imports", or a moment's); or why there are none."""
-    mlm = megatron_lm()
+def _run_probe(version: str, out_dir: Path) -> Probe | str:
+    """Every check's result on megatron-core `version`, by name ("imports", or a moment's);
+    or why there are none."""
+    mlm = clone(version)
     if isinstance(mlm, str):
         return mlm
     env = dict(os.environ)
@@ -264,10 +289,11 @@ def _run_probe(out_dir: Path) -> Probe | str:
         stderr[-5000:])
 
 
-@pytest.fixture(scope="module")
-def probe(tmp_path_factory: pytest.TempPathFactory) -> Probe | str:
-    """The subprocess checks, run once for the whole file."""
-    return _run_probe(tmp_path_factory.mktemp("patch-probe"))
+@pytest.fixture(scope="module", params=VERSIONS)
+def probe(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+          ) -> Probe | str:
+    """The subprocess checks on one pinned version, run once for the whole file."""
+    return _run_probe(request.param, tmp_path_factory.mktemp(f"patch-probe-{request.param}"))
 
 
 def result_of(probe: Probe | str, name: str) -> dict[str, Any]:
@@ -280,13 +306,15 @@ def result_of(probe: Probe | str, name: str) -> dict[str, Any]:
 # --- 1. every target exists in the pinned versions -------------------------------------------
 
 
-def test_pinned_versions(probe: Probe | str) -> None:
+def test_pinned_versions(probe: Probe | str, request: pytest.FixtureRequest) -> None:
+    version = request.node.callspec.params["probe"]
     result = result_of(probe, "imports")
-    mlm = Path(megatron_lm()).resolve()
+    mlm = Path(clone(version)).resolve()
     assert result["torch"].startswith("2.13"), result["torch"]
-    assert result["mcore"] == "0.12.1", result["mcore"]
+    assert result["mcore"] == version, result["mcore"]  # the clone's, first on the path
     assert importlib.metadata.version("megatron-core") == "0.12.1"  # the wheel in the venv
-    assert Path(result["training_file"]).resolve().is_relative_to(mlm), result["training_file"]
+    for found in ("mcore_file", "training_file"):
+        assert Path(result[found]).resolve().is_relative_to(mlm), result[found]
 
 
 def test_every_target_resolves(probe: Probe | str) -> None:
@@ -304,7 +332,7 @@ def test_table_is_well_formed() -> None:
         for p in row.patches:
             module, sep, name = p.target.partition(":")
             assert sep and module and name and p.why and p.version, p
-            assert p.version in (patches.TORCH, patches.MCORE, patches.MLM), p
+            assert p.version in patches.VERSIONS, p
 
 
 # --- 2. each installer changes exactly its targets -------------------------------------------

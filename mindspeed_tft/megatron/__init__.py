@@ -1,4 +1,5 @@
-"""The Megatron-LM host: mindspeed-tft in Megatron-LM's own training loop (core_v0.12.1).
+"""The Megatron-LM host: mindspeed-tft in Megatron-LM's own training loop (core_v0.12.1 to
+core_v0.16.1).
 
 Three ways to switch it on, all with the user's unchanged training script and flags:
 
@@ -8,7 +9,8 @@ Three ways to switch it on, all with the user's unchanged training script and fl
   workers run), or ``tft-run ... pretrain_gpt.py ARGS``, which starts its workers that way
   when the script imports `megatron.training`.
 
-`install()` is the named moment: the platform adaptor, the update bracket, the
+`install()` is the named moment: the stand-ins of modules that cannot import here
+(`mindspeed_tft.stand_ins`), the platform adaptor, the update bracket, the
 ``megatron-lm`` patches (`adaptor`) and, on CPU, the ``megatron-lm-cpu`` ones (`cpu`).
 Megatron-LM itself comes from wherever the script finds it (a user's clone first on the
 path); the megatron-core wheel's `megatron.core` is the same code.
@@ -24,6 +26,7 @@ def install() -> None:
     from mindspeed_tft.platform import CPU, apply_platform_adaptor, import_megatron_core
 
     import_megatron_core()
+    patches.install("stand-ins")  # before Megatron-LM imports what they stand in for
     platform = apply_platform_adaptor()
     patches.install("update-bracket")
     patches.install("megatron-lm")

@@ -71,27 +71,47 @@ from mindspeed_tft.plugin.state import TrainingState
 
 log = logging.getLogger("mindspeed_tft.megatron")
 
-#: flag -> (is it set on these args?, why the plugin cannot serve it, the fix)
+def _set(name: str) -> Callable[[argparse.Namespace], bool]:
+    """Whether Megatron-LM's switch `name` is on (False where this version has no such
+    switch: core_v0.12.1 has --use-custom-fsdp, core_v0.16.1 --use-megatron-fsdp and
+    --inprocess-restart)."""
+    return lambda args: bool(getattr(args, name, False))
+
+
+#: flag -> (is it set on these args?, why the plugin cannot serve it, the fix); Megatron's
+#: own fault-tolerance switches are decided in docs/design.md ("Megatron-LM core_v0.16.1")
 HOST_REFUSALS: tuple[tuple[str, Callable[[argparse.Namespace], bool], str], ...] = (
-    ("--exit-signal-handler", lambda a: bool(a.exit_signal_handler),
+    ("--exit-signal-handler", _set("exit_signal_handler"),
      "the plugin handles SIGTERM itself (a launcher's SIGTERM must not end a rank that is "
      "writing the dump); remove --exit-signal-handler"),
-    ("--use-dist-ckpt", lambda a: bool(getattr(a, "use_dist_ckpt_deprecated", False)),
+    ("--use-dist-ckpt", _set("use_dist_ckpt_deprecated"),
      "the dump is written in Megatron-LM's torch format; remove --use-dist-ckpt"),
-    ("--async-save", lambda a: bool(a.async_save),
+    ("--async-save", _set("async_save"),
      "the torch checkpoint format saves synchronously; remove --async-save"),
-    ("--use-torch-fsdp2", lambda a: bool(a.use_torch_fsdp2),
+    ("--use-torch-fsdp2", _set("use_torch_fsdp2"),
      "replicas shard the distributed optimizer's state, not FSDP's; remove --use-torch-fsdp2"),
-    ("--use-custom-fsdp", lambda a: bool(a.use_custom_fsdp),
+    ("--use-custom-fsdp", _set("use_custom_fsdp"),
      "replicas shard the distributed optimizer's state, not FSDP's; remove --use-custom-fsdp"),
+    ("--use-megatron-fsdp", _set("use_megatron_fsdp"),
+     "replicas shard the distributed optimizer's state, not FSDP's; remove "
+     "--use-megatron-fsdp"),
     ("--virtual-pipeline-model-parallel-size",
      lambda a: a.virtual_pipeline_model_parallel_size is not None,
      "interleaved pipelines are not supported by this host yet; remove it"),
-    ("--rerun-mode", lambda a: a.rerun_mode != "disabled",
-     "Megatron-LM's rerun state machine would re-run steps the plugin rolls back; use "
-     "--rerun-mode disabled (the default)"),
-    ("--enable-ft-package", lambda a: bool(a.enable_ft_package),
-     "nvidia-resiliency-ext's fault tolerance would act on the same faults; remove it"),
+    ("--rerun-mode report_stats", lambda a: a.rerun_mode == "report_stats",
+     "Megatron-LM's rerun state machine would run every step twice and compare, and a fault "
+     "in the second run is not one the plugin can roll back to; use --rerun-mode "
+     "validate_results or disabled"),
+    ("--enable-ft-package", _set("enable_ft_package"),
+     "nvidia-resiliency-ext's fault tolerance would act on the same faults (its launcher "
+     "restarts the whole job); remove it"),
+    ("--inprocess-restart", _set("inprocess_restart"),
+     "nvidia-resiliency-ext's in-process restart would act on the same faults (it restarts "
+     "the training function on every rank); remove it"),
+    ("--log-straggler", _set("log_straggler"),
+     "Megatron's straggler detector is configured once for the world size at start (an "
+     "elastic shrink or grow changes it) and listens on 0.0.0.0 without authentication on "
+     "rank 0; remove --log-straggler"),
     ("--non-persistent-save-interval", lambda a: a.non_persistent_save_interval is not None,
      "repairs and dumps use the persistent checkpoints under --save; remove it"),
 )
@@ -257,9 +277,27 @@ def wrap_parse_args(original: Callable[..., Any]) -> Callable[..., Any]:
         # a loop that does not enter Megatron-LM's pretrain() (see wrap_pretrain) still
         # parses its arguments before it builds anything
         startup.imports_done()
-        return original(_with_tft_args(extra_args_provider), ignore_unknown_args)
+        args = original(_with_tft_args(extra_args_provider), ignore_unknown_args)
+        refuse_inprocess_restart(args)
+        return args
 
     return parse_args
+
+
+def refuse_inprocess_restart(args: argparse.Namespace) -> None:
+    """core_v0.16.1's `pretrain_gpt.py` wraps `pretrain` for in-process restart at import,
+    right after parsing the arguments (`maybe_wrap_for_inprocess_restart`), before
+    `validate_args`: with high availability, --inprocess-restart is refused here (the rest of
+    `HOST_REFUSALS` after Megatron-LM's validation)."""
+    from mindspeed_tft.envvars import launcher_value
+
+    if getattr(args, "inprocess_restart", False) and getattr(
+            args, "enable_high_availability", False):
+        flag, _, fix = next(r for r in HOST_REFUSALS if r[0] == "--inprocess-restart")
+        if launcher_value("RANK") in (None, "0"):
+            print(f"[mindspeed-tft] error: {flag} cannot be combined with "
+                  f"--enable-high-availability: {fix}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
 
 
 def wrap_validate_args(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -293,11 +331,13 @@ def wrap_validate_args(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def wrap_initialize_distributed(original: Callable[..., Any]) -> Callable[..., Any]:
     def initialize_distributed(get_embedding_ranks: Any = None,
-                               get_position_embedding_ranks: Any = None) -> None:
+                               get_position_embedding_ranks: Any = None, *rest: Any) -> None:
+        # rest: core_v0.16.1's `store` (for torch.distributed's init, which the plugin's
+        # registration precedes and a rebuild skips)
         def initialize_model_parallel(args: argparse.Namespace) -> None:
             # Megatron-LM's own start-up call: the default group exists, so it only builds
             # megatron-core's parallel state, with Megatron-LM's own arguments
-            original(get_embedding_ranks, get_position_embedding_ranks)
+            original(get_embedding_ranks, get_position_embedding_ranks, *rest)
 
         plugin = TFTPlugin(_args(), initialize_model_parallel)
         _host.plugin = plugin
@@ -309,7 +349,7 @@ def wrap_initialize_distributed(original: Callable[..., Any]) -> Callable[..., A
             # own --no-initialization; the rollback restores the RNG states the init used)
             _args().perform_initialization = False
         else:
-            original(get_embedding_ranks, get_position_embedding_ranks)
+            original(get_embedding_ranks, get_position_embedding_ranks, *rest)
             plugin.setup()
 
     return initialize_distributed
@@ -346,8 +386,8 @@ def _repair_interrupted_publish(root: str | None) -> None:
 
 
 def wrap_build_datasets(original: Callable[..., Any]) -> Callable[..., Any]:
-    def build_train_valid_test_datasets(provider: Any) -> Any:
-        result = original(provider)
+    def build_train_valid_test_datasets(provider: Any, *rest: Any) -> Any:
+        result = original(provider, *rest)
         _host.datasets = result
         _host.datasets_provider = provider
         return result
@@ -386,6 +426,28 @@ def _rebuild_iterators(consumed_samples: int) -> Iterator | None:
     return train_it
 
 
+def _plugin_objects(args: argparse.Namespace) -> dict[str, Any]:
+    """The attributes of `args` that hold objects of this package (``tft_features``): a
+    checkpoint carries Megatron-LM's args, and Megatron-LM core_v0.16.1 loads with torch's
+    ``weights_only`` unpickler, which refuses any class it was not told of (plain Megatron-LM
+    could not read the checkpoint)."""
+    return {name: value for name, value in vars(args).items()
+            if type(value).__module__.split(".")[0] == "mindspeed_tft"}
+
+
+@contextlib.contextmanager
+def _args_for_a_checkpoint(args: argparse.Namespace) -> Iterator[None]:
+    """Megatron-LM's own save (it reads the global args) without `_plugin_objects`."""
+    held = _plugin_objects(args)
+    for name in held:
+        delattr(args, name)
+    try:
+        yield
+    finally:
+        for name, value in held.items():
+            setattr(args, name, value)
+
+
 def _checkpoint_state_dict(rng_state: dict[str, Any]) -> dict[str, Any]:
     """`model_optim_rng.pt` of the state's iteration, by Megatron-LM's `generate_state_dict`."""
     from megatron.core.rerun_state_machine import get_rerun_state_machine
@@ -404,6 +466,9 @@ def _checkpoint_state_dict(rng_state: dict[str, Any]) -> dict[str, Any]:
                                                          ckpt_format=args.ckpt_format),
     )
     state_dict["num_floating_point_operations_so_far"] = args.num_floating_point_operations_so_far
+    held = _plugin_objects(args)
+    state_dict["args"] = argparse.Namespace(**{k: v for k, v in vars(args).items()
+                                               if k not in held})
     return state_dict
 
 
@@ -520,7 +585,8 @@ def wrap_train(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def wrap_train_step(original: Callable[..., Any]) -> Callable[..., Any]:
     def train_step(forward_step_func: Any, data_iterator: Any, model: Any, optimizer: Any,
-                   opt_param_scheduler: Any, config: Any) -> Any:
+                   opt_param_scheduler: Any, config: Any, *rest: Any, **kwargs: Any) -> Any:
+        # rest, kwargs: core_v0.16.1's forward_backward_func and iteration
         from megatron.core import parallel_state as ps
         from megatron.core.num_microbatches_calculator import get_num_microbatches
 
@@ -529,7 +595,8 @@ def wrap_train_step(original: Callable[..., Any]) -> Callable[..., Any]:
         assert state is not None
         args.iteration = args.curr_iteration  # completed updates before this step
         result = original(phase_reporting_forward_step(forward_step_func, state, _host.hooks),
-                          data_iterator, model, optimizer, opt_param_scheduler, config)
+                          data_iterator, model, optimizer, opt_param_scheduler, config, *rest,
+                          **kwargs)
         loss_dict, grad_norm = result[0], result[5]
         if loss_dict:
             batch = ps.get_data_parallel_world_size() * args.micro_batch_size * \
@@ -597,7 +664,8 @@ def wrap_save_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
         from mindspeed_tft.recovery import manifest
 
         manifest.before_save(_args().save, iteration)
-        result = original(iteration, *args, **kwargs)
+        with _args_for_a_checkpoint(_args()):
+            result = original(iteration, *args, **kwargs)
         manifest.after_save(_args().save, iteration)  # every rank's files are in place
         if _host.state is not None:  # Megatron-LM publishes inside its save: after it
             _host.hooks.on_phase(_host.state, "save", iteration - 1)
@@ -622,13 +690,31 @@ def wrap_compile_helpers(original: Callable[..., Any]) -> Callable[..., Any]:
     return compile_helpers
 
 
+#: what Megatron-LM's start-up imports late (inside functions), where this version has it:
+#: core_v0.16.1 builds its tokenizer (`megatron.core.tokenizers`) and einops binds its torch
+#: backend on first use; a warm spare imports them before it takes a rank
+LATE_START_UP_IMPORTS = ("megatron.core.tokenizers.text.models", "einops._torch_specific")
+
+
+def _warm_imports() -> tuple[str, ...]:
+    import importlib.util
+
+    def present(name: str) -> bool:
+        try:
+            return importlib.util.find_spec(name) is not None
+        except ImportError:  # a package on the way does not exist in this version
+            return False
+
+    return (*SETUP_IMPORTS, *(name for name in LATE_START_UP_IMPORTS if present(name)))
+
+
 def wrap_pretrain(original: Callable[..., Any]) -> Callable[..., Any]:
     def pretrain(*args: Any, **kwargs: Any) -> Any:
         from mindspeed_tft import startup
         from mindspeed_tft.launcher.spare import wait_for_assignment
 
         # a warm spare of tft-run: imports done, waits for its rank
-        wait_for_assignment(warm_imports=SETUP_IMPORTS)
+        wait_for_assignment(warm_imports=_warm_imports())
         startup.imports_done()
         result = original(*args, **kwargs)
         plugin = _host.plugin

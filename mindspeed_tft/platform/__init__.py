@@ -7,7 +7,8 @@ the platform needs before megatron-core is used: on CPU the redirections of `cpu
 on NPU `torch_npu`'s own transfer of `torch.cuda` calls, on CUDA nothing; and, wherever
 megatron-core falls back to torch's own Adam, the checkpoint fix of `native_adam`.
 `import_megatron_core()` is the first import of megatron-core in a process (entry points call
-it before anything else imports it): on CPU its fused helpers stay eager (see there).
+it before anything else imports it): it refuses a megatron-core outside the supported range
+(`megatron_version`: exit 2, one line), and on CPU keeps its fused helpers eager (see there).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def _eager(model: Any = None, **_options: Any) -> Any:
 def import_megatron_core() -> ModuleType:
     """Import megatron-core; on CPU with its `jit_fuser` eager instead of `torch.compile`.
 
-    megatron-core 0.12.1 decorates its fused helpers (bias-GeLU, SwiGLU, ...) with
+    megatron-core (0.12.1 and 0.16.1) decorates its fused helpers (bias-GeLU, SwiGLU, ...) with
     `torch.compile` when it is imported, which pulls in TorchDynamo and Inductor: about 2.4 s
     of the 4 s a CPU rank spends importing, for kernels that CPU runs do not call (their
     fused-kernel flags are turned off with a notice) and that Inductor could only build with a
@@ -67,10 +68,12 @@ def import_megatron_core() -> ModuleType:
     is restored right after. On NPU and CUDA this is a plain import. Call it before anything
     else imports megatron-core; later calls just return the module.
     """
+    from mindspeed_tft import patches
+    from mindspeed_tft.platform import megatron_version
+
+    megatron_version.check()  # exit 2, one line, outside the supported range
     if "megatron.core" in sys.modules or detect_platform() != CPU:
         return importlib.import_module("megatron.core")
-    from mindspeed_tft import patches
-
     with patches.swapped("torch:compile", _eager):
         module = importlib.import_module("megatron.core")
         importlib.import_module("megatron.core.jit")

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from mindspeed_tft.features import Features
+from mindspeed_tft.platform import megatron_version
 from mindspeed_tft.replica.replica_map import ReplicaMap
 
 DENSE = "dense"
@@ -143,7 +144,7 @@ class ReplicaGroups:
                 ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
             )
             record["replica_group"] = dist.get_process_group_ranks(
-                ps.get_inter_partial_data_parallel_group()
+                megatron_version.replica_instance_group()
             )
             record["grad_stats_group"] = dist.get_process_group_ranks(self.grad_stats_group)
             record["own_groups"] = len(self._instance_groups)  # 0: megatron-core's reused
@@ -175,7 +176,7 @@ class ReplicaGroups:
                 f"rank {me}: megatron-core's optimizer chunk {chunk} is not the replica map's "
                 f"{expected_chunk}"
             )
-        inter = dist.get_process_group_ranks(ps.get_inter_partial_data_parallel_group())
+        inter = dist.get_process_group_ranks(megatron_version.replica_instance_group())
         if sorted(inter) != sorted(dense.holders_of_rank(me)):
             raise RuntimeError(
                 f"rank {me}: megatron-core's replica group {inter} is not the holders "

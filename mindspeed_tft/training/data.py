@@ -41,8 +41,9 @@ from megatron.core.datasets.gpt_dataset import (
     MockGPTLowLevelDataset,
 )
 from megatron.core.datasets.indexed_dataset import IndexedDataset, get_bin_path, get_idx_path
-from megatron.core.datasets.megatron_tokenizer import MegatronTokenizer
 from megatron.core.datasets.utils import Split
+
+from mindspeed_tft.training.tokenizer import MegatronTokenizer
 
 # Megatron-LM's `--split` when none is given.
 DEFAULT_SPLIT = "969, 30, 1"

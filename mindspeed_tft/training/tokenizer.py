@@ -1,7 +1,7 @@
 """Tokenizers for the bundled GPT trainer, selected by Megatron-LM's `--tokenizer-type` names.
 
-`build_tokenizer(args)` returns a `megatron.core.datasets.megatron_tokenizer.MegatronTokenizer`
-(what megatron-core's datasets take) and sets `args.padded_vocab_size` the way Megatron-LM does.
+`build_tokenizer(args)` returns a `MegatronTokenizer`, megatron-core's abstract tokenizer (what
+its datasets take; `MegatronLegacyTokenizer` in 0.16.1, `megatron_version.tokenizer_base`) and sets `args.padded_vocab_size` the way Megatron-LM does.
 Supported types, with the meaning they have in Megatron-LM:
 
 - `Llama2Tokenizer` (`--tokenizer-model m.model`): a sentencepiece model; `tokenize` prepends
@@ -18,9 +18,16 @@ import argparse
 import math
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import sentencepiece
-from megatron.core.datasets.megatron_tokenizer import MegatronTokenizer
+
+from mindspeed_tft.platform import megatron_version
+
+if TYPE_CHECKING:  # the type checker reads the venv's megatron-core (0.12.1)
+    from megatron.core.datasets.megatron_tokenizer import MegatronTokenizer
+else:
+    MegatronTokenizer = megatron_version.tokenizer_base()
 
 SUPPORTED_TOKENIZER_TYPES = ("Llama2Tokenizer", "GPTSentencePieceTokenizer", "NullTokenizer")
 
