@@ -1,7 +1,7 @@
 """The incidents of one controller: the one under way, their counters, and the orders that
 carry them; with elastic training, the ranks waiting to grow the job back.
 
-`Incidents` is held by the controller (`Controller.incidents`) and runs in its loop thread.
+`Incidents` is part of the controller's core (`ControllerCore.incidents`).
 It opens an `incident.IncidentFlow` for a fault (or a scale-out) and is that flow's
 `FlowHost`: it numbers actions, sends them to ranks (the same order to many encoded once),
 and counts each incident's outcome when the flow finishes. It reaches back into the
@@ -11,7 +11,6 @@ controller only through the `IncidentsHost` methods below.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, Protocol
 
 from ..wire.classify import FaultKind
@@ -32,6 +31,9 @@ class IncidentsHost(Protocol):
 
     exit_code: int | None
 
+    @property
+    def now(self) -> float: ...
+    def emit(self, event: str, rank: int, **fields: Any) -> dict[str, Any]: ...
     def next_seq(self) -> int: ...
     def send(self, identity: bytes, mtype: str, payload: dict[str, Any]) -> None: ...
     def raw_send(self, identity: bytes, frame: bytes) -> None: ...
@@ -104,7 +106,11 @@ class Incidents:
 
     # -- FlowHost ---------------------------------------------------------------------------
     def now(self) -> float:
-        return time.monotonic()
+        """The time of the input being handled (the core's loop clock)."""
+        return self.host.now
+
+    def emit(self, event: str, rank: int, **fields: Any) -> dict[str, Any]:
+        return self.host.emit(event, rank, **fields)
 
     def new_action_id(self) -> int:
         self._action_id += 1
