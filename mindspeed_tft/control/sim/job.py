@@ -1,0 +1,326 @@
+"""One simulated run: the real controller core, W simulated ranks, launchers, a network.
+
+`SimJob(schedule).run()` feeds the core (`controller.core.ControllerCore`) every frame a
+rank's link delivers, every launcher command and every tick its `next_deadline` asks for,
+at virtual times; delivers the frames it decides over the network; hands its events to the
+invariants (`invariants.Checker`) after every input, and time to them after every event.
+It ends when the controller is FINAL and every process ended (or a grace after FINAL), and
+fails with the first violated invariant, an exception of the core, or a job that did not
+end within its bound (a deadlock or livelock).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from ...features import Features
+from ...recovery.elastic import replica_num_for, shrunk_world
+from ..controller.core import Command, ControllerCore
+from ..controller.states import State
+from ..wire.config import ControlConfig
+from ..wire.protocol import MsgType
+from .invariants import Checker, Violation
+from .launcher import SimLauncher
+from .loop import Loop, Network
+from .rank import SimRank
+from .schedule import Fault, Schedule
+
+#: seconds a waiter in an all-reduce with a peer that will not come waits before its
+#: collective fails (a communication error) or goes on waiting (then only the stop ends it)
+COMM_TIMEOUT = 2.0
+
+
+class _Link:
+    """The connection a simulated frame came by (`inbox.Link`): no CURVE, always admitted."""
+
+    key = None
+
+    def admit(self) -> bool:
+        return True
+
+    def known(self) -> None:
+        return None
+
+
+_LINK = _Link()
+
+
+@dataclass
+class Outcome:
+    """How a run ended."""
+
+    failure: str | None
+    state: str
+    exit_code: int | None
+    events: int
+    time: float
+
+
+def sim_config() -> ControlConfig:
+    """The control plane's settings in simulated runs (virtual seconds)."""
+    return ControlConfig(heartbeat_interval=1.0, heartbeat_misses=3, action_time_limit=4.0,
+                         register_timeout=20.0, replacement_wait=5.0, hang_timeout_min=4.0,
+                         hang_initial_timeout=4.0, park_timeout=1.0, exit_grace=1.0,
+                         log_stdout=False)
+
+
+class SimJob:
+    """One run of one schedule (see the module docstring)."""
+
+    def __init__(self, schedule: Schedule) -> None:
+        lay = schedule.layout
+        self.schedule, self.layout, self.steps = schedule, lay, schedule.steps
+        self.rng = random.Random(schedule.seed)
+        self.loop = Loop()
+        self.net = Network(self.loop, self.rng, schedule.delay)
+        self.config = sim_config()
+        features = Features(high_availability=True, hbm_repair=lay.hbm_repair,
+                            worker_reboot=lay.worker_reboot, no_replica=lay.replicas == 1,
+                            replica_num=lay.replicas, elastic=lay.elastic)
+        self.core = ControllerCore(lay.world, self.config, features=features, endpoint="sim:1")
+        cfg = self.config
+        bound = 12 * cfg.action_time_limit + cfg.effective_replacement_wait + 4 * cfg.lost_after
+        self.checker = Checker(lay.world, bound, lay.micro_batches)
+        self.procs: dict[int, SimRank] = {}
+        self.by_identity: dict[bytes, SimRank] = {}
+        self.launchers = [SimLauncher(self, n, (schedule.replacement or ("restart",))[
+            n % max(1, len(schedule.replacement))]) for n in range(lay.nodes)]
+        self.world = list(range(lay.world))
+        self.members = set(self.world)
+        self.dp_size = lay.dp
+        self.arrivals: dict[tuple[int, int], set[int]] = {}
+        self.fired: set[int] = set()
+        self.completed = 0
+        self.published_dumps: dict[int, int] = {}
+        self.events: list[dict[str, Any]] = []
+        self.final_at: float | None = None
+        self._tick_at = float("inf")
+        self._tick_token = 0
+
+    # -- the layout -----------------------------------------------------------------------
+    def layout_of(self, rank: int, world: list[int], dp_size: int) -> dict[str, Any]:
+        lay = self.layout
+        i = world.index(rank)
+        tp_i, dp_i, pp_i = i % lay.tp, (i // lay.tp) % dp_size, i // (lay.tp * dp_size)
+        chunk = dp_size // replica_num_for(dp_size, lay.replicas)
+        shard = dp_i % chunk
+        holders = [world[tp_i + lay.tp * (d + dp_size * pp_i)] for d in range(dp_size)
+                   if d % chunk == shard]
+        return {"dense": {"dp_index": dp_i, "dp_size": dp_size,
+                          "replica_num": dp_size // chunk, "group": tp_i + lay.tp * pp_i,
+                          "shard": shard, "holders": holders}}
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.layout.ranks_per_node
+
+    def shrunk(self, ranks: list[int]) -> tuple[list[int], int]:
+        home = {r: i for i, r in enumerate(self.world)}
+        return shrunk_world(ranks, lambda r: (home[r] // self.layout.tp) % self.dp_size,
+                            self.layout.micro_batches, 1)
+
+    def checkpoint(self, lock_step: int) -> int:
+        every = self.layout.checkpoint_every
+        return lock_step // every * every
+
+    def holds(self, rank: int) -> tuple[int | None, bool]:
+        proc = self.procs.get(rank)
+        if proc is None or not proc.alive:
+            return None, False
+        return proc.held, proc.intact
+
+    # -- processes ------------------------------------------------------------------------
+    def spawn(self, rank: int, first: bool = False) -> None:
+        old = self.procs.get(rank)
+        incarnation = 0 if old is None else old.incarnation + 1
+        full = list(range(self.layout.world))
+        proc = SimRank(self, rank, incarnation, full, self.layout_of(rank, full, self.layout.dp),
+                       fresh=not first)
+        self.procs[rank] = proc
+        self.by_identity[proc.identity] = proc
+        proc.start()
+
+    def exited(self, proc: SimRank, code: int) -> None:
+        for waiting in self.arrivals.values():
+            waiting.discard(proc.rank)
+        launcher = self.launchers[self.node_of(proc.rank)]
+        launcher.worker_ended(proc.rank, code, self.job_over)
+        self._peers_notice(proc.rank)
+
+    def job_over(self) -> bool:
+        return self.core.state in (State.EXIT, State.FINAL)
+
+    def finished(self, proc: SimRank) -> None:
+        proc.send(MsgType.BYE, {"code": 0})
+        self.loop.after(0.02, proc.die, 0)
+
+    def completed_step(self, step: int) -> None:
+        self.completed = max(self.completed, step)
+
+    # -- the all-reduce -------------------------------------------------------------------
+    def arrive(self, proc: SimRank, step: int) -> None:
+        key = (proc.generation, step)
+        waiting = self.arrivals.setdefault(key, set())
+        waiting.add(proc.rank)
+        if waiting >= self.members:
+            del self.arrivals[key]
+            for rank in sorted(waiting):
+                peer = self.procs.get(rank)
+                if peer is not None and peer.alive:
+                    peer.reduced(step)
+            return
+        self.loop.after(COMM_TIMEOUT, self._comm_check, proc, step)
+
+    def _blocked(self, rank: int) -> bool:
+        peer = self.procs.get(rank)
+        return peer is None or not peer.alive or peer.thread in ("parked", "hung", "idle")
+
+    def _comm_check(self, proc: SimRank, step: int) -> None:
+        if not proc.alive or proc.thread != "allreduce" or proc.step + 1 != step:
+            return
+        if any(self._blocked(r) for r in self.members if r != proc.rank):
+            if self.rng.random() < 0.5:
+                proc.error_comm()
+
+    def _peers_notice(self, rank: int) -> None:
+        for peer in list(self.procs.values()):
+            if peer.alive and peer.thread == "allreduce":
+                self.loop.after(COMM_TIMEOUT * self.rng.random(), self._comm_check, peer,
+                                peer.step + 1)
+
+    # -- faults ---------------------------------------------------------------------------
+    def fault_at(self, proc: SimRank, point: str, step: int) -> Fault | None:
+        incident = self.core.incidents.count
+        for i, fault in enumerate(self.schedule.faults):
+            if i in self.fired or fault.point != point:
+                continue
+            if step >= 0 and fault.step != step or step < 0 and fault.incident != incident:
+                continue
+            node_kind = fault.kind in ("node", "launcher")
+            if (self.node_of(proc.rank) if node_kind else proc.rank) != fault.target:
+                continue
+            self.fired.add(i)
+            if node_kind:
+                self.lose_node(fault.target, fault.kind)
+            return fault
+        return None
+
+    def lose_node(self, node: int, kind: str) -> None:
+        """A node lost (its launcher with it), or its launcher dead (its workers with it)."""
+        self.launchers[node].alive = False
+        for proc in list(self.procs.values()):
+            if proc.alive and self.node_of(proc.rank) == node:
+                if kind == "node":
+                    self.net.disconnect(proc.identity, 1e9)
+                proc.die(-9)
+
+    # -- what the ranks saw ---------------------------------------------------------------
+    def order_seen(self, proc: SimRank, name: str, wire: Any, action_id: int) -> None:
+        self.checker.on_order(proc.rank, name, wire, action_id, self.members)
+
+    def resumed(self, proc: SimRank, payload: Any) -> None:
+        for waiting in self.arrivals.values():
+            waiting.discard(proc.rank)
+        step = payload.get("step", -1)
+        self.checker.resumed_at(proc.rank, proc.held, step, bool(payload.get("false_alarm")))
+
+    def published(self, incident: int, lock_step: int) -> None:
+        n = self.published_dumps.get(incident, 0) + 1
+        self.published_dumps[incident] = n
+        if n > 1:
+            self.checker.violation(f"incident {incident}: the dump was published {n} times")
+
+    def violation(self, what: str) -> None:
+        self.checker.violation(what)
+
+    # -- the controller -------------------------------------------------------------------
+    def to_controller(self, proc: SimRank, frame: bytes) -> None:
+        self.net.up(proc.identity, partial(self._feed_frame, proc.identity), frame)
+
+    def _feed_frame(self, identity: bytes, frame: bytes) -> None:
+        self._feed(self.core.on_frame, identity, frame, _LINK)
+
+    def command(self, cmd: Command) -> None:
+        self._feed(self.core.command, cmd)
+
+    def _feed(self, fn: Any, *args: Any) -> None:
+        core = self.core
+        if core.state is State.FINAL:
+            return  # the controller stopped
+        now = self.loop.now
+        core.at(now, now)
+        try:
+            fn(*args)
+        except Violation:
+            raise
+        except Exception as e:  # a bug of the core: the run fails with it
+            self.checker.violation(f"the controller raised {type(e).__name__}: {e}")
+        self._flush(now)
+        if core.state is State.FINAL and self.final_at is None:
+            self.final_at = now
+        self._schedule_tick()
+
+    def _flush(self, now: float) -> None:
+        out = self.core.take()
+        for e in out.events:
+            self.events.append(e)
+            self.checker.on_event(e, now, self.completed)
+            if e["event"] in ("scale_in", "scale_out"):
+                self.world = list(e["ranks"])
+                self.members = set(self.world)
+                self.dp_size = int(e["dp_size"])
+            if e["event"] == "exit" and e["code"] == self.config.dump_exit_code and not (
+                    self.published_dumps):
+                self.checker.violation("exit with the dump code but no dump was published")
+        for identity, frame in out.frames:
+            proc = self.by_identity.get(identity)
+            if proc is not None and proc.alive:
+                self.net.down(identity, proc.deliver, frame)
+
+    def _schedule_tick(self) -> None:
+        due = max(self.core.next_deadline(), self.loop.now + 0.01)
+        if due < self._tick_at - 1e-9:
+            self._tick_at = due
+            self._tick_token += 1
+            self.loop.at(due, self._tick, self._tick_token)
+
+    def _tick(self, token: int) -> None:
+        if token != self._tick_token:
+            return
+        self._tick_at = float("inf")
+        self._feed(self.core.tick)
+
+    # -- the run --------------------------------------------------------------------------
+    def limit(self) -> float:
+        return 30.0 + 2 * self.steps + self.checker.bound * (1 + len(self.schedule.faults))
+
+    def run(self) -> Outcome:
+        self.core.at(0.0, 0.0)
+        self.core.start()
+        self._flush(0.0)
+        for rank in range(self.layout.world):
+            self.loop.at(0.2 * self.rng.random(), self.spawn, rank, True)
+        limit = self.limit()
+        failure = None
+        try:
+            while self.loop:
+                if self.loop.next_time() > limit:
+                    self.checker.violation(
+                        f"deadlock: the job did not end within {limit:g}s (state "
+                        f"{self.core.state.value})")
+                self.loop.step()
+                self.checker.on_time(self.loop.now)
+                if self._over():
+                    break
+        except Violation as v:
+            failure = str(v)
+        return Outcome(failure, self.core.state.value, self.core.exit_code, len(self.events),
+                       self.loop.now)
+
+    def _over(self) -> bool:
+        if self.final_at is None:
+            return False
+        grace = self.loop.now - self.final_at > 2 * self.config.lost_after
+        return grace or not any(p.alive for p in self.procs.values())

@@ -1,0 +1,393 @@
+"""A simulated rank: one worker process's processor protocol and a model of its trainer.
+
+`SimRank` speaks the real wire protocol (`wire.protocol` frames; orders read with
+`wire.order_types.from_wire`) the way `control.processor` does: it registers, heartbeats
+every interval, reports errors and hangs, answers each order with a `result`, holds before
+an update while held or paused, lets the stop catch it up to the lock step, and exits when
+ordered to. Its trainer takes steps: compute, an all-reduce with every rank of the current
+world (`Cluster.arrive`), the hold point, the update, the update's end.
+
+What it truly holds (`held`: the step of a complete, undamaged state; None inside an
+update, after memory damage or before a restarted process got state) is what the invariants
+compare the controller's decisions with (`Cluster.violation`).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Protocol
+
+from ..wire.classify import FaultKind
+from ..wire.config import ControlConfig
+from ..wire.order_types import (
+    DumpOrder,
+    ExitOrder,
+    RepairOrder,
+    RollbackOrder,
+    StopOrder,
+    from_wire,
+)
+from ..wire.protocol import MsgType, ProtocolError, decode, encode
+from .loop import Loop, Network
+from .schedule import Fault, Layout
+
+
+class Cluster(Protocol):
+    """What a simulated rank needs from its job (`job.SimJob`)."""
+
+    loop: Loop
+    net: Network
+    rng: random.Random
+    config: ControlConfig
+    layout: Layout
+    #: the steps training takes
+    steps: int
+
+    def to_controller(self, proc: SimRank, frame: bytes) -> None: ...
+    def arrive(self, proc: SimRank, step: int) -> None: ...
+    def exited(self, proc: SimRank, code: int) -> None: ...
+    def order_seen(self, proc: SimRank, name: str, wire: Any, action_id: int) -> None: ...
+    def completed_step(self, step: int) -> None: ...
+    def fault_at(self, proc: SimRank, point: str, step: int) -> Fault | None: ...
+    def violation(self, what: str) -> None: ...
+    def layout_of(self, rank: int, world: list[int], dp_size: int) -> dict[str, Any]: ...
+    def shrunk(self, ranks: list[int]) -> tuple[list[int], int]: ...
+    def checkpoint(self, lock_step: int) -> int: ...
+    def holds(self, rank: int) -> tuple[int | None, bool]: ...
+    def finished(self, proc: SimRank) -> None: ...
+    def published(self, incident: int, lock_step: int) -> None: ...
+    def resumed(self, proc: SimRank, payload: Any) -> None: ...
+
+
+#: seconds of a step's phases (virtual)
+COMPUTE, UPDATE = 0.12, 0.03
+
+
+class SimRank:
+    """One worker process (see the module docstring)."""
+
+    def __init__(self, job: Cluster, rank: int, incarnation: int, world: list[int],
+                 replica: dict[str, Any], step: int = 0, fresh: bool = False) -> None:
+        self.job, self.rank, self.incarnation = job, rank, incarnation
+        self.identity = b"r%d.%d" % (rank, incarnation)
+        self.world = list(world)
+        self.replica = replica
+        self.alive = True
+        self.seq = 0
+        self.step, self.status, self.progress = step, "updated", step
+        #: the step of the state it holds (None: none complete), and whether it is undamaged
+        self.held: int | None = None if fresh else step
+        self.intact = True
+        #: the training thread: idle (waits for a decision), compute, allreduce, held,
+        #: update, parked (in the handler), hung
+        self.thread = "idle" if fresh else "compute"
+        self.paused = self.stopped = False
+        self.catch_up: int | None = None
+        self.stop_answer: tuple[int, dict[str, Any]] | None = None
+        self.exit_code: int | None = None
+        self.last_progress = job.loop.now
+        self.hang_reported = False
+        self._epoch = 0  # bumped when the training thread is redirected (stale callbacks)
+        #: the incident whose resume restarted its training (collectives of one generation
+        #: meet only their own: an all-reduce a stop aborted is not met after the resume)
+        self.generation = 0
+
+    # -- sending --------------------------------------------------------------------------
+    def send(self, mtype: str, payload: dict[str, Any]) -> None:
+        if not self.alive:
+            return
+        self.seq += 1
+        self.job.to_controller(self, encode(mtype, self.rank, self.seq, payload))
+
+    def start(self) -> None:
+        self.register()
+        self.job.loop.after(self.job.config.heartbeat_interval * self.job.rng.random(),
+                            self.heartbeat)
+        if self.thread == "compute":
+            self.train()
+
+    def register(self) -> None:
+        self.send(MsgType.REGISTER, {
+            "world_size": self.job.layout.world,
+            "pid": 1000 + 100 * self.rank + self.incarnation, "host": f"node{self.rank}",
+            "replica": self.replica, "failover": False, "step": self.step,
+            "status": self.status})
+
+    def heartbeat(self) -> None:
+        if not self.alive:
+            return
+        self.send(MsgType.HEARTBEAT, {"step": self.step, "status": self.status,
+                                      "progress": self.progress, "ack": self.seq % 2 == 0})
+        cfg = self.job.config
+        now = self.job.loop.now
+        if (self.thread in ("compute", "allreduce", "update", "hung") and not self.stopped
+                and not self.paused and not self.hang_reported
+                and now - self.last_progress > cfg.hang_timeout_min):
+            self.hang_reported = True
+            self.send(MsgType.REPORT, {
+                "kind": FaultKind.HANG.value, "message": f"rank {self.rank}: no progress",
+                "step": self.step, "status": self.status})
+        self.job.loop.after(cfg.heartbeat_interval, self.heartbeat)
+
+    # -- the trainer ----------------------------------------------------------------------
+    def _later(self, delay: float, fn: Any, *args: Any) -> None:
+        self.job.loop.after(delay, self._guarded, self._epoch, fn, args)
+
+    def _guarded(self, epoch: int, fn: Any, args: tuple[Any, ...]) -> None:
+        if self.alive and epoch == self._epoch:
+            fn(*args)
+
+    def train(self) -> None:
+        """The next step: compute, then the all-reduce."""
+        nxt = self.step + 1
+        if self._fault(("start",), nxt):
+            return
+        self.thread = "compute"
+        self._later(COMPUTE * (0.8 + 0.4 * self.job.rng.random()), self._reduce, nxt)
+
+    def _reduce(self, nxt: int) -> None:
+        if self.stopped or self._fault(("allreduce",), nxt):
+            if self.stopped:
+                self._park()
+            return
+        self.thread = "allreduce"
+        self.job.arrive(self, nxt)
+
+    def reduced(self, nxt: int) -> None:
+        """Every rank of the world reached the all-reduce of `nxt`."""
+        if self.thread != "allreduce":
+            return
+        self._hold_point(nxt)
+
+    def _hold_point(self, nxt: int) -> None:
+        if self.stopped and not (self.catch_up is not None and nxt <= self.catch_up):
+            self._park()
+            return
+        if self.paused and not self.stopped:
+            self.thread = "held"
+            self._held_at = nxt
+            return
+        if self._fault(("update",), nxt):
+            return
+        self.thread, self.status, self.held = "update", "updating", None
+        self._later(UPDATE, self._updated, nxt)
+
+    def _updated(self, nxt: int) -> None:
+        self.step, self.status, self.progress = nxt, "updated", nxt
+        self.held = nxt
+        self.job.completed_step(nxt)
+        self.last_progress = self.job.loop.now
+        self.hang_reported = False
+        if self._fault(("end",), nxt):
+            return
+        if self.stopped:
+            self._park()
+        elif nxt >= self.job.steps:
+            self.thread = "idle"
+            self.job.finished(self)
+        else:
+            self.train()
+
+    def _park(self) -> None:
+        self.thread = "parked"
+        if self.stop_answer is not None:
+            aid, _ = self.stop_answer
+            self.stop_answer = None
+            self._result(aid, "stop", True, {"step": self.step, "status": self.status,
+                                             "parked": True})
+
+    # -- faults ---------------------------------------------------------------------------
+    def _fault(self, points: tuple[str, ...], step: int) -> bool:
+        for point in points:
+            fault = self.job.fault_at(self, point, step)
+            if fault is not None and self.strike(fault):
+                return True
+        return False
+
+    def strike(self, fault: Fault) -> bool:
+        """A fault hits this process now; True when its training thread stops here."""
+        kind = fault.kind
+        if kind in ("kill", "node", "launcher"):
+            self.die(-9)
+            return True
+        if kind == "hang":
+            self.thread = "hung"
+            self._epoch += 1
+            return True
+        if kind == "net":
+            self.job.net.disconnect(self.identity, 0.5 + 2 * self.job.rng.random())
+            return False
+        fk, detail = {"uce": (FaultKind.UCE, {"target": fault.detail}),
+                      "comm": (FaultKind.COMM, None),
+                      "raise": (FaultKind.UNKNOWN, None)}[kind]
+        if kind == "uce" and fault.detail in ("params", "optimizer"):
+            self.intact = False
+        self.error(fk, f"injected {kind}", detail)
+        return True
+
+    def error(self, kind: FaultKind, message: str, detail: dict[str, Any] | None = None) -> None:
+        """The training thread raised: report it and park in the handler."""
+        self._epoch += 1
+        if self.status == "updating":
+            self.held = None
+        self.thread = "parked"
+        report: dict[str, Any] = {"kind": kind.value, "message": message, "step": self.step,
+                                  "status": self.status}
+        if detail:
+            report["detail"] = detail
+        self.send(MsgType.REPORT, report)
+        if self.stop_answer is not None:
+            self._park()
+
+    def error_comm(self) -> None:
+        """Its all-reduce failed: a peer will not come (connection reset)."""
+        self.error(FaultKind.COMM, "HCCL OP RETRY FAILED (Connection reset by peer)")
+
+    def die(self, code: int) -> None:
+        if not self.alive:
+            return
+        self.alive = False
+        self._epoch += 1
+        self.job.exited(self, code)
+
+    # -- receiving ------------------------------------------------------------------------
+    def deliver(self, frame: bytes) -> None:
+        if not self.alive:
+            return
+        try:
+            msg = decode(frame)
+        except ProtocolError as e:
+            self.job.violation(f"rank {self.rank} got an undecodable frame: {e}")
+            return
+        if msg.type == MsgType.ACTION:
+            p = msg.payload
+            self.job.loop.after(0.001 + 0.004 * self.job.rng.random(), self._order,
+                                p["id"], p["name"], p["payload"])
+        elif msg.type == MsgType.REJECT and msg.payload.get("retry", False):
+            self.job.loop.after(1.0, self.register)
+
+    def _result(self, aid: int, name: str, ok: bool, result: dict[str, Any]) -> None:
+        answer: dict[str, Any] = {"id": aid, "action": name, "ok": ok, "result": result}
+        if not ok:
+            answer["error"] = f"RuntimeError: injected fault in the {name} callback"
+        self.send(MsgType.RESULT, answer)
+
+    def _order(self, aid: int, name: str, wire: dict[str, Any]) -> None:
+        if not self.alive:
+            return
+        self.job.order_seen(self, name, wire, aid)
+        payload = from_wire(name, wire)
+        fault = self.job.fault_at(self, name, -1)
+        if fault is not None and fault.kind in ("uce", "comm", "raise"):
+            # the order's callback raised: the order fails (memory a UCE hit stays damaged)
+            self.intact = self.intact and not (fault.kind == "uce" and fault.detail in (
+                "params", "optimizer"))
+            self._result(aid, name, False, {})
+            return
+        if fault is not None:
+            self.strike(fault)
+            if not self.alive or self.thread == "hung" and name not in ("hold", "stop"):
+                return
+        handler = getattr(self, f"_do_{name}")  # the simulator's own table of order names
+        out = handler(aid, payload)
+        if out is not None and self.alive:
+            self._result(aid, name, True, out)
+
+    def _do_hold(self, aid: int, payload: Any) -> dict[str, Any]:
+        self.paused = True
+        return {"step": self.step, "status": self.status}
+
+    _do_pause = _do_hold
+
+    def _do_stop(self, aid: int, order: StopOrder) -> dict[str, Any] | None:
+        self.paused = self.stopped = True
+        self.catch_up = order.lock_step
+        if self.thread in ("parked", "idle"):
+            return {"step": self.step, "status": self.status, "parked": True}
+        if self.thread == "hung":
+            self.job.loop.after(self.job.config.park_timeout, self._result, aid, "stop", True,
+                                {"step": self.step, "status": self.status, "parked": False})
+            return None
+        self.stop_answer = (aid, {})
+        if self.thread == "held":
+            self._hold_point(self._held_at)
+        elif self.thread in ("compute", "allreduce"):  # the stop aborts its communicators
+            self._epoch += 1
+            self._park()
+        return None
+
+    def _do_clean(self, aid: int, payload: Any) -> dict[str, Any]:
+        return {}
+
+    def _do_repair(self, aid: int, order: RepairOrder) -> dict[str, Any]:
+        if order.source == "checkpoint":
+            step = self.job.checkpoint(order.lock_step)
+            self.held, self.intact = step, True
+            return {"step": step}
+        for receive in order.receive:
+            held, intact = self.job.holds(receive.source)
+            if held != order.lock_step or not intact:
+                self.job.violation(f"rank {self.rank} repaired from rank {receive.source}, which "
+                                   f"holds step {held} ({'intact' if intact else 'damaged'}), "
+                                   f"not the lock step {order.lock_step}")
+        if order.receive:
+            self.held, self.intact = order.lock_step, True
+        return {}
+
+    def _do_rollback(self, aid: int, order: RollbackOrder) -> dict[str, Any]:
+        if self.held != order.step or not self.intact:
+            self.job.violation(f"rank {self.rank} rolled back to step {order.step} but holds "
+                               f"{self.held} ({'intact' if self.intact else 'damaged'})")
+        self.step, self.status, self.progress = order.step, "updated", order.step
+        self.held = order.step
+        return {"iteration": order.step}
+
+    def _do_dump(self, aid: int, order: DumpOrder) -> dict[str, Any]:
+        if order.shards and (self.held != order.lock_step or not self.intact):
+            self.job.violation(f"rank {self.rank} writes the dump of step {order.lock_step} "
+                               f"but holds {self.held}")
+        return {"written": [s.shard for s in order.shards]}
+
+    def _do_rename(self, aid: int, payload: Any) -> dict[str, Any]:
+        self.job.published(payload["incident"], payload["lock_step"])
+        return {"path": f"/sim/iter_{payload['lock_step']:07d}"}
+
+    def _do_scale_in(self, aid: int, payload: Any) -> dict[str, Any]:
+        world, dp_size = self.job.shrunk([int(r) for r in payload["ranks"]])
+        if self.rank not in world:
+            return {"stays": False, "dp_size": dp_size}
+        return self._enter(world, dp_size, int(payload["lock_step"]))
+
+    def _do_scale_out(self, aid: int, payload: Any) -> dict[str, Any]:
+        world = [int(r) for r in payload["ranks"]]
+        return self._enter(world, int(payload["dp_size"]), int(payload["lock_step"]))
+
+    def _enter(self, world: list[int], dp_size: int, lock_step: int) -> dict[str, Any]:
+        self.world = world
+        self.replica = self.job.layout_of(self.rank, world, dp_size)
+        self.step, self.status, self.progress = lock_step, "updated", lock_step
+        self.held, self.intact = lock_step, True
+        return {"stays": True, "dp_size": dp_size, "iteration": lock_step,
+                "replica": self.replica,
+                "micro_batches": self.job.layout.micro_batches}
+
+    def _do_resume(self, aid: int, payload: Any) -> dict[str, Any]:
+        self.paused = self.stopped = False
+        self.catch_up = None
+        self.hang_reported = False
+        self.last_progress = self.job.loop.now
+        self.job.resumed(self, payload)
+        self.generation = max(self.generation, int(payload.get("incident", 0)))
+        if self.thread in ("parked", "idle", "held"):
+            self._epoch += 1
+            if self.step >= self.job.steps:
+                self.thread = "idle"
+                self.job.finished(self)
+            else:
+                self.job.loop.after(0.001, self._guarded, self._epoch, self.train, ())
+        return {}
+
+    def _do_exit(self, aid: int, order: ExitOrder) -> dict[str, Any]:
+        self.exit_code = order.code
+        self.job.loop.after(0.01, self.die, order.code)
+        return {}
