@@ -182,6 +182,15 @@ class Phase:
     failures: dict[int, str] = field(default_factory=dict)
 
 
+def outcome_of(inc: Incident, resumed_at: float | None, outcome: str, lost: int) -> Outcome:
+    """How `inc` ended (`resumed_at`: the events-clock time training resumed, if it did)."""
+    took = None
+    if resumed_at is not None and inc.detected is not None:
+        took = max(0.0, resumed_at - inc.detected)
+    kind = inc.first_kind.value if inc.first_kind is not None else "none"
+    return Outcome(kind, str(inc.strategy or "none"), outcome, took, lost)
+
+
 class FlowHost(Protocol):
     """What an incident flow needs from its controller."""
 
@@ -221,6 +230,8 @@ class IncidentFlow:
         #: elastic training: a shrink or a grow of the job (`scaling`)
         self.scaling = Scaling(self)
         self.done = False
+        #: a repair that reloads the last checkpoint was sent (the lock step is gone)
+        self.reloaded = False
         self.exit_code: int | None = None
         #: the time (events clock) of the event after which training resumed
         self.resumed_at: float | None = None
@@ -477,7 +488,7 @@ class IncidentFlow:
                  incident=inc.id)
             self.resume(false_alarm=True)
             return
-        reason = f"faults {self._fault_text()}"
+        reason = "faults " + ", ".join(f"rank {r}: {k}" for r, k in sorted(inc.faults.items()))
         if inc.lock_step == 0:
             strategy = Strategy.EXIT
             reason = ("no optimizer update completed yet (lock step 0): there is nothing to "
@@ -566,6 +577,9 @@ class IncidentFlow:
         except PlanError as e:
             self._repair_failed(f"repair impossible: {e}")
             return
+        # a repair from the checkpoint replaces the ranks' state: no dump of the lock step
+        # after it has begun (found by the simulator: tft-sim --seed 656 --world 8)
+        self.reloaded = inc.source == "checkpoint"
         self.start_phase("repair", targets, per_rank=payloads)
 
     def _after_repair(self, phase: Phase) -> None:
@@ -596,8 +610,8 @@ class IncidentFlow:
         payload = {"incident": inc.id, "step": step, "strategy": str(inc.strategy or "none"),
                    "false_alarm": false_alarm,
                    "iterations": [inc.iterations[i] for i in sorted(inc.iterations) if i <= step]}
-        self.outcome = self._outcome(
-            "false_alarm" if false_alarm else "scaled_in" if self.scaling.shrinking is not None
+        self.outcome = outcome_of(
+            inc, self.resumed_at, "false_alarm" if false_alarm else "scaled_in" if self.scaling.shrinking is not None
             else "scaled_out" if self.scaling.growing is not None else "repaired",
             lost=0 if false_alarm else max(0, inc.lock_step - step))
         rows = host.table.connected()
@@ -623,6 +637,11 @@ class IncidentFlow:
         host.sm.to(State.DUMP, reason)
         if inc.strategy is Strategy.EXIT:
             self.end_job(host.config.failure_exit_code, reason)
+            return
+        if self.reloaded:  # what the ranks hold is the checkpoint's step, or part of it
+            self.end_job(host.config.failure_exit_code,
+                         f"{reason}; no dump: the ranks were reloading the last checkpoint, "
+                         "they no longer hold the lock step")
             return
         targets = [r.rank for r in host.table.connected() if not r.fresh]
         try:
@@ -664,8 +683,8 @@ class IncidentFlow:
         if self.scaling.growing is not None:
             self.scaling.send_joining_away(reason)
         self.exit_code = code
-        self.outcome = self._outcome("dumped" if code == host.config.dump_exit_code
-                                     else "exited", lost=0)
+        self.outcome = outcome_of(self.incident, self.resumed_at, "dumped"
+                                  if code == host.config.dump_exit_code else "exited", lost=0)
         host.sm.to(State.EXIT, reason)
         self.host.emit("exit", CONTROLLER_RANK, code=code, reason=reason, incident=self.incident.id)
         (log.info if code == 0 else log.error)("exit with code %d: %s", code, reason)
@@ -686,19 +705,7 @@ class IncidentFlow:
         host.sm.to(State.FINAL, reason)
         self._finish()
 
-    def _outcome(self, outcome: str, lost: int) -> Outcome:
-        inc = self.incident
-        took = None  # resumed_at: set by the event after which training resumes
-        if self.resumed_at is not None and inc.detected is not None:
-            took = max(0.0, self.resumed_at - inc.detected)
-        kind = inc.first_kind.value if inc.first_kind is not None else "none"
-        return Outcome(kind, str(inc.strategy or "none"), outcome, took, lost)
-
     def _finish(self) -> None:
         self.done = True
         self.phase = None
         self.host.flow_finished(self)
-
-    # -- text -------------------------------------------------------------------------
-    def _fault_text(self) -> str:
-        return ", ".join(f"rank {r}: {k}" for r, k in sorted(self.incident.faults.items()))
