@@ -12,6 +12,7 @@ end within its bound (a deadlock or livelock).
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -46,6 +47,7 @@ class _Link:
 
 
 _LINK = _Link()
+_GONE = re.compile(r"ranks \[([0-9, ]+)\] are gone")
 
 
 @dataclass
@@ -97,6 +99,9 @@ class SimJob:
         self.published_dumps: dict[int, int] = {}
         self.events: list[dict[str, Any]] = []
         self.final_at: float | None = None
+        #: per frame sent: the ranks whose data the controller knew damaged then (the
+        #: frames are kept so that their ids stay theirs)
+        self._knowledge: dict[int, tuple[bytes, frozenset[int]]] = {}
         self._tick_at = float("inf")
         self._tick_token = 0
 
@@ -124,6 +129,10 @@ class SimJob:
     def checkpoint(self, lock_step: int) -> int:
         every = self.layout.checkpoint_every
         return lock_step // every * every
+
+    def known_damaged(self, frame: bytes) -> frozenset[int]:
+        kept = self._knowledge.get(id(frame))
+        return kept[1] if kept is not None else frozenset()
 
     def holds(self, rank: int) -> tuple[int | None, bool]:
         proc = self.procs.get(rank)
@@ -271,13 +280,33 @@ class SimJob:
                 self.world = list(e["ranks"])
                 self.members = set(self.world)
                 self.dp_size = int(e["dp_size"])
+            if e["event"] == "repair_failed":
+                self._gone_for_real(e["reason"])
             if e["event"] == "exit" and e["code"] == self.config.dump_exit_code and not (
                     self.published_dumps):
                 self.checker.violation("exit with the dump code but no dump was published")
+        flow = self.core.flow
+        known = frozenset(self.core.planner.faulty(flow.incident) if flow else ())
         for identity, frame in out.frames:
+            self._knowledge[id(frame)] = (frame, known)
             proc = self.by_identity.get(identity)
             if proc is not None and proc.alive:
                 self.net.down(identity, proc.deliver, frame)
+
+    def _gone_for_real(self, reason: str) -> None:
+        """A repair abandoned for "ranks [...] are gone": each of them is a member of the job
+        whose process is gone (not one outside the job, nor one alive again)."""
+        found = _GONE.search(reason)
+        if found is None:
+            return
+        for rank in (int(r) for r in found.group(1).split(",")):
+            proc, row = self.procs.get(rank), self.core.table.get(rank)
+            back = (proc is not None and proc.alive and row is not None
+                    and row.identity == proc.identity)  # registered from a live process
+            if rank not in self.members or back:
+                where = "outside the job" if rank not in self.members else "registered again"
+                self.checker.violation(f"repair abandoned for rank {rank} as gone, but it is "
+                                       f"{where}: {reason}")
 
     def _schedule_tick(self) -> None:
         due = max(self.core.next_deadline(), self.loop.now + 0.01)

@@ -54,9 +54,14 @@ class Cluster(Protocol):
     def shrunk(self, ranks: list[int]) -> tuple[list[int], int]: ...
     def checkpoint(self, lock_step: int) -> int: ...
     def holds(self, rank: int) -> tuple[int | None, bool]: ...
+    def known_damaged(self, frame: bytes) -> frozenset[int]: ...
     def finished(self, proc: SimRank) -> None: ...
     def published(self, incident: int, lock_step: int) -> None: ...
     def resumed(self, proc: SimRank, payload: Any) -> None: ...
+
+
+class _Raised(Exception):
+    """An order's callback raised (the device found damaged memory): the order fails."""
 
 
 #: seconds of a step's phases (virtual)
@@ -91,6 +96,7 @@ class SimRank:
         #: the incident whose resume restarted its training (collectives of one generation
         #: meet only their own: an all-reduce a stop aborted is not met after the resume)
         self.generation = 0
+        self._known: frozenset[int] = frozenset()
 
     # -- sending --------------------------------------------------------------------------
     def send(self, mtype: str, payload: dict[str, Any]) -> None:
@@ -262,7 +268,7 @@ class SimRank:
         if msg.type == MsgType.ACTION:
             p = msg.payload
             self.job.loop.after(0.001 + 0.004 * self.job.rng.random(), self._order,
-                                p["id"], p["name"], p["payload"])
+                                p["id"], p["name"], p["payload"], self.job.known_damaged(frame))
         elif msg.type == MsgType.REJECT and msg.payload.get("retry", False):
             self.job.loop.after(1.0, self.register)
 
@@ -272,26 +278,42 @@ class SimRank:
             answer["error"] = f"RuntimeError: injected fault in the {name} callback"
         self.send(MsgType.RESULT, answer)
 
-    def _order(self, aid: int, name: str, wire: dict[str, Any]) -> None:
+    def _order(self, aid: int, name: str, wire: dict[str, Any], known: frozenset[int]) -> None:
         if not self.alive:
             return
         self.job.order_seen(self, name, wire, aid)
         payload = from_wire(name, wire)
         fault = self.job.fault_at(self, name, -1)
         if fault is not None and fault.kind in ("uce", "comm", "raise"):
-            # the order's callback raised: the order fails (memory a UCE hit stays damaged)
-            self.intact = self.intact and not (fault.kind == "uce" and fault.detail in (
-                "params", "optimizer"))
+            # the order's callback raised: the order fails; a UCE is the device's, and the
+            # rank reports it too (the memory it hit stays damaged until repaired)
             self._result(aid, name, False, {})
+            if fault.kind == "uce":
+                self.strike(fault)
             return
         if fault is not None:
             self.strike(fault)
             if not self.alive or self.thread == "hung" and name not in ("hold", "stop"):
                 return
+        self._known = known  # the damaged ranks the controller knew of when it sent this
         handler = getattr(self, f"_do_{name}")  # the simulator's own table of order names
-        out = handler(aid, payload)
+        try:
+            out = handler(aid, payload)
+        except _Raised:
+            self._result(aid, name, False, {})
+            return
         if out is not None and self.alive:
             self._result(aid, name, True, out)
+
+    def _check(self, what: str, source: int, held: int | None, intact: bool, step: int) -> None:
+        """State of `step` taken from `source`: a violation when it does not hold that step,
+        or holds it damaged and the controller knew; else damaged memory raises (the device
+        finds it) and the order fails."""
+        if held != step or not intact and source in self._known:
+            self.job.violation(f"rank {self.rank}: {what} rank {source} at step {step}, which "
+                               f"holds {held} ({'intact' if intact else 'damaged'})")
+        if not intact:
+            raise _Raised(f"rank {source}'s memory is damaged")
 
     def _do_hold(self, aid: int, payload: Any) -> dict[str, Any]:
         self.paused = True
@@ -326,26 +348,20 @@ class SimRank:
             return {"step": step}
         for receive in order.receive:
             held, intact = self.job.holds(receive.source)
-            if held != order.lock_step or not intact:
-                self.job.violation(f"rank {self.rank} repaired from rank {receive.source}, which "
-                                   f"holds step {held} ({'intact' if intact else 'damaged'}), "
-                                   f"not the lock step {order.lock_step}")
+            self._check("repaired from", receive.source, held, intact, order.lock_step)
         if order.receive:
             self.held, self.intact = order.lock_step, True
         return {}
 
     def _do_rollback(self, aid: int, order: RollbackOrder) -> dict[str, Any]:
-        if self.held != order.step or not self.intact:
-            self.job.violation(f"rank {self.rank} rolled back to step {order.step} but holds "
-                               f"{self.held} ({'intact' if self.intact else 'damaged'})")
+        self._check("rolled back on", self.rank, self.held, self.intact, order.step)
         self.step, self.status, self.progress = order.step, "updated", order.step
         self.held = order.step
         return {"iteration": order.step}
 
     def _do_dump(self, aid: int, order: DumpOrder) -> dict[str, Any]:
-        if order.shards and (self.held != order.lock_step or not self.intact):
-            self.job.violation(f"rank {self.rank} writes the dump of step {order.lock_step} "
-                               f"but holds {self.held}")
+        if order.shards:
+            self._check("dumped from", self.rank, self.held, self.intact, order.lock_step)
         return {"written": [s.shard for s in order.shards]}
 
     def _do_rename(self, aid: int, payload: Any) -> dict[str, Any]:
