@@ -280,6 +280,8 @@ class SimJob:
                 self.world = list(e["ranks"])
                 self.members = set(self.world)
                 self.dp_size = int(e["dp_size"])
+            if e["event"] == "strategy" and e["strategy"] != "exit":
+                self._nothing_lost(e["lock_step"])
             if e["event"] == "repair_failed":
                 self._gone_for_real(e["reason"])
             if e["event"] == "exit" and e["code"] == self.config.dump_exit_code and not (
@@ -292,6 +294,16 @@ class SimJob:
             proc = self.by_identity.get(identity)
             if proc is not None and proc.alive:
                 self.net.down(identity, proc.deliver, frame)
+
+    def _nothing_lost(self, lock_step: int) -> None:
+        """No fault loses more than the step in flight: the lock step is the highest step a
+        live rank of the job completed (a rank's last step before it died may be newer than
+        the controller could know)."""
+        live = [p.step for p in self.procs.values()
+                if p.alive and not p.fresh and p.rank in self.members]
+        if live and lock_step < max(live):
+            self.checker.violation(f"lock step {lock_step} below step {max(live)}, which live "
+                                   "ranks completed: iterations beyond the one in flight lost")
 
     def _gone_for_real(self, reason: str) -> None:
         """A repair abandoned for "ranks [...] are gone": each of them is a member of the job

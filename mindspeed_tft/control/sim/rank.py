@@ -78,6 +78,8 @@ class SimRank:
         self.world = list(world)
         self.replica = replica
         self.alive = True
+        #: a restarted process that holds no training state yet (until it resumes)
+        self.fresh = fresh
         self.seq = 0
         self.step, self.status, self.progress = step, "updated", step
         #: the step of the state it holds (None: none complete), and whether it is undamaged
@@ -379,7 +381,7 @@ class SimRank:
         return self._enter(world, int(payload["dp_size"]), int(payload["lock_step"]))
 
     def _enter(self, world: list[int], dp_size: int, lock_step: int) -> dict[str, Any]:
-        self.world = world
+        self.world, self.fresh = world, False
         self.replica = self.job.layout_of(self.rank, world, dp_size)
         self.step, self.status, self.progress = lock_step, "updated", lock_step
         self.held, self.intact = lock_step, True
@@ -388,7 +390,7 @@ class SimRank:
                 "micro_batches": self.job.layout.micro_batches}
 
     def _do_resume(self, aid: int, payload: Any) -> dict[str, Any]:
-        self.paused = self.stopped = False
+        self.paused = self.stopped = self.fresh = False
         self.catch_up = None
         self.hang_reported = False
         self.last_progress = self.job.loop.now
