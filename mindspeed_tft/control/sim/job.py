@@ -99,8 +99,8 @@ class SimJob:
         self.published_dumps: dict[int, int] = {}
         self.events: list[dict[str, Any]] = []
         self.final_at: float | None = None
-        #: per frame sent: the ranks whose data the controller knew damaged then (the
-        #: frames are kept so that their ids stay theirs)
+        #: per frame sent: the ranks whose data the controller knew damaged, or whose
+        #: process it knew gone, then (the frames are kept so that their ids stay theirs)
         self._knowledge: dict[int, tuple[bytes, frozenset[int]]] = {}
         self._tick_at = float("inf")
         self._tick_token = 0
@@ -288,7 +288,8 @@ class SimJob:
                     self.published_dumps):
                 self.checker.violation("exit with the dump code but no dump was published")
         flow = self.core.flow
-        known = frozenset(self.core.planner.faulty(flow.incident) if flow else ())
+        known = frozenset(self.core.planner.faulty(flow.incident) if flow else ()) | {
+            r.rank for r in self.core.table.all() if not r.connected}
         for identity, frame in out.frames:
             self._knowledge[id(frame)] = (frame, known)
             proc = self.by_identity.get(identity)

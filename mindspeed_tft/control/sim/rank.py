@@ -309,13 +309,14 @@ class SimRank:
 
     def _check(self, what: str, source: int, held: int | None, intact: bool, step: int) -> None:
         """State of `step` taken from `source`: a violation when it does not hold that step,
-        or holds it damaged and the controller knew; else damaged memory raises (the device
-        finds it) and the order fails."""
-        if held != step or not intact and source in self._known:
+        or holds it damaged or is gone and the controller knew; else damaged memory raises
+        (the device finds it) or the transfer from a dead process fails: the order fails."""
+        gone = held is None and not intact  # its process is dead: the transfer fails
+        if (held != step and not gone) or (not intact and source in self._known):
             self.job.violation(f"rank {self.rank}: {what} rank {source} at step {step}, which "
-                               f"holds {held} ({'intact' if intact else 'damaged'})")
+                               f"holds {held} ({'intact' if intact else 'damaged or gone'})")
         if not intact:
-            raise _Raised(f"rank {source}'s memory is damaged")
+            raise _Raised(f"rank {source}'s memory is damaged, or it is gone")
 
     def _do_hold(self, aid: int, payload: Any) -> dict[str, Any]:
         self.paused = True
