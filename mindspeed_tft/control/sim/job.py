@@ -23,6 +23,7 @@ from ..controller.core import Command, ControllerCore
 from ..controller.states import State
 from ..wire.config import ControlConfig
 from ..wire.protocol import MsgType
+from .controllers import BACKUP_ADDR, SimControllers
 from .invariants import Checker, Violation
 from .launcher import SimLauncher
 from .loop import Loop, Network
@@ -34,19 +35,6 @@ from .schedule import Fault, Schedule
 COMM_TIMEOUT = 2.0
 
 
-class _Link:
-    """The connection a simulated frame came by (`inbox.Link`): no CURVE, always admitted."""
-
-    key = None
-
-    def admit(self) -> bool:
-        return True
-
-    def known(self) -> None:
-        return None
-
-
-_LINK = _Link()
 _GONE = re.compile(r"ranks \[([0-9, ]+)\] are gone")
 
 
@@ -61,12 +49,12 @@ class Outcome:
     time: float
 
 
-def sim_config() -> ControlConfig:
+def sim_config(backup: bool = False) -> ControlConfig:
     """The control plane's settings in simulated runs (virtual seconds)."""
     return ControlConfig(heartbeat_interval=1.0, heartbeat_misses=3, action_time_limit=4.0,
                          register_timeout=20.0, replacement_wait=5.0, hang_timeout_min=4.0,
                          hang_initial_timeout=4.0, park_timeout=1.0, exit_grace=1.0,
-                         log_stdout=False)
+                         log_stdout=False, backups=[BACKUP_ADDR] if backup else [])
 
 
 class SimJob:
@@ -78,11 +66,12 @@ class SimJob:
         self.rng = random.Random(schedule.seed)
         self.loop = Loop()
         self.net = Network(self.loop, self.rng, schedule.delay)
-        self.config = sim_config()
+        self.config = sim_config(lay.backup)
         features = Features(high_availability=True, hbm_repair=lay.hbm_repair,
                             worker_reboot=lay.worker_reboot, no_replica=lay.replicas == 1,
                             replica_num=lay.replicas, elastic=lay.elastic)
-        self.core = ControllerCore(lay.world, self.config, features=features, endpoint="sim:1")
+        #: the active controller (node 0's launcher) and maybe a backup (node 1's)
+        self.ctl = SimControllers(self, lay.world, self.config, features, lay.backup)
         cfg = self.config
         bound = 12 * cfg.action_time_limit + cfg.effective_replacement_wait + 4 * cfg.lost_after
         self.checker = Checker(lay.world, bound, lay.micro_batches)
@@ -102,8 +91,11 @@ class SimJob:
         #: per frame sent: the ranks whose data the controller knew damaged, or whose
         #: process it knew gone, then (the frames are kept so that their ids stay theirs)
         self._knowledge: dict[int, tuple[bytes, frozenset[int]]] = {}
-        self._tick_at = float("inf")
-        self._tick_token = 0
+
+    @property
+    def core(self) -> ControllerCore:
+        """The controller in charge."""
+        return self.ctl.core
 
     # -- the layout -----------------------------------------------------------------------
     def layout_of(self, rank: int, world: list[int], dp_size: int) -> dict[str, Any]:
@@ -219,10 +211,12 @@ class SimJob:
     def lose_node(self, node: int, kind: str) -> None:
         """A node lost (its launcher with it), or its launcher dead (its workers with it)."""
         self.launchers[node].alive = False
+        if self.layout.backup:  # the controllers run in the launchers of nodes 0 and 1
+            self.ctl.kill(node)
         for proc in list(self.procs.values()):
             if proc.alive and self.node_of(proc.rank) == node:
                 if kind == "node":
-                    self.net.disconnect(proc.identity, 1e9)
+                    self.net.disconnect(proc.link, 1e9)
                 proc.die(-9)
 
     # -- what the ranks saw ---------------------------------------------------------------
@@ -244,36 +238,28 @@ class SimJob:
     def violation(self, what: str) -> None:
         self.checker.violation(what)
 
-    # -- the controller -------------------------------------------------------------------
+    # -- the controllers --------------------------------------------------------------------
     def to_controller(self, proc: SimRank, frame: bytes) -> None:
-        self.net.up(proc.identity, partial(self._feed_frame, proc.identity), frame)
-
-    def _feed_frame(self, identity: bytes, frame: bytes) -> None:
-        self._feed(self.core.on_frame, identity, frame, _LINK)
+        self.net.up(proc.link, partial(self.ctl.frame_from_rank, proc.target, proc.identity),
+                    frame)
 
     def command(self, cmd: Command) -> None:
-        self._feed(self.core.command, cmd)
+        self.ctl.command(cmd)
 
-    def _feed(self, fn: Any, *args: Any) -> None:
-        core = self.core
-        if core.state is State.FINAL:
-            return  # the controller stopped
+    def deliver_to_rank(self, identity: bytes, frame: bytes, index: int,
+                        core: ControllerCore) -> None:
+        proc = self.by_identity.get(identity)
+        if proc is None or not proc.alive or proc.target != index:
+            return  # a rank hears only the controller it is connected to
+        flow = core.flow
+        known = frozenset(core.planner.faulty(flow.incident) if flow else ()) | {
+            r.rank for r in core.table.all() if not r.connected}
+        self._knowledge[id(frame)] = (frame, known)
+        self.net.down(proc.link, proc.deliver, frame)
+
+    def on_events(self, events: list[dict[str, Any]], core: ControllerCore) -> None:
         now = self.loop.now
-        core.at(now, now)
-        try:
-            fn(*args)
-        except Violation:
-            raise
-        except Exception as e:  # a bug of the core: the run fails with it
-            self.checker.violation(f"the controller raised {type(e).__name__}: {e}")
-        self._flush(now)
-        if core.state is State.FINAL and self.final_at is None:
-            self.final_at = now
-        self._schedule_tick()
-
-    def _flush(self, now: float) -> None:
-        out = self.core.take()
-        for e in out.events:
+        for e in events:
             self.events.append(e)
             self.checker.on_event(e, now, self.completed)
             if e["event"] in ("scale_in", "scale_out"):
@@ -283,18 +269,12 @@ class SimJob:
             if e["event"] == "strategy" and e["strategy"] != "exit":
                 self._nothing_lost(e["lock_step"])
             if e["event"] == "repair_failed":
-                self._gone_for_real(e["reason"])
+                self._gone_for_real(e["reason"], core)
             if e["event"] == "exit" and e["code"] == self.config.dump_exit_code and not (
                     self.published_dumps):
                 self.checker.violation("exit with the dump code but no dump was published")
-        flow = self.core.flow
-        known = frozenset(self.core.planner.faulty(flow.incident) if flow else ()) | {
-            r.rank for r in self.core.table.all() if not r.connected}
-        for identity, frame in out.frames:
-            self._knowledge[id(frame)] = (frame, known)
-            proc = self.by_identity.get(identity)
-            if proc is not None and proc.alive:
-                self.net.down(identity, proc.deliver, frame)
+            if e["event"] == "state" and e["state"] == "FINAL" and self.final_at is None:
+                self.final_at = now
 
     def _nothing_lost(self, lock_step: int) -> None:
         """No fault loses more than the step in flight: the lock step is the highest step a
@@ -306,14 +286,14 @@ class SimJob:
             self.checker.violation(f"lock step {lock_step} below step {max(live)}, which live "
                                    "ranks completed: iterations beyond the one in flight lost")
 
-    def _gone_for_real(self, reason: str) -> None:
+    def _gone_for_real(self, reason: str, core: ControllerCore) -> None:
         """A repair abandoned for "ranks [...] are gone": each of them is a member of the job
         whose process is gone (not one outside the job, nor one alive again)."""
         found = _GONE.search(reason)
         if found is None:
             return
         for rank in (int(r) for r in found.group(1).split(",")):
-            proc, row = self.procs.get(rank), self.core.table.get(rank)
+            proc, row = self.procs.get(rank), core.table.get(rank)
             back = (proc is not None and proc.alive and row is not None
                     and row.identity == proc.identity)  # registered from a live process
             if rank not in self.members or back:
@@ -321,27 +301,12 @@ class SimJob:
                 self.checker.violation(f"repair abandoned for rank {rank} as gone, but it is "
                                        f"{where}: {reason}")
 
-    def _schedule_tick(self) -> None:
-        due = max(self.core.next_deadline(), self.loop.now + 0.01)
-        if due < self._tick_at - 1e-9:
-            self._tick_at = due
-            self._tick_token += 1
-            self.loop.at(due, self._tick, self._tick_token)
-
-    def _tick(self, token: int) -> None:
-        if token != self._tick_token:
-            return
-        self._tick_at = float("inf")
-        self._feed(self.core.tick)
-
     # -- the run --------------------------------------------------------------------------
     def limit(self) -> float:
         return 30.0 + 2 * self.steps + self.checker.bound * (1 + len(self.schedule.faults))
 
     def run(self) -> Outcome:
-        self.core.at(0.0, 0.0)
-        self.core.start()
-        self._flush(0.0)
+        self.ctl.start()
         for rank in range(self.layout.world):
             self.loop.at(0.2 * self.rng.random(), self.spawn, rank, True)
         limit = self.limit()

@@ -15,6 +15,7 @@ compare the controller's decisions with (`Cluster.violation`).
 from __future__ import annotations
 
 import random
+from collections import deque
 from typing import Any, Protocol
 
 from ..wire.classify import FaultKind
@@ -75,6 +76,15 @@ class SimRank:
                  replica: dict[str, Any], step: int = 0, fresh: bool = False) -> None:
         self.job, self.rank, self.incarnation = job, rank, incarnation
         self.identity = b"r%d.%d" % (rank, incarnation)
+        #: the controller it talks to (0: the active one's address, 1: the backup's), over
+        #: which connection (`link`)
+        self.target = 0
+        self.link = self.identity + b"@0"
+        self.last_heard = job.loop.now
+        self.registered_here = False
+        self.ever_registered = False
+        #: the action ids it has seen (as the processor's channel: a repeat is dropped)
+        self.seen_actions: deque[int] = deque(maxlen=256)
         self.world = list(world)
         self.replica = replica
         self.alive = True
@@ -115,19 +125,26 @@ class SimRank:
             self.train()
 
     def register(self) -> None:
+        if self.registered_here or not self.alive:
+            return
+        self.job.loop.after(self.job.config.heartbeat_interval, self.register)  # until it is
         self.send(MsgType.REGISTER, {
             "world_size": self.job.layout.world,
             "pid": 1000 + 100 * self.rank + self.incarnation, "host": f"node{self.rank}",
-            "replica": self.replica, "failover": False, "step": self.step,
+            "replica": self.replica, "failover": self.ever_registered, "step": self.step,
             "status": self.status})
 
     def heartbeat(self) -> None:
         if not self.alive:
             return
-        self.send(MsgType.HEARTBEAT, {"step": self.step, "status": self.status,
-                                      "progress": self.progress, "ack": self.seq % 2 == 0})
         cfg = self.job.config
         now = self.job.loop.now
+        if now - self.last_heard > cfg.heartbeat_interval * (cfg.heartbeat_misses + 1):
+            self.switch((self.target + 1) % (1 + len(cfg.backups)))
+        if self.registered_here:
+            self.send(MsgType.HEARTBEAT, {
+                "step": self.step, "status": self.status, "progress": self.progress,
+                "ack": now - self.last_heard >= cfg.lost_after / 2})
         if (self.thread in ("compute", "allreduce", "update", "hung") and not self.stopped
                 and not self.paused and not self.hang_reported
                 and now - self.last_progress > cfg.hang_timeout_min):
@@ -138,6 +155,14 @@ class SimRank:
         self.job.loop.after(cfg.heartbeat_interval, self.heartbeat)
 
     # -- the trainer ----------------------------------------------------------------------
+    def switch(self, target: int) -> None:
+        """Fail over to another controller's address (or go back to the active one's)."""
+        self.target = target
+        self.link = self.identity + b"@%d" % target
+        self.registered_here = False
+        self.last_heard = self.job.loop.now
+        self.register()
+
     def _later(self, delay: float, fn: Any, *args: Any) -> None:
         self.job.loop.after(delay, self._guarded, self._epoch, fn, args)
 
@@ -223,7 +248,7 @@ class SimRank:
             self._epoch += 1
             return True
         if kind == "net":
-            self.job.net.disconnect(self.identity, 0.5 + 2 * self.job.rng.random())
+            self.job.net.disconnect(self.link, 0.5 + 2 * self.job.rng.random())
             return False
         fk, detail = {"uce": (FaultKind.UCE, {"target": fault.detail}),
                       "comm": (FaultKind.COMM, None),
@@ -267,12 +292,22 @@ class SimRank:
         except ProtocolError as e:
             self.job.violation(f"rank {self.rank} got an undecodable frame: {e}")
             return
-        if msg.type == MsgType.ACTION:
-            p = msg.payload
+        self.last_heard = self.job.loop.now
+        p = msg.payload
+        if msg.type == MsgType.REGISTERED:
+            self.registered_here = True
+            self.ever_registered = self.ever_registered or p["role"] == "active"
+        elif msg.type == MsgType.REDIRECT and self.target != 0:
+            self.switch(0)
+        elif msg.type == MsgType.ACTION and self.registered_here:
+            if p["id"] in self.seen_actions:  # as the processor: dropped as a repeat
+                self.job.violation(f"rank {self.rank} dropped order {p['name']} as a repeat of "
+                                   f"action {p['id']}: an action id was reused")
+            self.seen_actions.append(p["id"])
             self.job.loop.after(0.001 + 0.004 * self.job.rng.random(), self._order,
                                 p["id"], p["name"], p["payload"], self.job.known_damaged(frame))
-        elif msg.type == MsgType.REJECT and msg.payload.get("retry", False):
-            self.job.loop.after(1.0, self.register)
+        elif msg.type == MsgType.REJECT and not p.get("retry", False):
+            self.job.loop.after(0.01, self.die, 1)
 
     def _result(self, aid: int, name: str, ok: bool, result: dict[str, Any]) -> None:
         answer: dict[str, Any] = {"id": aid, "action": name, "ok": ok, "result": result}

@@ -49,6 +49,8 @@ class Layout:
     checkpoint_every: int = 4
     hbm_repair: bool = True
     worker_reboot: bool = True
+    #: a backup controller in node 1's launcher (the active one is in node 0's)
+    backup: bool = False
 
     @property
     def world(self) -> int:
@@ -107,10 +109,11 @@ def _layout(rng: random.Random, world: int) -> Layout:
     replicas = rng.choice([n for n in (1, 2, dp) if dp % n == 0])
     elastic = rng.random() < 0.4 and dp > 1
     micro = dp * rng.choice((1, 2, 3))
-    return Layout(dp, tp, pp, replicas, elastic, micro,
-                  ranks_per_node=rng.choice([n for n in (1, 2, 4, 8) if n <= world]),
+    per_node = rng.choice([n for n in (1, 2, 4, 8) if n <= world])
+    return Layout(dp, tp, pp, replicas, elastic, micro, ranks_per_node=per_node,
                   checkpoint_every=rng.choice((2, 3, 4)),
-                  hbm_repair=rng.random() < 0.8, worker_reboot=rng.random() < 0.8)
+                  hbm_repair=rng.random() < 0.8, worker_reboot=rng.random() < 0.8,
+                  backup=world // per_node >= 2 and rng.random() < 0.3)
 
 
 def _fault(rng: random.Random, layout: Layout, steps: int) -> Fault:
