@@ -42,7 +42,9 @@ class Checker:
         self.batch = batch
         #: virtual seconds within which every incident must end
         self.bound = bound
-        self.incidents: dict[int, _Incident] = {}
+        self.incidents: dict[tuple[int, int], _Incident] = {}
+        #: the epoch of the controller whose events came last
+        self.epoch = 0
         self.exits = 0
         self.broadcasts: dict[int, tuple[str, Any]] = {}
         self.failure: str | None = None
@@ -53,12 +55,17 @@ class Checker:
         raise Violation(what)
 
     # -- events -----------------------------------------------------------------------------
-    def on_event(self, e: dict[str, Any], now: float, max_completed: int) -> None:
+    def on_event(self, e: dict[str, Any], now: float, max_completed: int,
+                 epoch: int = 0) -> None:
+        """An event of the controller of `epoch` (a backup that took charge numbers its
+        incidents from 1 again: an incident is its epoch's)."""
+        self.epoch = epoch
         name = e["event"]
-        inc_id = e.get("incident")
-        if name in ("fault_detected", "scale_out_started") and isinstance(inc_id, int):
+        raw = e.get("incident")
+        inc_id = (epoch, raw) if isinstance(raw, int) else None
+        if name in ("fault_detected", "scale_out_started") and inc_id is not None:
             self.incidents.setdefault(inc_id, _Incident(now))
-        inc = self.incidents.get(inc_id) if isinstance(inc_id, int) else None
+        inc = self.incidents.get(inc_id) if inc_id is not None else None
         if name == "exit":
             self.exits += 1
             if self.exits > 1:
@@ -114,7 +121,7 @@ class Checker:
         if seen != key:
             self.violation(f"action {action_id}: rank {rank} got {name} {wire}, another rank "
                            f"{seen[0]} {seen[1]}")
-        inc = self.incidents.get(wire.get("incident", -1))
+        inc = self.incidents.get((self.epoch, wire.get("incident", -1)))
         if name == "resume" and inc is not None and not wire.get("false_alarm"):
             inc.resume_steps.add(wire["step"])
             if len(inc.resume_steps) > 1:

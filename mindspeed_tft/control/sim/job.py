@@ -261,7 +261,7 @@ class SimJob:
         now = self.loop.now
         for e in events:
             self.events.append(e)
-            self.checker.on_event(e, now, self.completed)
+            self.checker.on_event(e, now, self.completed, core.epoch)
             if e["event"] in ("scale_in", "scale_out"):
                 self.world = list(e["ranks"])
                 self.members = set(self.world)
