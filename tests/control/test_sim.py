@@ -110,3 +110,22 @@ def test_the_last_line_is_the_json_summary(capsys) -> None:
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["schedules"] == 30 and summary["failures"] == 0
     assert summary["per_minute"] > 0 and summary["world"] == 8
+
+
+def test_a_backup_that_takes_charge_numbers_its_orders_anew() -> None:
+    """tft-sim --seed 480 --world 8: a kill repaired by the active controller (its orders
+    are actions 1..6), then node 0 lost with the active controller: the backup takes charge
+    dump-only. Its orders used to start at action 1 again, which the surviving ranks had
+    seen and dropped as repeats (the hold timed out, every rank was taken for hung); now an
+    epoch's action ids start at epoch << 40 and the survivors dump the lock step."""
+    schedule = Schedule(480, Layout(dp=4, tp=2, replicas=4, micro_batches=12, ranks_per_node=4,
+                                    checkpoint_every=2, hbm_repair=False, backup=True),
+                        (Fault("kill", 6, "end", 2), Fault("node", 0, "start", 4)),
+                        ("late", "warm"), steps=5, delay=(0.0005, 0.02))
+    job = SimJob(schedule)
+    outcome = job.run()
+    assert outcome.failure is None and outcome.exit_code == 75
+    (takeover,) = [e for e in job.events if e["event"] == "controller_takeover"]
+    assert takeover["dump_only"] and takeover["epoch"] == 1
+    assert [e["strategy"] for e in job.events if e["event"] == "strategy"] == ["recover", "dump"]
+    assert not [e for e in job.events if e["event"] == "fault_detected" and e["kind"] == "hang"]

@@ -47,6 +47,9 @@ from .strategy import StrategyPlanner
 
 log = logging.getLogger("mindspeed_tft.control.controller")
 
+#: action ids an epoch of the active controller may use (ids of epoch e start at e << 40)
+ACTION_ID_BITS = 40
+
 
 # -- commands (from an operator or a launcher, through the shell's command queue) ------------
 @dataclass(frozen=True)
@@ -326,6 +329,10 @@ class ControllerCore:
         """A backup takes charge: a new epoch, and its transitions are events from now on."""
         self.role = "active"
         self.epoch += 1
+        # its action ids must not repeat ones the ranks saw from the controller before it
+        # (a processor drops an id it has seen as a repeat): each epoch numbers its own
+        # (found by the simulator: tft-sim --seed 480 --world 8)
+        self.incidents.number_actions_from(self.epoch << ACTION_ID_BITS)
         self.sm.emit_events = True
         self._ack_frame = None
 

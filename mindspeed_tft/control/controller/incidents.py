@@ -116,6 +116,10 @@ class Incidents:
         self._action_id += 1
         return self._action_id
 
+    def number_actions_from(self, base: int) -> None:
+        """Action ids from now on are above `base` (a backup taking charge)."""
+        self._action_id = max(self._action_id, base)
+
     def send_action(self, rank: int, action_id: int, name: str, payload: Payload,
                     timeout: float) -> None:
         row = self.table.get(rank)
