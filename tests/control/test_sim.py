@@ -129,3 +129,22 @@ def test_a_backup_that_takes_charge_numbers_its_orders_anew() -> None:
     assert takeover["dump_only"] and takeover["epoch"] == 1
     assert [e["strategy"] for e in job.events if e["event"] == "strategy"] == ["recover", "dump"]
     assert not [e for e in job.events if e["event"] == "fault_detected" and e["kind"] == "hang"]
+
+
+def test_a_rank_that_left_earlier_and_comes_back_is_no_part_of_a_later_repair() -> None:
+    """tft-sim --seed 10904 --world 8: elastic DP4 x PP2; rank 5 hangs, is rebooted and its
+    replacement comes too late: the job shrinks without its replica ([1, 5]). During the
+    next incident (a UCE on rank 0, repaired in place) that late replacement registers: it
+    waits outside the job. It used to be counted as a rank the repair needed ("ranks [5] are
+    gone"), and the repairable UCE ended in a dump."""
+    schedule = Schedule(10904, Layout(dp=4, pp=2, replicas=4, elastic=True, micro_batches=4,
+                                      ranks_per_node=4, checkpoint_every=3, backup=True),
+                        (Fault("uce", 0, "update", 7, detail="activation"),
+                         Fault("hang", 5, "end", 6)),
+                        ("restart", "late"), steps=9, delay=(0.0005, 0.3))
+    job = SimJob(schedule)
+    outcome = job.run()
+    assert outcome.failure is None, outcome.failure
+    assert [e["event"] for e in job.events if e["event"] in ("scale_in", "repaired")] == [
+        "scale_in", "repaired"]
+    assert not [e for e in job.events if e["event"] == "repair_failed"]

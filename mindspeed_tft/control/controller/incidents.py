@@ -164,9 +164,13 @@ class Incidents:
         self.grow_check = True
         log.warning("rank %d came back into a shrunk job: the job grows by it once its "
                     "data-parallel replica is complete", row.rank)
-        if self.flow is not None:  # an incident waiting for it does not get it back
-            self.flow.no_replacement(row.rank, "it came back into a shrunk job: it rejoins "
-                                               "by a scale-out")
+        flow = self.flow
+        # an incident waiting for it does not get it back; a rank that left in an earlier
+        # shrink is no part of this incident at all (tft-sim --seed 10904 --world 8: it was
+        # taken for one this incident's repair needed, which then ended in a dump)
+        if flow is not None and row.rank in flow.incident.faults:
+            flow.no_replacement(row.rank, "it came back into a shrunk job: it rejoins by a "
+                                          "scale-out")
 
     def maybe_grow(self, now: float) -> None:
         """Start a scale-out when the returning ranks let the job grow (loop thread)."""
