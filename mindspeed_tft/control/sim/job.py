@@ -54,7 +54,8 @@ def sim_config(backup: bool = False) -> ControlConfig:
     return ControlConfig(heartbeat_interval=1.0, heartbeat_misses=3, action_time_limit=4.0,
                          register_timeout=20.0, replacement_wait=5.0, hang_timeout_min=4.0,
                          hang_initial_timeout=4.0, park_timeout=1.0, exit_grace=1.0,
-                         log_stdout=False, backups=[BACKUP_ADDR] if backup else [])
+                         controller_lost_timeout=20.0, log_stdout=False,
+                         backups=[BACKUP_ADDR] if backup else [])
 
 
 class SimJob:
@@ -85,7 +86,7 @@ class SimJob:
         self.arrivals: dict[tuple[int, int], set[int]] = {}
         self.fired: set[int] = set()
         self.completed = 0
-        self.published_dumps: dict[int, int] = {}
+        self.published_dumps: dict[tuple[int, int], int] = {}
         self.events: list[dict[str, Any]] = []
         self.final_at: float | None = None
         #: per frame sent: the ranks whose data the controller knew damaged, or whose
@@ -230,8 +231,9 @@ class SimJob:
         self.checker.resumed_at(proc.rank, proc.held, step, bool(payload.get("false_alarm")))
 
     def published(self, incident: int, lock_step: int) -> None:
-        n = self.published_dumps.get(incident, 0) + 1
-        self.published_dumps[incident] = n
+        key = (self.core.epoch, incident)  # the controller in charge ordered the rename
+        n = self.published_dumps.get(key, 0) + 1
+        self.published_dumps[key] = n
         if n > 1:
             self.checker.violation(f"incident {incident}: the dump was published {n} times")
 
@@ -327,6 +329,9 @@ class SimJob:
                        self.loop.now)
 
     def _over(self) -> bool:
+        if not any(c.alive for c in self.ctl.list):  # no controller left: the ranks give up
+            self.checker.orphaned = True
+            return not any(p.alive for p in self.procs.values())
         if self.final_at is None:
             return False
         grace = self.loop.now - self.final_at > 2 * self.config.lost_after

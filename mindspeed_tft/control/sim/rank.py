@@ -80,7 +80,7 @@ class SimRank:
         #: which connection (`link`)
         self.target = 0
         self.link = self.identity + b"@0"
-        self.last_heard = job.loop.now
+        self.last_heard = self.last_active = job.loop.now
         self.registered_here = False
         self.ever_registered = False
         #: the action ids it has seen (as the processor's channel: a repeat is dropped)
@@ -139,6 +139,9 @@ class SimRank:
             return
         cfg = self.job.config
         now = self.job.loop.now
+        if self.ever_registered and now - self.last_active > cfg.controller_lost_timeout:
+            self.die(cfg.controller_lost_exit_code)  # no active controller: give up
+            return
         if now - self.last_heard > cfg.heartbeat_interval * (cfg.heartbeat_misses + 1):
             self.switch((self.target + 1) % (1 + len(cfg.backups)))
         if self.registered_here:
@@ -294,6 +297,8 @@ class SimRank:
             return
         self.last_heard = self.job.loop.now
         p = msg.payload
+        if msg.type == MsgType.ACTION or p.get("role") == "active":
+            self.last_active = self.last_heard
         if msg.type == MsgType.REGISTERED:
             self.registered_here = True
             self.ever_registered = self.ever_registered or p["role"] == "active"
