@@ -227,7 +227,8 @@ class SimJob:
     def resumed(self, proc: SimRank, payload: Any) -> None:
         for waiting in self.arrivals.values():
             waiting.discard(proc.rank)
-        step = payload.get("step", -1)
+        step = payload.get("step")
+        step = step if isinstance(step, int) else -1  # a resume without a step
         self.checker.resumed_at(proc.rank, proc.held, step, bool(payload.get("false_alarm")))
 
     def published(self, incident: int, lock_step: int) -> None:

@@ -109,6 +109,7 @@ class SimRank:
         #: meet only their own: an all-reduce a stop aborted is not met after the resume)
         self.generation = 0
         self._known: frozenset[int] = frozenset()
+        self._wire: dict[str, Any] = {}
 
     # -- sending --------------------------------------------------------------------------
     def send(self, mtype: str, payload: dict[str, Any]) -> None:
@@ -339,6 +340,7 @@ class SimRank:
                 return
         self._known = known  # the damaged ranks the controller knew of when it sent this
         handler = getattr(self, f"_do_{name}")  # the simulator's own table of order names
+        self._wire = wire  # the order as it travelled (the fields read below by name)
         try:
             out = handler(aid, payload)
         except _Raised:
@@ -408,18 +410,21 @@ class SimRank:
         return {"written": [s.shard for s in order.shards]}
 
     def _do_rename(self, aid: int, payload: Any) -> dict[str, Any]:
-        self.job.published(payload["incident"], payload["lock_step"])
-        return {"path": f"/sim/iter_{payload['lock_step']:07d}"}
+        wire = self._wire
+        self.job.published(wire["incident"], wire["lock_step"])
+        return {"path": f"/sim/iter_{wire['lock_step']:07d}"}
 
     def _do_scale_in(self, aid: int, payload: Any) -> dict[str, Any]:
-        world, dp_size = self.job.shrunk([int(r) for r in payload["ranks"]])
+        wire = self._wire
+        world, dp_size = self.job.shrunk([int(r) for r in wire["ranks"]])
         if self.rank not in world:
             return {"stays": False, "dp_size": dp_size}
-        return self._enter(world, dp_size, int(payload["lock_step"]))
+        return self._enter(world, dp_size, int(wire["lock_step"]))
 
     def _do_scale_out(self, aid: int, payload: Any) -> dict[str, Any]:
-        world = [int(r) for r in payload["ranks"]]
-        return self._enter(world, int(payload["dp_size"]), int(payload["lock_step"]))
+        wire = self._wire
+        return self._enter([int(r) for r in wire["ranks"]], int(wire["dp_size"]),
+                           int(wire["lock_step"]))
 
     def _enter(self, world: list[int], dp_size: int, lock_step: int) -> dict[str, Any]:
         self.world, self.fresh = world, False
@@ -435,8 +440,8 @@ class SimRank:
         self.catch_up = None
         self.hang_reported = False
         self.last_progress = self.job.loop.now
-        self.job.resumed(self, payload)
-        self.generation = max(self.generation, int(payload.get("incident", 0)))
+        self.job.resumed(self, self._wire)
+        self.generation = max(self.generation, int(self._wire.get("incident", 0)))
         if self.thread in ("parked", "idle", "held"):
             self._epoch += 1
             if self.step >= self.job.steps:

@@ -112,8 +112,7 @@ def _layout(rng: random.Random, world: int) -> Layout:
     per_node = rng.choice([n for n in (1, 2, 4, 8) if n <= world])
     return Layout(dp, tp, pp, replicas, elastic, micro, ranks_per_node=per_node,
                   checkpoint_every=rng.choice((2, 3, 4)),
-                  hbm_repair=rng.random() < 0.8, worker_reboot=rng.random() < 0.8,
-                  backup=world // per_node >= 2 and rng.random() < 0.3)
+                  hbm_repair=rng.random() < 0.8, worker_reboot=rng.random() < 0.8)
 
 
 def _fault(rng: random.Random, layout: Layout, steps: int) -> Fault:
@@ -136,6 +135,8 @@ def generate(seed: int, world: int) -> Schedule:
     faults = tuple(_fault(rng, layout, steps) for _ in range(count))
     replacement = tuple(rng.choice(REPLACEMENTS) for _ in range(layout.nodes))
     hi = rng.choice((0.002, 0.02, 0.3))
+    # drawn last: the schedules of the seeds before backups were simulated stay the same
+    layout = replace(layout, backup=layout.nodes >= 2 and rng.random() < 0.3)
     return Schedule(seed, layout, faults, replacement, steps, (0.0005, hi))
 
 
