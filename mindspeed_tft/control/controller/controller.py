@@ -49,7 +49,7 @@ from ...features import Features
 from ..wire import local
 from ..wire.classify import FaultKind
 from ..wire.config import ControlConfig, ControlConfigError, setup_logging
-from ..wire.order_types import ExitOrder, Payload
+from ..wire.order_types import ExitOrder, PauseOrder, Payload, ResumeOrder
 from ..wire.priority import raise_priority
 from ..wire.protocol import (
     CONTROLLER,
@@ -382,15 +382,14 @@ class Controller:
                 cmd[2].set()
             elif name == "pause" and self.sm.state is State.NORMAL and self.role == "active":
                 self.sm.to(State.PAUSE, "operator pause")
-                self.broadcast("pause", {"reason": "operator pause"})
+                self.broadcast("pause", PauseOrder("operator pause"))
             elif name == "process_exit":
                 self.liveness.on_process_exit(cmd[1], cmd[2])
             elif name == "no_replacement" and self.flow is not None:
                 self.flow.no_replacement(cmd[1], cmd[2])
             elif name == "resume" and self.sm.state is State.PAUSE:
                 self.sm.to(State.NORMAL, "operator resume")
-                self.broadcast("resume", {"step": -1, "strategy": "none", "false_alarm": True,
-                                          "incident": 0})
+                self.broadcast("resume", ResumeOrder(0, None, "none", True))
 
     def _tick(self, now: float) -> None:
         state = self.sm.state

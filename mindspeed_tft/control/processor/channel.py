@@ -34,8 +34,10 @@ from ..wire.classify import FaultKind
 from ..wire.config import ControlConfig, parse_hostport
 from ..wire.priority import raise_priority
 from ..wire.protocol import CONTROLLER, DropCounter, MsgType, ProtocolError, decode, encode
+from ..wire.results import ReportMessage
 from ..wire.transport import CurveKeys, connect_dealer, new_routing_id, storm_allowance
-from .orders import Order, Orders
+from .core import Run, Send
+from .orders import Orders
 
 # the processor's parts log as the processor
 log = logging.getLogger("mindspeed_tft.control.processor")
@@ -44,11 +46,12 @@ _RECV_BATCH = 256
 
 
 class RankView(Protocol):
-    """What the channel reports about the training thread."""
+    """What the channel reports about the training thread, and where orders go."""
 
     def position(self) -> tuple[int, str, int]: ...
     def hang(self, now: float) -> tuple[float, float] | None: ...
-    def unanswered_report(self) -> dict[str, Any] | None: ...
+    def unanswered_report(self) -> ReportMessage | None: ...
+    def on_action(self, payload: dict[str, Any], now: float) -> list[Send | Run]: ...
 
 
 class Channel:
@@ -94,7 +97,6 @@ class Channel:
         self.reject: str | None = None
         self._addr_index = 0
         self._last_heard = 0.0
-        self._seen_actions: deque[int] = deque(maxlen=256)
         self._sock: zmq.Socket | None = None
         self._switch_to: int | None = None
         self._registered_here = False
@@ -289,11 +291,10 @@ class Channel:
         if hung is not None:
             idle, limit = hung
             step, status, progress = self.view.position()
-            self._send(MsgType.REPORT, {
-                "kind": FaultKind.HANG.value,
-                "message": f"rank {self.rank}: no training progress for {idle:.1f}s "
-                           f"(timeout {limit:.1f}s) after step {progress}",
-                "step": step, "status": status})
+            self._send(MsgType.REPORT, ReportMessage(
+                FaultKind.HANG.value,
+                f"rank {self.rank}: no training progress for {idle:.1f}s "
+                f"(timeout {limit:.1f}s) after step {progress}", step, status).to_wire())
         return next_hb
 
     def _send(self, mtype: str, payload: dict[str, Any]) -> None:
@@ -358,11 +359,11 @@ class Channel:
             self.drops.drop("unexpected_type", t)
 
     def _on_action(self, p: dict[str, Any], now: float) -> None:
-        aid = p["id"]
-        if aid in self._seen_actions:
-            return
-        self._seen_actions.append(aid)
-        self.orders.submit(Order(aid, p["name"], p["payload"], now + p["timeout"]), now)
+        for out in self.view.on_action(p, now):
+            if isinstance(out, Send):  # answered at once (a hold)
+                self._outbox.append((out.mtype, out.message.to_wire()))
+            else:
+                self.orders.submit(out, now)
 
     def _on_reject(self, p: dict[str, Any]) -> None:
         if p["retry"]:
@@ -396,4 +397,4 @@ class Channel:
         self._registered.set()
         report = self.view.unanswered_report()
         if report is not None and not first:  # the new controller never saw our error
-            self._outbox.append((MsgType.REPORT, report))
+            self._outbox.append((MsgType.REPORT, report.to_wire()))
