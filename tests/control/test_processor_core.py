@@ -138,7 +138,7 @@ def test_an_error_then_a_resume_hands_the_decision_to_the_training_thread() -> N
     assert step == Call(order)
     assert core.called(run, 0.1, None) == _result(9, "resume", EmptyResult())
     assert core.take_decision() == Decision("resume", step=6, strategy="retry",
-                                            payload=order.to_wire())
+                                            order=order)
     assert core.take_decision() is None and core.unanswered_report() is None
 
 
@@ -149,7 +149,7 @@ def test_a_restarted_rank_is_owed_its_first_resume_before_it_waits() -> None:
     run, _ = core.begin(_run(core, 1, order, 0.0), 0.0)
     core.called(run, 0.0)
     assert core.take_decision() == Decision("resume", step=6, strategy="recover",
-                                            payload=order.to_wire())
+                                            order=order)
     run, _ = core.begin(_run(core, 2, order, 0.0), 0.0)  # a later one is not owed
     core.called(run, 0.0)
     assert core.take_decision() is None
@@ -164,7 +164,7 @@ def test_an_exit_arms_the_hard_exit_before_its_callback_and_lets_the_thread_go()
     assert core.called(run, 10.5, error=RuntimeError("handler")) == Done(Send(
         "result", ResultMessage(1, "exit", error="RuntimeError: handler")))
     assert core.take_decision() == Decision("exit", 3, reason="dumped",
-                                            payload=order.to_wire())
+                                            order=order)
 
 
 def test_a_bad_order_fails_naming_the_field_and_a_bad_exit_exits_with_the_failure_code(
@@ -209,6 +209,18 @@ def test_a_pause_holds_the_rank_and_a_resume_lets_it_go_without_a_decision() -> 
     run, _ = core.begin(_run(core, 2, resume, 0.0), 0.0)
     assert core.called(run, 0.0) == _result(2, "resume", EmptyResult())
     assert core.may_update(3) is Verdict.PASS and core.take_decision() is None
+
+
+def test_an_error_after_the_stop_is_reported_as_normal() -> None:
+    core = _core()
+    assert core.reported_kind(FaultKind.COMM) is FaultKind.COMM
+    run, _ = core.begin(_run(core, 1, StopOrder(1, 0, {}), 0.0), 0.0)
+    assert core.reported_kind(FaultKind.COMM) is FaultKind.NORMAL
+    core.called(run, 0.0, StopResult())
+    resume = ResumeOrder(1, 0, "retry", False)
+    run, _ = core.begin(_run(core, 2, resume, 0.0), 0.0)
+    core.called(run, 0.0)
+    assert core.reported_kind(FaultKind.UCE) is FaultKind.UCE
 
 
 def test_the_hang_watchdog_runs_on_the_callers_clock() -> None:

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
 
@@ -85,7 +85,8 @@ class Decision:
     step: int | None = None     # step to resume at (resume)
     strategy: str = ""
     reason: str = ""
-    payload: dict[str, Any] = field(default_factory=dict)
+    #: the order that decided (None: the rank decided itself, e.g. no decision in time)
+    order: ResumeOrder | ExitOrder | None = None
 
 
 @dataclass(frozen=True)
@@ -302,8 +303,7 @@ class ProcessorCore:
             error = TypeError(f"the {name} callback returned {type(result).__name__}, not a "
                               f"{RESULT_TYPES[name].__name__}")
         if isinstance(order, ExitOrder):  # the training thread is let go, whatever happened
-            self.pending = Decision("exit", order.code, reason=order.reason,
-                                    payload=order.to_wire())
+            self.pending = Decision("exit", order.code, reason=order.reason, order=order)
             return self._finish(run, result=EmptyResult(),
                                 error=None if error is None else _text(error))
         if error is not None:
@@ -364,7 +364,7 @@ class ProcessorCore:
         self.stopped = self.paused = False
         if held:
             self.pending = Decision("resume", step=order.step, strategy=order.strategy,
-                                    payload=order.to_wire())
+                                    order=order)
         if self.watching:
             self.watchdog.resume()
 
@@ -408,6 +408,12 @@ class ProcessorCore:
     def set_training(self, active: bool) -> None:
         """Whether the training thread is inside the training function."""
         self.training = active
+
+    def reported_kind(self, kind: FaultKind) -> FaultKind:
+        """What a failure of the training thread (classified `kind`) is reported as: once
+        the controller stopped the rank, an error (an aborted communicator, a ForceStop) is
+        a consequence of the stop, reported as normal."""
+        return FaultKind.NORMAL if self.stopped else kind
 
     def error(self, kind: FaultKind, message: str,
               detail: dict[str, Any] | None = None) -> Send:

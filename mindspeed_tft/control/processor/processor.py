@@ -239,6 +239,11 @@ class Processor:
         self._gate.mark_training(active)
 
     # -- errors and decisions -------------------------------------------------------------
+    def reported_kind(self, kind: FaultKind) -> FaultKind:
+        """What a failure of the training thread classified `kind` is reported as (the
+        core decides: after the controller's stop, normal)."""
+        return self._gate.core.reported_kind(kind)
+
     def report_error(self, kind: FaultKind | str, message: str,
                      detail: dict[str, Any] | None = None) -> None:
         """Tell the controller what went wrong in the training thread.
