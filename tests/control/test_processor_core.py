@@ -20,6 +20,7 @@ from mindspeed_tft.control.processor.watchdog import ProgressWatchdog
 from mindspeed_tft.control.wire.classify import FaultKind
 from mindspeed_tft.control.wire.order_types import (
     ExitOrder,
+    HoldOrder,
     PauseOrder,
     ResumeOrder,
     RollbackOrder,
@@ -68,6 +69,14 @@ def test_a_hold_is_answered_at_once_with_where_the_rank_is_and_a_repeat_is_dropp
         Send("result", ResultMessage(1, "hold", HoldResult(4, "updating")))]
     assert core.on_action(hold, 0.1) == []
     assert core.may_update(6) is Verdict.WAIT  # held before its next update
+
+
+def test_a_hold_run_directly_is_answered_the_same() -> None:
+    core = _core()
+    core.update_end(2)
+    _, step = core.begin(Received(4, "hold", 9.0, HoldOrder(1)), 0.0)
+    assert step == _result(4, "hold", HoldResult(2, "updated"))
+    assert core.may_update(3) is Verdict.WAIT
 
 
 def test_orders_go_to_their_lanes() -> None:

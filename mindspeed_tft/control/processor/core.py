@@ -265,6 +265,9 @@ class ProcessorCore:
         if order is None:
             log.error("rank %d: %s", self.rank, received.error)
             return run, self._finish(run, error=received.error)
+        if isinstance(order, HoldOrder):  # (`receive` answers it at once)
+            run.phase = Phase.DONE
+            return run, self._result(received, self.hold())
         if isinstance(order, StopOrder):
             self.stopped, self.catch_up, self.paused = True, order.lock_step, False
             return run, self._hold_wait(run, now)
