@@ -27,12 +27,26 @@ import os
 from typing import Any
 
 from mindspeed_tft.control import Processor
+from mindspeed_tft.control.wire.callbacks import NoRecovery
 from mindspeed_tft.control.wire.order_types import (
+    CleanOrder,
     DumpOrder,
     ExitOrder,
+    RenameOrder,
     RepairOrder,
     RollbackOrder,
+    ScaleInOrder,
+    ScaleOutOrder,
     StopOrder,
+)
+from mindspeed_tft.control.wire.results import (
+    CleanResult,
+    DumpResult,
+    RenameResult,
+    RepairResult,
+    RollbackResult,
+    ScaleResult,
+    StopResult,
 )
 
 from ._enums import RET_NO_REBUILD, RET_OK
@@ -46,18 +60,18 @@ class HandlerError(RuntimeError):
     """A handler returned what the SDK counts as a failure."""
 
 
-class SdkActions:
-    """The processor callbacks of one process (see the module docstring)."""
+class SdkActions(NoRecovery):
+    """The processor callbacks of one process (`callbacks.RecoveryCallbacks`; see the
+    module docstring)."""
 
     def __init__(self, runtime: Runtime) -> None:
         self.rt = runtime
         self.processor: Processor | None = None
 
     def register(self, processor: Processor) -> None:
+        """Be `processor`'s recovery callbacks."""
         self.processor = processor
-        for name in ("stop", "clean", "repair", "rollback", "dump", "rename", "exit",
-                     "scale_in", "scale_out"):
-            processor.register_callback(name, getattr(self, name))
+        processor.set_callbacks(self)
 
     def _call(self, name: str, *args: Any) -> Any:
         """Call handler `name` with `args` (its ctx appended unless the SDK passes none)."""
@@ -71,22 +85,22 @@ class SdkActions:
         return self.rt.handlers.get(name) is not None
 
     # -- orders -------------------------------------------------------------------------
-    def stop(self, order: StopOrder) -> dict[str, Any]:
+    def stop(self, order: StopOrder) -> StopResult:
         rt = self.rt
         rt.cleaned = False
         rt.repair_step = order.lock_step
         if not self._has("stop"):
             raise HandlerError("no stop handler registered (tft_register_stop_handler)")
         self._call("stop", rt.args)
-        return {}
+        return StopResult()
 
-    def clean(self, payload: dict[str, Any]) -> dict[str, Any]:
+    def clean(self, order: CleanOrder) -> CleanResult:
         rt = self.rt
-        rt.repair_type = repair_type_name(payload.get("strategy"))
-        rt.repair_step = int(payload.get("lock_step") or rt.repair_step)
+        rt.repair_type = repair_type_name(order.strategy)
+        rt.repair_step = order.lock_step or rt.repair_step
         return self._clean()
 
-    def _clean(self) -> dict[str, Any]:
+    def _clean(self) -> CleanResult:
         rt = self.rt
         uce = rt.uce_reported
         if not self._has("clean"):
@@ -96,13 +110,13 @@ class SdkActions:
         rt.cleaned = True
         if ret == RET_NO_REBUILD and uce:
             # the UCE spared what a repair would copy: no repair for this rank
-            return {"detail": {"target": "spared"}}
+            return CleanResult(spared=True)
         if ret not in (RET_OK, RET_NO_REBUILD, None):
             raise HandlerError(f"the clean handler returned {ret!r} (0: ok, 2: a UCE with "
                                "nothing to rebuild)")
-        return {}
+        return CleanResult()
 
-    def repair(self, order: RepairOrder) -> dict[str, Any]:
+    def repair(self, order: RepairOrder) -> RepairResult:
         rt, processor = self.rt, self.processor
         assert processor is not None and rt.rank is not None and rt.world_size is not None
         rt.repair_type = repair_type_name(order.strategy)
@@ -119,9 +133,9 @@ class SdkActions:
             self._call("repair", call.step, call.need_rebuild, call.error_ranks,
                        call.repair_info, rt.args)
         rt.uce_damaged = False
-        return {} if rt.loaded_step is None else {"step": rt.loaded_step}
+        return RepairResult(step=rt.loaded_step)
 
-    def rollback(self, order: RollbackOrder) -> dict[str, Any]:
+    def rollback(self, order: RollbackOrder) -> RollbackResult:
         step = order.step
         self.rt.repair_step = step
         self._call("rollback", step, self.rt.args)
@@ -129,15 +143,15 @@ class SdkActions:
         # the data is Updated at `step` now (the SDK's notify-normal sets the same), also in
         # a restarted worker that has made no update of its own yet
         self.processor.report_update_end(step)
-        return {"step": step}
+        return RollbackResult(step)
 
-    def dump(self, order: DumpOrder) -> dict[str, Any]:
+    def dump(self, order: DumpOrder) -> DumpResult:
         rt = self.rt
         rt.repair_type = "dump"
         step = order.lock_step
         rt.repair_step = step
         if not order.shards:
-            return {"written": []}
+            return DumpResult()
         if not self._has("save_ckpt"):
             raise HandlerError("no save handler registered (tft_register_save_ckpt_handler)")
         if os.environ.get("TTP_STOP_CLEAN_BEFORE_DUMP") == "1" and not rt.cleaned:
@@ -145,22 +159,23 @@ class SdkActions:
         assert rt.rank is not None
         info = save_info(order, rt.rank, rt.groups)
         self._call("save_ckpt", step, info, rt.args)
-        return {"written": [entry["ranks"] for entry in info]}
+        return DumpResult(tuple(tuple(entry["ranks"]) for entry in info))
 
-    def rename(self, payload: dict[str, Any]) -> dict[str, Any]:
-        step = int(payload["lock_step"])
+    def rename(self, order: RenameOrder) -> RenameResult:
+        step = order.lock_step
         self._call("rename", step, self.rt.args)
-        return {"iteration": step}
+        return RenameResult(step)
 
-    def exit(self, order: ExitOrder) -> dict[str, Any]:
+    def exit(self, order: ExitOrder) -> None:
         try:
             self._call("exit")
         except Exception:  # the exit goes on
             log.exception("rank %s: the exit handler failed", self.rt.rank)
-        return {}
 
-    def scale_in(self, payload: dict[str, Any]) -> dict[str, Any]:
+    def scale_in(self, order: ScaleInOrder) -> ScaleResult:
         raise HandlerError("elastic training (a shrink from the dump) is not available "
                            "through mindio_ttp: the job ends with its dump")
 
-    scale_out = scale_in
+    def scale_out(self, order: ScaleOutOrder) -> ScaleResult:
+        raise HandlerError("elastic training (a grow from the dump) is not available "
+                           "through mindio_ttp: the job ends with its dump")

@@ -31,7 +31,7 @@ from ...events import CONTROLLER_RANK
 from ...features import Features
 from ..wire.classify import FaultKind
 from ..wire.config import ControlConfig
-from ..wire.order_types import ExitOrder, Payload
+from ..wire.order_types import ExitOrder, PauseOrder, Payload, ResumeOrder
 from ..wire.protocol import CONTROLLER, DropCounter, Limits, MsgType, encode
 from .backup import BackupSync
 from .elasticity import Elasticity
@@ -186,12 +186,11 @@ class ControllerCore:
         if isinstance(cmd, Pause):
             if state is State.NORMAL and self.role == "active":
                 self.sm.to(State.PAUSE, "operator pause")
-                self.broadcast("pause", {"reason": "operator pause"})
+                self.broadcast("pause", PauseOrder("operator pause"))
         elif isinstance(cmd, Resume):
             if state is State.PAUSE:
                 self.sm.to(State.NORMAL, "operator resume")
-                self.broadcast("resume", {"step": -1, "strategy": "none", "false_alarm": True,
-                                          "incident": 0})
+                self.broadcast("resume", ResumeOrder(0, None, "none", True))
         elif isinstance(cmd, ProcessExit):
             self.liveness.on_process_exit(cmd.rank, cmd.returncode)
         elif isinstance(cmd, NoReplacement):

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from ..wire.classify import FaultKind
 from ..wire.config import ControlConfig
-from ..wire.order_types import ExitOrder, Payload
+from ..wire.order_types import ExitOrder, Payload, ResumeOrder
 from ..wire.protocol import (
     TO_CONTROLLER,
     DropCounter,
@@ -198,8 +198,7 @@ class Inbox:
         if kind is FaultKind.NORMAL:
             if flow is None and self.sm.state in (State.NORMAL, State.PAUSE):
                 # a rank stopped itself with no incident under way: let it go on
-                self.host.order(row.rank, "resume", {
-                    "incident": 0, "step": row.step, "strategy": "none", "false_alarm": True})
+                self.host.order(row.rank, "resume", ResumeOrder(0, row.step, "none", True))
             return
         if row.health not in CONNECTED:
             return

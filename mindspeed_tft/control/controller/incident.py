@@ -57,7 +57,7 @@ from typing import Any, Protocol
 from ...events import CONTROLLER_RANK, validate_record
 from ..wire.classify import FaultKind
 from ..wire.config import ControlConfig
-from ..wire.order_types import ExitOrder, Payload
+from ..wire.order_types import ExitOrder, HoldOrder, Payload, ResumeOrder
 from .elasticity import Elasticity
 from .ranktable import CONNECTED, Health, RankInfo, RankTable
 from .scaling import Scaling, fail_text
@@ -446,7 +446,7 @@ class IncidentFlow:
         """ABNORMAL, first round: hold every rank before its next update and learn its
         exact step (heartbeats are up to an interval old); `_after_hold` sends the stop."""
         targets = [r.rank for r in self.host.table.connected() if not r.fresh]
-        self.start_phase("hold", targets, {"incident": self.incident.id})
+        self.start_phase("hold", targets, HoldOrder(self.incident.id))
 
     def _after_hold(self, phase: Phase) -> None:
         """Second round: stop the held ranks with the provisional lock step their answers
@@ -607,9 +607,8 @@ class IncidentFlow:
     def resume(self, *, false_alarm: bool) -> None:
         inc, host = self.incident, self.host
         step = inc.rollback_step if inc.rollback_step is not None else inc.lock_step
-        payload = {"incident": inc.id, "step": step, "strategy": str(inc.strategy or "none"),
-                   "false_alarm": false_alarm,
-                   "iterations": [inc.iterations[i] for i in sorted(inc.iterations) if i <= step]}
+        payload = ResumeOrder(inc.id, step, str(inc.strategy or "none"), false_alarm,
+                              tuple(inc.iterations[i] for i in sorted(inc.iterations) if i <= step))
         self.outcome = outcome_of(
             inc, self.resumed_at, "false_alarm" if false_alarm else "scaled_in" if self.scaling.shrinking is not None
             else "scaled_out" if self.scaling.growing is not None else "repaired",

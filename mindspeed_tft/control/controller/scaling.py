@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from ...events import CONTROLLER_RANK
 from ..wire.config import ControlConfig
-from ..wire.order_types import ExitOrder, Payload
+from ..wire.order_types import ExitOrder, Payload, ScaleInOrder, ScaleOutOrder
 from .elasticity import Elasticity
 from .ranktable import Health, RankTable
 from .states import State, StateMachine
@@ -122,8 +122,8 @@ class Scaling:
                                                    f"shrank it without data-parallel replica(s) "
                                                    f"of ranks {sorted(self.shrinking)}"))
                 row.health = Health.EXITING
-        flow.start_phase("scale_in", staying, {"incident": inc.id, "lock_step": inc.lock_step,
-                                                "path": path, "ranks": staying})
+        flow.start_phase("scale_in", staying,
+                         ScaleInOrder(inc.id, inc.lock_step, path, tuple(staying)))
 
     def after_scale_in(self, phase: PhaseResults) -> None:
         flow = self.flow
@@ -193,9 +193,8 @@ class Scaling:
             row = host.table.get(rank)
             if row is not None:
                 row.health, row.fresh = Health.ALIVE, True
-        flow.start_phase("scale_out", world, {"incident": inc.id, "lock_step": inc.lock_step,
-                                               "path": path, "ranks": world,
-                                               "dp_size": dp_size})
+        flow.start_phase("scale_out", world,
+                         ScaleOutOrder(inc.id, inc.lock_step, path, tuple(world), dp_size))
 
     def after_scale_out(self, phase: PhaseResults) -> None:
         flow = self.flow

@@ -33,9 +33,11 @@ from typing import Any, Protocol
 from ...features import Features
 from ..wire.classify import FaultKind
 from ..wire.order_types import (
+    CleanOrder,
     DumpOrder,
     DumpShard,
     Receive,
+    RenameOrder,
     RepairOrder,
     RollbackOrder,
     Send,
@@ -184,9 +186,9 @@ class StrategyPlanner:
         return StopOrder(incident.id, self.lock_step(incident, table, under_way=True),
                          {r: k.value for r, k in incident.faults.items()})
 
-    def clean_payload(self, incident: IncidentFacts) -> dict[str, Any]:
-        return {"incident": incident.id, "strategy": str(incident.strategy),
-                "lock_step": incident.lock_step, "faulty": sorted(self.faulty(incident))}
+    def clean_payload(self, incident: IncidentFacts) -> CleanOrder:
+        return CleanOrder(incident.id, str(incident.strategy), incident.lock_step,
+                          tuple(sorted(self.faulty(incident))))
 
     def repair_payloads(self, incident: IncidentFacts, table: RankTable,
                         targets: Iterable[int]) -> dict[int, RepairOrder]:
@@ -298,5 +300,5 @@ class StrategyPlanner:
             parts.append(f"rank {r} {row.health}{bad}{fresh} step {row.step} {row.status}")
         return ", ".join(parts)
 
-    def rename_payload(self, incident: IncidentFacts) -> dict[str, Any]:
-        return {"incident": incident.id, "lock_step": incident.lock_step}
+    def rename_payload(self, incident: IncidentFacts) -> RenameOrder:
+        return RenameOrder(incident.id, incident.lock_step)
