@@ -9,7 +9,9 @@ wire protocol (`wire.protocol` frames, `wire.order_types` orders) and model a tr
 (update start and end, step reports, the state they hold), launchers restart (or do not
 restart) their workers. After every event the protocol's invariants (`invariants`) are
 checked. Nothing here reads a socket, a wall clock or an unseeded random source: a seed
-replays exactly.
+replays exactly. The ranks are a model of the processor's protocol side written for the
+simulator (`rank`); running the processor's own sans-I/O core (`processor/core.py`,
+`processor/link.py`) inside them instead is the next step.
 
 Modules: `loop` (virtual clock, network), `rank` (a simulated rank), `launcher`,
 `schedule` (layouts, faults, the seeded generator, shrinking), `invariants`, `job` (one run),
