@@ -239,3 +239,21 @@ def test_the_hang_watchdog_runs_on_the_callers_clock() -> None:
     assert core.hang(129.0) is None
     assert core.hang(131.0) == (31.0, 30.0)
     assert core.hang(200.0) is None  # reported once
+
+
+def test_a_resume_rearms_the_hang_watchdog_on_the_callers_clock() -> None:
+    """The watchdog watches again from the resume's `now`, not from the process's monotonic
+    clock (it did: on a simulator's virtual clock a resumed rank then looked hung at once,
+    or never)."""
+    core = _core()
+    t = 1e9  # far from any monotonic clock
+    core.set_training(True)
+    core.progress(1, t)
+    core.progress(2, t + 1.0)
+    run, _ = core.begin(_run(core, 1, PauseOrder("operator pause"), t + 2.0), t + 2.0)
+    core.called(run, t + 2.0)
+    resume = ResumeOrder(0, None, "none", True)
+    run, _ = core.begin(_run(core, 2, resume, t + 50.0), t + 50.0)
+    core.called(run, t + 50.0)
+    assert core.hang(t + 79.0) is None  # the initial timeout (30 s) from the resume
+    assert core.hang(t + 81.0) == (31.0, 30.0)

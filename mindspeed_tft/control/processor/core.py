@@ -319,7 +319,7 @@ class ProcessorCore:
             assert run.held is not None
             return self._finish(run, result=PauseResult(run.held.step, run.held.status))
         if isinstance(order, ResumeOrder):
-            self._resume(order)
+            self._resume(order, now)
             return self._finish(run, result=EmptyResult())
         if result is None:
             return self._finish(run, error=f"TypeError: the {name} callback returned None")
@@ -357,7 +357,7 @@ class ProcessorCore:
                                                 parked=parked))
         return replace(done, unparked=parked is False)
 
-    def _resume(self, order: ResumeOrder) -> None:
+    def _resume(self, order: ResumeOrder, now: float) -> None:
         """Clear the stop or pause; a held training thread gets the decision. The first
         resume after joining a recovery is the one the training thread waits for, even if
         it comes before that thread asked (the repair needed nothing of it)."""
@@ -369,7 +369,7 @@ class ProcessorCore:
             self.pending = Decision("resume", step=order.step, strategy=order.strategy,
                                     order=order)
         if self.watching:
-            self.watchdog.resume()
+            self.watchdog.resume(now)  # the caller's clock (a simulator's is virtual)
 
     def _finish(self, run: OrderRun, result: ActionResult | None = None,
                 error: str | None = None) -> Done:
