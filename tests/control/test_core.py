@@ -108,7 +108,7 @@ def test_an_incident_flow_built_by_hand_repairs_a_uce() -> None:
     assert strategy["strategy"] == "retry" and strategy["lock_step"] == 1
     h.answer("clean")
     h.answer("repair")
-    h.answer("rollback")
+    h.answer("rollback", {"step": 1})
     assert [e["action"] for e in h.named("action")] == ["hold", "stop", "clean", "repair",
                                                        "rollback"]
     assert h.named("repaired")[0]["step"] == 1 and flow.done
@@ -128,7 +128,7 @@ def test_a_failed_rollback_after_a_checkpoint_reload_dumps_nothing() -> None:
     assert h.named("strategy")[0]["source"] == "checkpoint"
     h.answer("clean")
     h.answer("repair", {"step": 4})
-    h.answer("rollback", fail=1)
+    h.answer("rollback", {"step": 4}, fail=1)
     assert h.orders("dump") == [] and h.core.exit_code == 1
     assert "no longer hold the lock step" in h.named("exit")[0]["reason"]
 
@@ -143,3 +143,33 @@ def test_no_replacement_for_a_lost_rank_ends_its_rejoin_round() -> None:
     assert h.core.flow.phase.name == "rejoin"
     h.feed(h.core.command, NoReplacement(1, "budget"))
     assert h.core.state in (State.EXIT, State.FINAL, State.DUMP)
+
+
+def test_a_result_that_does_not_match_its_order_fails_the_order_naming_the_field() -> None:
+    """Results are read typed (`wire.results.ResultMessage`): a rollback result without its
+    `step` is a failed rollback, and the failure says which field was wrong."""
+    h = Harness(2, Features(high_availability=True, hbm_repair=True), copies=2)
+    h.frame(1, MsgType.REPORT, {"kind": "uce", "message": "UCE ERROR", "step": 1,
+                                "status": "updated", "detail": {"target": "params"}})
+    h.answer("hold", {"step": 1, "status": "updated"})
+    h.answer("stop", {"step": 1, "status": "updated", "parked": True})
+    h.answer("clean")
+    h.answer("repair", {"received": 1})
+    h.answer("rollback", {"iteration": 1})
+    assert h.named("repaired") == []
+    (failed,) = h.named("repair_failed")
+    assert "rollback failed" in failed["reason"]
+    assert "ResultError: rollback result: unknown key 'iteration'" in failed["reason"] or (
+        "ResultError: rollback result: missing 'step'" in failed["reason"])
+
+
+def test_a_hold_result_carries_the_step_the_lock_step_is_taken_from() -> None:
+    """The typed hold and stop results set the rank's step and data status."""
+    h = Harness(2, Features(high_availability=True, hbm_repair=True), copies=2, step=3)
+    h.frame(0, MsgType.REPORT, {"kind": "uce", "message": "UCE ERROR", "step": 3,
+                                "status": "updated", "detail": {"target": "params"}})
+    h.answer("hold", {"step": 3, "status": "updating"})
+    h.answer("stop", {"step": 4, "status": "updated", "parked": True})
+    (strategy,) = h.named("strategy")
+    assert strategy["lock_step"] == 4
+    assert [h.core.table.get(r).step for r in (0, 1)] == [4, 4]

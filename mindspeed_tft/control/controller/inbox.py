@@ -29,6 +29,7 @@ from ..wire.protocol import (
     decode,
     peek,
 )
+from ..wire.results import ReportMessage, ResultError, ResultMessage
 from ..wire.transport import token_ok
 from .backup import BackupSync
 from .incident import IncidentFlow
@@ -190,10 +191,15 @@ class Inbox:
         row = self._bound(identity, msg)
         if row is None or self.host.role != "active":
             return
-        p = msg.payload
-        kind = FaultKind(p["kind"])
+        try:
+            report = ReportMessage.from_wire(msg.payload)
+        except ResultError as e:  # (the frame's check leaves only the detail's keys)
+            self.drops.drop("bad report", f"rank {row.rank}: {e}")
+            self.host.mark_dirty()
+            return
+        kind = report.fault
         if row.health in CONNECTED:
-            row.step, row.status = p["step"], p["status"]
+            row.step, row.status = report.step, report.status
         flow = self.host.flow
         if kind is FaultKind.NORMAL:
             if flow is None and self.sm.state in (State.NORMAL, State.PAUSE):
@@ -206,13 +212,22 @@ class Inbox:
             return  # a report that crossed the stop: its training thread did come back
         row.health = Health.HUNG if kind is FaultKind.HANG else Health.FAULTY
         self.host.mark_dirty()
-        self.host.fault(row.rank, kind, p["message"], p.get("detail"))
+        self.host.fault(row.rank, kind, report.message, report.detail)
 
     def _on_result(self, identity: bytes, msg: Message) -> None:
         row = self._bound(identity, msg)
         flow = self.host.flow
-        if row is not None and flow is not None:
-            flow.on_result(row.rank, msg.payload)
+        if row is None or flow is None:
+            return
+        p = msg.payload  # id, action, ok, result, error: checked with the frame
+        try:
+            result = ResultMessage.from_wire(p)
+        except ResultError as e:
+            # a result that does not match its order's type: the order failed, and the
+            # failure names the field
+            log.error("rank %d: %s", row.rank, e)
+            result = ResultMessage(p["id"], p["action"], error=f"ResultError: {e}")
+        flow.on_result(row.rank, result)
 
     def _on_bye(self, identity: bytes, msg: Message) -> None:
         row = self._bound(identity, msg)

@@ -58,6 +58,16 @@ from ...events import CONTROLLER_RANK, validate_record
 from ..wire.classify import FaultKind
 from ..wire.config import ControlConfig
 from ..wire.order_types import ExitOrder, HoldOrder, Payload, ResumeOrder
+from ..wire.results import (
+    ActionResult,
+    CleanResult,
+    EmptyResult,
+    HoldResult,
+    RenameResult,
+    ResultMessage,
+    RollbackResult,
+    StopResult,
+)
 from .elasticity import Elasticity
 from .ranktable import CONNECTED, Health, RankInfo, RankTable
 from .scaling import Scaling, fail_text
@@ -104,10 +114,12 @@ class Incident:
     #: resume hands those up to its step to the logging rank (logged exactly once)
     iterations: dict[int, dict[str, Any]] = field(default_factory=dict)
 
-    def note_iterations(self, result: Any) -> None:
-        """Keep the iteration records a result carries (network input: checked)."""
-        records = result.get("iterations") if isinstance(result, dict) else None
-        for value in records[:8] if isinstance(records, list) else ():
+    def note_iterations(self, result: ActionResult) -> None:
+        """Keep the iteration records a stop or rollback result carries (each record
+        checked: network input)."""
+        records = (result.iterations if isinstance(result, (StopResult, RollbackResult))
+                   else None)
+        for value in records[:8] if records is not None else ():
             record = validate_record(value)
             if record is None:
                 continue
@@ -178,7 +190,7 @@ class Phase:
     action_id: int
     deadline: float
     pending: set[int]
-    results: dict[int, dict[str, Any]] = field(default_factory=dict)
+    results: dict[int, ActionResult] = field(default_factory=dict)
     failures: dict[int, str] = field(default_factory=dict)
 
 
@@ -302,20 +314,20 @@ class IncidentFlow:
         if self.host.sm.state is State.ABNORMAL and self.incident.faults.get(rank) is FaultKind.HANG:
             self._withdraw(rank, "made progress again")
 
-    def on_result(self, rank: int, payload: dict[str, Any]) -> None:
+    def on_result(self, rank: int, message: ResultMessage) -> None:
         phase = self.phase
-        if phase is None or payload["id"] != phase.action_id or rank not in phase.pending:
+        if phase is None or message.id != phase.action_id or rank not in phase.pending:
             return
         phase.pending.discard(rank)
-        log.debug("rank %d: %s result ok=%s %s", rank, phase.name, payload["ok"],
-                  str(payload.get("result") or payload.get("error"))[:200])
-        if payload["ok"]:
-            phase.results[rank] = payload["result"]
-            if phase.name in ("hold", "stop"):
-                self._note_status(rank, payload["result"])
-            self.incident.note_iterations(payload["result"])
+        log.debug("rank %d: %s result ok=%s %s", rank, phase.name, message.ok,
+                  str(message.result if message.ok else message.error)[:200])
+        if message.result is not None:
+            phase.results[rank] = message.result
+            if isinstance(message.result, (HoldResult, StopResult)):
+                self._note_status(rank, message.result)
+            self.incident.note_iterations(message.result)
         else:
-            phase.failures[rank] = payload.get("error", "failed")
+            phase.failures[rank] = message.error or "failed"
         if not phase.pending:
             self._phase_done()
 
@@ -345,7 +357,7 @@ class IncidentFlow:
         phase = self.phase
         if phase is not None and phase.name == "rejoin" and rank in phase.pending:
             phase.pending.discard(rank)
-            phase.results[rank] = {}
+            phase.results[rank] = EmptyResult()
             if not phase.pending:
                 self._phase_done()
 
@@ -396,11 +408,11 @@ class IncidentFlow:
              incident=inc.id)
         log.info("rank %d: %s report withdrawn: %s", rank, kind, why)
 
-    def _note_status(self, rank: int, result: dict[str, Any]) -> None:
+    def _note_status(self, rank: int, result: HoldResult | StopResult) -> None:
         row = self.host.table.get(rank)
         if row is None:
             return
-        parked = result.get("parked")
+        parked = result.parked if isinstance(result, StopResult) else None
         if parked is True:
             self.incident.parked.add(rank)
         if parked is True and self.incident.faults.get(rank) is FaultKind.HANG:
@@ -411,11 +423,7 @@ class IncidentFlow:
         elif parked is False and rank not in self.incident.faults:
             row.health = Health.HUNG
             self._record(rank, FaultKind.HANG, "training thread did not come back when stopped")
-        step, status = result.get("step"), result.get("status")
-        if type(step) is int and step >= 0:
-            row.step = step
-        if status in ("updated", "updating"):
-            row.status = status
+        row.step, row.status = result.step, result.status
 
     def send_order(self, rank: int, name: str, payload: Payload, action_id: int | None = None) -> None:
         aid = self.host.new_action_id() if action_id is None else action_id
@@ -532,11 +540,9 @@ class IncidentFlow:
         inc = self.incident
         for rank, result in phase.results.items():
             # a faulty rank's clean may find what its fault damaged (an SDK host: a UCE
-            # that hit memory holding nothing to copy back, SPEC 8); network input: checked
-            target = result.get("detail", {}).get("target") if isinstance(
-                result.get("detail"), dict) else None
-            if rank in inc.faults and isinstance(target, str) and len(target) <= 32:
-                inc.details.setdefault(rank, {})["target"] = target
+            # that hit memory holding nothing to copy back, SPEC 8)
+            if rank in inc.faults and isinstance(result, CleanResult) and result.spared:
+                inc.details.setdefault(rank, {})["target"] = "spared"
         if inc.awaiting:
             limit = self.host.config.effective_replacement_wait
             phase = Phase("rejoin", -1, self.host.now() + limit, set(inc.awaiting))
@@ -665,7 +671,8 @@ class IncidentFlow:
             self.end_job(self.host.config.failure_exit_code,
                        f"rename of the dump failed: {fail_text(phase)}")
             return
-        where = next((res.get("path") for res in phase.results.values() if res.get("path")), None)
+        where = next((res.path for res in phase.results.values()
+                      if isinstance(res, RenameResult) and res.path), None)
         if self.scaling.shrinking is not None and where:
             self.scaling.start_scale_in(where)
             return

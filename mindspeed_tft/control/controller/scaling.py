@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from ...events import CONTROLLER_RANK
 from ..wire.config import ControlConfig
 from ..wire.order_types import ExitOrder, Payload, ScaleInOrder, ScaleOutOrder
+from ..wire.results import ActionResult, ScaleResult
 from .elasticity import Elasticity
 from .ranktable import Health, RankTable
 from .states import State, StateMachine
@@ -49,7 +50,7 @@ class PhaseResults(Protocol):
     """What came back from one phase (`incident.Phase`)."""
 
     @property
-    def results(self) -> dict[int, dict[str, Any]]: ...
+    def results(self) -> dict[int, ActionResult]: ...
     @property
     def failures(self) -> dict[int, str]: ...
 
@@ -131,8 +132,8 @@ class Scaling:
         if phase.failures:
             self.end_with_the_dump(f"scale-in failed ({fail_text(phase)})")
             return
-        results = phase.results
-        staying = sorted(r for r, res in results.items() if res.get("stays"))
+        results = {r: res for r, res in phase.results.items() if isinstance(res, ScaleResult)}
+        staying = sorted(r for r, res in results.items() if res.stays)
         standby = sorted(r for r in results if r not in staying)
         for rank in standby:  # the DP size the global batch splits evenly over is smaller
             flow.send_order(rank, "exit", ExitOrder(0, "left the job: the global batch "
@@ -143,12 +144,12 @@ class Scaling:
                 row.health = Health.LEFT
         for rank in staying:
             row = host.table.get(rank)
-            replica = results[rank].get("replica")
-            if row is not None and isinstance(replica, dict):
+            replica = results[rank].replica
+            if row is not None and replica is not None:
                 row.replica = replica
-        dp_size = results[staying[0]].get("dp_size") if staying else None
-        batches = results[staying[0]].get("micro_batches") if staying else None
-        if isinstance(batches, int) and batches > 0:
+        dp_size = results[staying[0]].dp_size if staying else None
+        batches = results[staying[0]].micro_batches if staying else None
+        if batches is not None and batches > 0:
             host.elasticity.micro_batches = batches
         left = sorted([*self.leaving, *standby])
         flow.resumed_at = host.emit(
@@ -206,8 +207,8 @@ class Scaling:
         world, dp_size = self.growing
         for rank, result in phase.results.items():
             row = host.table.get(rank)
-            replica = result.get("replica")
-            if row is not None and isinstance(replica, dict):
+            replica = result.replica if isinstance(result, ScaleResult) else None
+            if row is not None and replica is not None:
                 row.replica = replica
         flow.resumed_at = host.emit(
             "scale_out", CONTROLLER_RANK, world_size=len(world), dp_size=dp_size, ranks=world,

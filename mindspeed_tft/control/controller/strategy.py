@@ -43,6 +43,7 @@ from ..wire.order_types import (
     Send,
     StopOrder,
 )
+from ..wire.results import ActionResult, RepairResult
 from .ranktable import CONNECTED, Health, RankInfo, RankTable
 
 
@@ -228,14 +229,15 @@ class StrategyPlanner:
                            involved=involved) for r in targets}
 
     def rollback_payload(self, incident: IncidentFacts,
-                         repair_results: Mapping[int, Mapping[str, Any]]) -> RollbackOrder:
+                         repair_results: Mapping[int, ActionResult]) -> RollbackOrder:
         """Everyone back to the lock step (or to the step a checkpoint load reported)."""
         step = incident.lock_step
-        loaded = {res.get("step") for res in repair_results.values() if "step" in res}
+        loaded = {res.step for res in repair_results.values()
+                  if isinstance(res, RepairResult) and res.step is not None}
         if len(loaded) > 1:
-            raise PlanError(f"ranks loaded different steps {sorted(map(str, loaded))}")
+            raise PlanError(f"ranks loaded different steps {sorted(loaded)}")
         if loaded:
-            step = int(next(iter(loaded)))  # type: ignore[arg-type]
+            step = next(iter(loaded))
         incident.rollback_step = step
         return RollbackOrder(incident.id, step, str(incident.strategy),
                              tuple(sorted(self.params_damaged(incident))))

@@ -29,6 +29,20 @@ from ..wire.order_types import (
     from_wire,
 )
 from ..wire.protocol import MsgType, ProtocolError, decode, encode
+from ..wire.results import (
+    ActionResult,
+    CleanResult,
+    DumpResult,
+    EmptyResult,
+    HoldResult,
+    PauseResult,
+    RenameResult,
+    RepairResult,
+    ResultMessage,
+    RollbackResult,
+    ScaleResult,
+    StopResult,
+)
 from .loop import Loop, Network
 from .schedule import Fault, Layout
 
@@ -230,8 +244,7 @@ class SimRank:
         if self.stop_answer is not None:
             aid, _ = self.stop_answer
             self.stop_answer = None
-            self._result(aid, "stop", True, {"step": self.step, "status": self.status,
-                                             "parked": True})
+            self._result(aid, "stop", StopResult(self.step, self.status, True))
 
     # -- faults ---------------------------------------------------------------------------
     def _fault(self, points: tuple[str, ...], step: int) -> bool:
@@ -315,11 +328,11 @@ class SimRank:
         elif msg.type == MsgType.REJECT and not p.get("retry", False):
             self.job.loop.after(0.01, self.die, 1)
 
-    def _result(self, aid: int, name: str, ok: bool, result: dict[str, Any]) -> None:
-        answer: dict[str, Any] = {"id": aid, "action": name, "ok": ok, "result": result}
-        if not ok:
-            answer["error"] = f"RuntimeError: injected fault in the {name} callback"
-        self.send(MsgType.RESULT, answer)
+    def _result(self, aid: int, name: str, result: ActionResult | None) -> None:
+        """Answer order `aid`: its typed result, or (None) a failure of its callback."""
+        error = None if result is not None else (
+            f"RuntimeError: injected fault in the {name} callback")
+        self.send(MsgType.RESULT, ResultMessage(aid, name, result, error).to_wire())
 
     def _order(self, aid: int, name: str, wire: dict[str, Any], known: frozenset[int]) -> None:
         if not self.alive:
@@ -330,7 +343,7 @@ class SimRank:
         if fault is not None and fault.kind in ("uce", "comm", "raise"):
             # the order's callback raised: the order fails; a UCE is the device's, and the
             # rank reports it too (the memory it hit stays damaged until repaired)
-            self._result(aid, name, False, {})
+            self._result(aid, name, None)
             if fault.kind == "uce":
                 self.strike(fault)
             return
@@ -344,10 +357,10 @@ class SimRank:
         try:
             out = handler(aid, payload)
         except _Raised:
-            self._result(aid, name, False, {})
+            self._result(aid, name, None)
             return
         if out is not None and self.alive:
-            self._result(aid, name, True, out)
+            self._result(aid, name, out)
 
     def _check(self, what: str, source: int, held: int | None, intact: bool, step: int) -> None:
         """State of `step` taken from `source`: a violation when it does not hold that step,
@@ -360,20 +373,22 @@ class SimRank:
         if not intact:
             raise _Raised(f"rank {source}'s memory is damaged, or it is gone")
 
-    def _do_hold(self, aid: int, payload: Any) -> dict[str, Any]:
+    def _do_hold(self, aid: int, payload: Any) -> HoldResult:
         self.paused = True
-        return {"step": self.step, "status": self.status}
+        return HoldResult(self.step, self.status)
 
-    _do_pause = _do_hold
+    def _do_pause(self, aid: int, payload: Any) -> PauseResult:
+        self.paused = True
+        return PauseResult(self.step, self.status)
 
-    def _do_stop(self, aid: int, order: StopOrder) -> dict[str, Any] | None:
+    def _do_stop(self, aid: int, order: StopOrder) -> StopResult | None:
         self.paused = self.stopped = True
         self.catch_up = order.lock_step
         if self.thread in ("parked", "idle"):
-            return {"step": self.step, "status": self.status, "parked": True}
+            return StopResult(self.step, self.status, True)
         if self.thread == "hung":
-            self.job.loop.after(self.job.config.park_timeout, self._result, aid, "stop", True,
-                                {"step": self.step, "status": self.status, "parked": False})
+            self.job.loop.after(self.job.config.park_timeout, self._result, aid, "stop",
+                                StopResult(self.step, self.status, False))
             return None
         self.stop_answer = (aid, {})
         if self.thread == "held":
@@ -383,59 +398,58 @@ class SimRank:
             self._park()
         return None
 
-    def _do_clean(self, aid: int, payload: Any) -> dict[str, Any]:
-        return {}
+    def _do_clean(self, aid: int, payload: Any) -> CleanResult:
+        return CleanResult()
 
-    def _do_repair(self, aid: int, order: RepairOrder) -> dict[str, Any]:
+    def _do_repair(self, aid: int, order: RepairOrder) -> RepairResult:
         if order.source == "checkpoint":
             step = self.job.checkpoint(order.lock_step)
             self.held, self.intact = step, True
-            return {"step": step}
+            return RepairResult(step)
         for receive in order.receive:
             held, intact = self.job.holds(receive.source)
             self._check("repaired from", receive.source, held, intact, order.lock_step)
         if order.receive:
             self.held, self.intact = order.lock_step, True
-        return {}
+        return RepairResult(received=len(order.receive))
 
-    def _do_rollback(self, aid: int, order: RollbackOrder) -> dict[str, Any]:
+    def _do_rollback(self, aid: int, order: RollbackOrder) -> RollbackResult:
         self._check("rolled back on", self.rank, self.held, self.intact, order.step)
         self.step, self.status, self.progress = order.step, "updated", order.step
         self.held = order.step
-        return {"iteration": order.step}
+        return RollbackResult(order.step)
 
-    def _do_dump(self, aid: int, order: DumpOrder) -> dict[str, Any]:
+    def _do_dump(self, aid: int, order: DumpOrder) -> DumpResult:
         if order.shards:
             self._check("dumped from", self.rank, self.held, self.intact, order.lock_step)
-        return {"written": [s.shard for s in order.shards]}
+        return DumpResult(tuple(f"/sim/shard_{s.shard}" for s in order.shards))
 
-    def _do_rename(self, aid: int, payload: Any) -> dict[str, Any]:
+    def _do_rename(self, aid: int, payload: Any) -> RenameResult:
         wire = self._wire
         self.job.published(wire["incident"], wire["lock_step"])
-        return {"path": f"/sim/iter_{wire['lock_step']:07d}"}
+        return RenameResult(wire["lock_step"], f"/sim/iter_{wire['lock_step']:07d}")
 
-    def _do_scale_in(self, aid: int, payload: Any) -> dict[str, Any]:
+    def _do_scale_in(self, aid: int, payload: Any) -> ScaleResult:
         wire = self._wire
         world, dp_size = self.job.shrunk([int(r) for r in wire["ranks"]])
         if self.rank not in world:
-            return {"stays": False, "dp_size": dp_size}
+            return ScaleResult(False, dp_size)
         return self._enter(world, dp_size, int(wire["lock_step"]))
 
-    def _do_scale_out(self, aid: int, payload: Any) -> dict[str, Any]:
+    def _do_scale_out(self, aid: int, payload: Any) -> ScaleResult:
         wire = self._wire
         return self._enter([int(r) for r in wire["ranks"]], int(wire["dp_size"]),
                            int(wire["lock_step"]))
 
-    def _enter(self, world: list[int], dp_size: int, lock_step: int) -> dict[str, Any]:
+    def _enter(self, world: list[int], dp_size: int, lock_step: int) -> ScaleResult:
         self.world, self.fresh = world, False
         self.replica = self.job.layout_of(self.rank, world, dp_size)
         self.step, self.status, self.progress = lock_step, "updated", lock_step
         self.held, self.intact = lock_step, True
-        return {"stays": True, "dp_size": dp_size, "iteration": lock_step,
-                "replica": self.replica,
-                "micro_batches": self.job.layout.micro_batches}
+        return ScaleResult(True, dp_size, lock_step, self.replica,
+                           self.job.layout.micro_batches)
 
-    def _do_resume(self, aid: int, payload: Any) -> dict[str, Any]:
+    def _do_resume(self, aid: int, payload: Any) -> EmptyResult:
         self.paused = self.stopped = self.fresh = False
         self.catch_up = None
         self.hang_reported = False
@@ -449,9 +463,9 @@ class SimRank:
                 self.job.finished(self)
             else:
                 self.job.loop.after(0.001, self._guarded, self._epoch, self.train, ())
-        return {}
+        return EmptyResult()
 
-    def _do_exit(self, aid: int, order: ExitOrder) -> dict[str, Any]:
+    def _do_exit(self, aid: int, order: ExitOrder) -> EmptyResult:
         self.exit_code = order.code
         self.job.loop.after(0.01, self.die, order.code)
-        return {}
+        return EmptyResult()
