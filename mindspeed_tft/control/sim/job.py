@@ -171,20 +171,20 @@ class SimJob:
             for rank in sorted(waiting):
                 peer = self.procs.get(rank)
                 if peer is not None and peer.alive:
-                    peer.reduced(step)
+                    peer.trainer.reduced(step)
             return
         self.loop.after(COMM_TIMEOUT, self._comm_check, proc, step)
 
     def _blocked(self, rank: int) -> bool:
         peer = self.procs.get(rank)
-        return peer is None or not peer.alive or peer.thread in ("parked", "hung", "idle")
+        return peer is None or not peer.alive or peer.thread in ("parked", "hung", "idle", "exiting")
 
     def _comm_check(self, proc: SimRank, step: int) -> None:
         if not proc.alive or proc.thread != "allreduce" or proc.step + 1 != step:
             return
         if any(self._blocked(r) for r in self.members if r != proc.rank):
             if self.rng.random() < 0.5:
-                proc.error_comm()
+                proc.trainer.error_comm()
 
     def _peers_notice(self, rank: int) -> None:
         for peer in list(self.procs.values()):
@@ -217,19 +217,18 @@ class SimJob:
         for proc in list(self.procs.values()):
             if proc.alive and self.node_of(proc.rank) == node:
                 if kind == "node":
-                    self.net.disconnect(proc.link, 1e9)
+                    self.net.disconnect(proc.conn, 1e9)
                 proc.die(-9)
 
     # -- what the ranks saw ---------------------------------------------------------------
     def order_seen(self, proc: SimRank, name: str, wire: Any, action_id: int) -> None:
         self.checker.on_order(proc.rank, name, wire, action_id, self.members)
 
-    def resumed(self, proc: SimRank, payload: Any) -> None:
+    def resumed(self, proc: SimRank, step: int | None, false_alarm: bool) -> None:
         for waiting in self.arrivals.values():
             waiting.discard(proc.rank)
-        step = payload.get("step")
-        step = step if isinstance(step, int) else -1  # a resume without a step
-        self.checker.resumed_at(proc.rank, proc.held, step, bool(payload.get("false_alarm")))
+        self.checker.resumed_at(proc.rank, proc.held, -1 if step is None else step,
+                                false_alarm)
 
     def published(self, incident: int, lock_step: int) -> None:
         key = (self.core.epoch, incident)  # the controller in charge ordered the rename
@@ -243,7 +242,7 @@ class SimJob:
 
     # -- the controllers --------------------------------------------------------------------
     def to_controller(self, proc: SimRank, frame: bytes) -> None:
-        self.net.up(proc.link, partial(self.ctl.frame_from_rank, proc.target, proc.identity),
+        self.net.up(proc.conn, partial(self.ctl.frame_from_rank, proc.target, proc.identity),
                     frame)
 
     def command(self, cmd: Command) -> None:
@@ -258,7 +257,7 @@ class SimJob:
         known = frozenset(core.planner.faulty(flow.incident) if flow else ()) | {
             r.rank for r in core.table.all() if not r.connected}
         self._knowledge[id(frame)] = (frame, known)
-        self.net.down(proc.link, proc.deliver, frame)
+        self.net.down(proc.conn, proc.deliver, frame)
 
     def on_events(self, events: list[dict[str, Any]], core: ControllerCore) -> None:
         now = self.loop.now

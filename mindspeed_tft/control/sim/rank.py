@@ -1,86 +1,55 @@
-"""A simulated rank: one worker process's processor protocol and a model of its trainer.
+"""A simulated rank: the processor's real cores in a shell of virtual time and network.
 
-`SimRank` speaks the real wire protocol (`wire.protocol` frames; orders read with
-`wire.order_types.from_wire`) the way `control.processor` does: it registers, heartbeats
-every interval, reports errors and hangs, answers each order with a `result`, holds before
-an update while held or paused, lets the stop catch it up to the lock step, and exits when
-ordered to. Its trainer takes steps: compute, an all-reduce with every rank of the current
-world (`Cluster.arrive`), the hold point, the update, the update's end.
+`SimRank` is to `processor.processor.Processor` what the simulator is to a real job: it runs
+the processor's own decision logic, `processor.link.LinkCore` (registration, heartbeats,
+hang reports, failover and the redirect back, giving up without an active controller) and
+`processor.core.ProcessorCore` (what a rank answers to each order given its training
+state), and does their I/O on the simulator's virtual clock (`loop.Loop`) and network
+(`loop.Network`): frames go up its connection, the link ticks when its shell would poll,
+orders run on the two lanes of `processor.orders` (a FIFO each; an order past its time
+limit no longer holds its lane up), a wait ends when the training state changes or at its
+deadline, an exit's hard exit ends a process whose training thread does not come back.
+The training thread and the recovery callbacks are the trainer model's
+(`trainer.Trainer`).
 
-What it truly holds (`held`: the step of a complete, undamaged state; None inside an
-update, after memory damage or before a restarted process got state) is what the invariants
-compare the controller's decisions with (`Cluster.violation`).
+Faults at an order's point strike as the order arrives: a kill ends the process, a hang
+stops its training thread (and the order's callback, unless it is a hold or a stop), a
+UCE, a communication error or an exception make the order's callback raise (a UCE is
+reported too, and the memory it hit stays damaged until repaired).
 """
 
 from __future__ import annotations
 
-import random
 from collections import deque
-from typing import Any, Protocol
+from typing import Any
 
+from ..processor.core import Call, Done, OrderRun, ProcessorCore, Received, Run, Send, Wait
+from ..processor.link import Accepted, Connect, GiveUp, Identity, LinkCore, Out, Refused, Transmit
+from ..processor.watchdog import ProgressWatchdog
+from ..wire.callbacks import run_callback
 from ..wire.classify import FaultKind
-from ..wire.config import ControlConfig
-from ..wire.order_types import (
-    DumpOrder,
-    ExitOrder,
-    RepairOrder,
-    RollbackOrder,
-    StopOrder,
-    from_wire,
-)
+from ..wire.fields import WireError
+from ..wire.order_types import ExitOrder
 from ..wire.protocol import MsgType, ProtocolError, decode, encode
-from ..wire.results import (
-    ActionResult,
-    CleanResult,
-    DumpResult,
-    EmptyResult,
-    HoldResult,
-    PauseResult,
-    RenameResult,
-    RepairResult,
-    ResultMessage,
-    RollbackResult,
-    ScaleResult,
-    StopResult,
-)
-from .loop import Loop, Network
-from .schedule import Fault, Layout
+from ..wire.results import ResultMessage
+from ..wire.transport import storm_allowance
+from .trainer import Cluster, Raised, Trainer
+
+#: the active controller's address (the backup's is in `ControlConfig.backups`)
+ACTIVE_ADDR = ("127.0.0.1", 9000)
+#: orders without a callback a hang could stop
+_NO_STUCK = ("hold", "stop")
 
 
-class Cluster(Protocol):
-    """What a simulated rank needs from its job (`job.SimJob`)."""
+class _Lane:
+    """One lane of `processor.orders`: a FIFO, one order at a time; an order past its time
+    limit is left to finish on its own once another waits behind it."""
 
-    loop: Loop
-    net: Network
-    rng: random.Random
-    config: ControlConfig
-    layout: Layout
-    #: the steps training takes
-    steps: int
-
-    def to_controller(self, proc: SimRank, frame: bytes) -> None: ...
-    def arrive(self, proc: SimRank, step: int) -> None: ...
-    def exited(self, proc: SimRank, code: int) -> None: ...
-    def order_seen(self, proc: SimRank, name: str, wire: Any, action_id: int) -> None: ...
-    def completed_step(self, step: int) -> None: ...
-    def fault_at(self, proc: SimRank, point: str, step: int) -> Fault | None: ...
-    def violation(self, what: str) -> None: ...
-    def layout_of(self, rank: int, world: list[int], dp_size: int) -> dict[str, Any]: ...
-    def shrunk(self, ranks: list[int]) -> tuple[list[int], int]: ...
-    def checkpoint(self, lock_step: int) -> int: ...
-    def holds(self, rank: int) -> tuple[int | None, bool]: ...
-    def known_damaged(self, frame: bytes) -> frozenset[int]: ...
-    def finished(self, proc: SimRank) -> None: ...
-    def published(self, incident: int, lock_step: int) -> None: ...
-    def resumed(self, proc: SimRank, payload: Any) -> None: ...
-
-
-class _Raised(Exception):
-    """An order's callback raised (the device found damaged memory): the order fails."""
-
-
-#: seconds of a step's phases (virtual)
-COMPUTE, UPDATE = 0.12, 0.03
+    def __init__(self) -> None:
+        self.queue: deque[Received] = deque()
+        self.current: Received | None = None
+        self.run: OrderRun | None = None
+        self.waiting = False
 
 
 class SimRank:
@@ -88,219 +57,125 @@ class SimRank:
 
     def __init__(self, job: Cluster, rank: int, incarnation: int, world: list[int],
                  replica: dict[str, Any], step: int = 0, fresh: bool = False) -> None:
+        cfg = job.config
         self.job, self.rank, self.incarnation = job, rank, incarnation
         self.identity = b"r%d.%d" % (rank, incarnation)
-        #: the controller it talks to (0: the active one's address, 1: the backup's), over
-        #: which connection (`link`)
-        self.target = 0
-        self.link = self.identity + b"@0"
-        self.last_heard = self.last_active = job.loop.now
-        self.registered_here = False
-        self.ever_registered = False
-        #: the action ids it has seen (as the processor's channel: a repeat is dropped)
-        self.seen_actions: deque[int] = deque(maxlen=256)
-        self.world = list(world)
-        self.replica = replica
         self.alive = True
-        #: a restarted process that holds no training state yet (until it resumes)
-        self.fresh = fresh
         self.seq = 0
-        self.step, self.status, self.progress = step, "updated", step
-        #: the step of the state it holds (None: none complete), and whether it is undamaged
-        self.held: int | None = None if fresh else step
-        self.intact = True
-        #: the training thread: idle (waits for a decision), compute, allreduce, held,
-        #: update, parked (in the handler), hung
-        self.thread = "idle" if fresh else "compute"
-        self.paused = self.stopped = False
-        self.catch_up: int | None = None
-        self.stop_answer: tuple[int, dict[str, Any]] | None = None
-        self.exit_code: int | None = None
-        self.last_progress = job.loop.now
-        self.hang_reported = False
-        self._epoch = 0  # bumped when the training thread is redirected (stale callbacks)
-        #: the incident whose resume restarted its training (collectives of one generation
-        #: meet only their own: an all-reduce a stop aborted is not met after the resume)
-        self.generation = 0
-        self._known: frozenset[int] = frozenset()
-        self._wire: dict[str, Any] = {}
+        self.core = ProcessorCore(
+            rank, park_wait=min(cfg.park_timeout, cfg.action_time_limit / 2),
+            failure_exit_code=cfg.failure_exit_code, exit_grace=cfg.exit_grace,
+            watchdog=ProgressWatchdog(cfg.hang_timeout_min, cfg.hang_timeout_factor,
+                                      cfg.hang_initial_timeout))
+        self.link = LinkCore(
+            rank, Identity(job.layout.world, 1000 + 100 * rank + incarnation, f"node{rank}"),
+            self.core, addresses=[ACTIVE_ADDR, *cfg.backups], interval=cfg.heartbeat_interval,
+            misses=cfg.heartbeat_misses, controller_lost_timeout=cfg.controller_lost_timeout,
+            storm_allowance=storm_allowance(job.layout.world), replica=replica)
+        #: the connection it talks over (one per controller address it connected to)
+        self.conn = self.identity + b"@0"
+        self.trainer = Trainer(job, self, self.core, world, step, fresh)
+        self.lanes = {"work": _Lane(), "release": _Lane()}
+        #: per order id: the ranks the controller knew damaged or gone when it sent it, and
+        #: the fault that makes its callback raise or hang
+        self._known: dict[int, frozenset[int]] = {}
+        self._raises: dict[int, str] = {}
+        self._stuck: set[int] = set()
+        self._tick_at = float("inf")
+        self._poked = False
 
-    # -- sending --------------------------------------------------------------------------
+    # -- what the job reads ---------------------------------------------------------------
+    @property
+    def target(self) -> int:
+        """The controller address it talks to (0: the active one's, 1: the backup's)."""
+        return self.link.index
+
+    @property
+    def fresh(self) -> bool:
+        return self.trainer.fresh
+
+    @property
+    def step(self) -> int:
+        return self.trainer.step
+
+    @property
+    def held(self) -> int | None:
+        return self.trainer.held
+
+    @property
+    def intact(self) -> bool:
+        return self.trainer.intact
+
+    @property
+    def thread(self) -> str:
+        return self.trainer.thread
+
+    @property
+    def generation(self) -> int:
+        return self.trainer.generation
+
+    # -- the process ----------------------------------------------------------------------
+    def start(self) -> None:
+        self.link.connected(self.job.loop.now)
+        self._tick()
+        self.trainer.start()
+
+    def die(self, code: int) -> None:
+        if not self.alive:
+            return
+        self.alive = False
+        self.job.exited(self, code)
+
     def send(self, mtype: str, payload: dict[str, Any]) -> None:
         if not self.alive:
             return
         self.seq += 1
         self.job.to_controller(self, encode(mtype, self.rank, self.seq, payload))
 
-    def start(self) -> None:
-        self.register()
-        self.job.loop.after(self.job.config.heartbeat_interval * self.job.rng.random(),
-                            self.heartbeat)
-        if self.thread == "compute":
-            self.train()
+    def report(self, kind: FaultKind, message: str, detail: dict[str, Any] | None) -> None:
+        """The training thread failed (`Processor.report_error`)."""
+        send = self.core.error(kind, message, detail)
+        self.send(send.mtype, send.message.to_wire())
 
-    def register(self) -> None:
-        if self.registered_here or not self.alive:
-            return
-        self.job.loop.after(self.job.config.heartbeat_interval, self.register)  # until it is
-        self.send(MsgType.REGISTER, {
-            "world_size": self.job.layout.world,
-            "pid": 1000 + 100 * self.rank + self.incarnation, "host": f"node{self.rank}",
-            "replica": self.replica, "failover": self.ever_registered, "step": self.step,
-            "status": self.status})
+    def disconnect(self, seconds: float) -> None:
+        self.job.net.disconnect(self.conn, seconds)
 
-    def heartbeat(self) -> None:
+    def poke(self) -> None:
+        """The training state changed: waits and the training thread look again (once,
+        after the current event)."""
+        if not self._poked and self.alive:
+            self._poked = True
+            self.job.loop.after(0.0, self._wake)
+
+    def _wake(self) -> None:
+        self._poked = False
         if not self.alive:
             return
-        cfg = self.job.config
         now = self.job.loop.now
-        if self.ever_registered and now - self.last_active > cfg.controller_lost_timeout:
-            self.die(cfg.controller_lost_exit_code)  # no active controller: give up
-            return
-        if now - self.last_heard > cfg.heartbeat_interval * (cfg.heartbeat_misses + 1):
-            self.switch((self.target + 1) % (1 + len(cfg.backups)))
-        if self.registered_here:
-            self.send(MsgType.HEARTBEAT, {
-                "step": self.step, "status": self.status, "progress": self.progress,
-                "ack": now - self.last_heard >= cfg.lost_after / 2})
-        if (self.thread in ("compute", "allreduce", "update", "hung") and not self.stopped
-                and not self.paused and not self.hang_reported
-                and now - self.last_progress > cfg.hang_timeout_min):
-            self.hang_reported = True
-            self.send(MsgType.REPORT, {
-                "kind": FaultKind.HANG.value, "message": f"rank {self.rank}: no progress",
-                "step": self.step, "status": self.status})
-        self.job.loop.after(cfg.heartbeat_interval, self.heartbeat)
+        for lane in self.lanes.values():
+            if lane.waiting and lane.run is not None:
+                lane.waiting = False
+                self._step(lane, self.core.advance(lane.run, now))
+        self.trainer.wake()
 
-    # -- the trainer ----------------------------------------------------------------------
-    def switch(self, target: int) -> None:
-        """Fail over to another controller's address (or go back to the active one's)."""
-        self.target = target
-        self.link = self.identity + b"@%d" % target
-        self.registered_here = False
-        self.last_heard = self.job.loop.now
-        self.register()
-
-    def _later(self, delay: float, fn: Any, *args: Any) -> None:
-        self.job.loop.after(delay, self._guarded, self._epoch, fn, args)
-
-    def _guarded(self, epoch: int, fn: Any, args: tuple[Any, ...]) -> None:
-        if self.alive and epoch == self._epoch:
-            fn(*args)
-
-    def train(self) -> None:
-        """The next step: compute, then the all-reduce."""
-        nxt = self.step + 1
-        if self._fault(("start",), nxt):
-            return
-        self.thread = "compute"
-        self._later(COMPUTE * (0.8 + 0.4 * self.job.rng.random()), self._reduce, nxt)
-
-    def _reduce(self, nxt: int) -> None:
-        if self.stopped or self._fault(("allreduce",), nxt):
-            if self.stopped:
-                self._park()
-            return
-        self.thread = "allreduce"
-        self.job.arrive(self, nxt)
-
-    def reduced(self, nxt: int) -> None:
-        """Every rank of the world reached the all-reduce of `nxt`."""
-        if self.thread != "allreduce":
-            return
-        self._hold_point(nxt)
-
-    def _hold_point(self, nxt: int) -> None:
-        if self.stopped and not (self.catch_up is not None and nxt <= self.catch_up):
-            self._park()
-            return
-        if self.paused and not self.stopped:
-            self.thread = "held"
-            self._held_at = nxt
-            return
-        if self._fault(("update",), nxt):
-            return
-        self.thread, self.status, self.held = "update", "updating", None
-        self._later(UPDATE, self._updated, nxt)
-
-    def _updated(self, nxt: int) -> None:
-        self.step, self.status, self.progress = nxt, "updated", nxt
-        self.held = nxt
-        self.job.completed_step(nxt)
-        self.last_progress = self.job.loop.now
-        self.hang_reported = False
-        if self._fault(("end",), nxt):
-            return
-        if self.stopped:
-            self._park()
-        elif nxt >= self.job.steps:
-            self.thread = "idle"
-            self.job.finished(self)
-        else:
-            self.train()
-
-    def _park(self) -> None:
-        self.thread = "parked"
-        if self.stop_answer is not None:
-            aid, _ = self.stop_answer
-            self.stop_answer = None
-            self._result(aid, "stop", StopResult(self.step, self.status, True))
-
-    # -- faults ---------------------------------------------------------------------------
-    def _fault(self, points: tuple[str, ...], step: int) -> bool:
-        for point in points:
-            fault = self.job.fault_at(self, point, step)
-            if fault is not None and self.strike(fault):
-                return True
-        return False
-
-    def strike(self, fault: Fault) -> bool:
-        """A fault hits this process now; True when its training thread stops here."""
-        kind = fault.kind
-        if kind in ("kill", "node", "launcher"):
-            self.die(-9)
-            return True
-        if kind == "hang":
-            self.thread = "hung"
-            self._epoch += 1
-            return True
-        if kind == "net":
-            self.job.net.disconnect(self.link, 0.5 + 2 * self.job.rng.random())
-            return False
-        fk, detail = {"uce": (FaultKind.UCE, {"target": fault.detail}),
-                      "comm": (FaultKind.COMM, None),
-                      "raise": (FaultKind.UNKNOWN, None)}[kind]
-        if kind == "uce" and fault.detail in ("params", "optimizer"):
-            self.intact = False
-        self.error(fk, f"injected {kind}", detail)
-        return True
-
-    def error(self, kind: FaultKind, message: str, detail: dict[str, Any] | None = None) -> None:
-        """The training thread raised: report it and park in the handler."""
-        self._epoch += 1
-        if self.status == "updating":
-            self.held = None
-        self.thread = "parked"
-        report: dict[str, Any] = {"kind": kind.value, "message": message, "step": self.step,
-                                  "status": self.status}
-        if detail:
-            report["detail"] = detail
-        self.send(MsgType.REPORT, report)
-        if self.stop_answer is not None:
-            self._park()
-
-    def error_comm(self) -> None:
-        """Its all-reduce failed: a peer will not come (connection reset)."""
-        self.error(FaultKind.COMM, "HCCL OP RETRY FAILED (Connection reset by peer)")
-
-    def die(self, code: int) -> None:
+    # -- the link (`processor.channel.Channel`) -------------------------------------------
+    def _tick(self) -> None:
         if not self.alive:
             return
-        self.alive = False
-        self._epoch += 1
-        self.job.exited(self, code)
+        now = self.job.loop.now
+        if now < self._tick_at and self._tick_at != float("inf"):
+            return  # an earlier schedule: the later one ticks
+        self._tick_at = float("inf")
+        self._outputs(self.link.tick(now))
+        for lane in self.lanes.values():
+            self._staff(lane, now)
+        self._schedule(now + self.link.wait(now))
 
-    # -- receiving ------------------------------------------------------------------------
+    def _schedule(self, when: float) -> None:
+        if when < self._tick_at:
+            self._tick_at = when
+            self.job.loop.at(when, self._tick)
+
     def deliver(self, frame: bytes) -> None:
         if not self.alive:
             return
@@ -309,163 +184,141 @@ class SimRank:
         except ProtocolError as e:
             self.job.violation(f"rank {self.rank} got an undecodable frame: {e}")
             return
-        self.last_heard = self.job.loop.now
-        p = msg.payload
-        if msg.type == MsgType.ACTION or p.get("role") == "active":
-            self.last_active = self.last_heard
-        if msg.type == MsgType.REGISTERED:
-            self.registered_here = True
-            self.ever_registered = self.ever_registered or p["role"] == "active"
-        elif msg.type == MsgType.REDIRECT and self.target != 0:
-            self.switch(0)
-        elif msg.type == MsgType.ACTION and self.registered_here:
-            if p["id"] in self.seen_actions:  # as the processor: dropped as a repeat
-                self.job.violation(f"rank {self.rank} dropped order {p['name']} as a repeat of "
-                                   f"action {p['id']}: an action id was reused")
-            self.seen_actions.append(p["id"])
-            self.job.loop.after(0.001 + 0.004 * self.job.rng.random(), self._order,
-                                p["id"], p["name"], p["payload"], self.job.known_damaged(frame))
-        elif msg.type == MsgType.REJECT and not p.get("retry", False):
-            self.job.loop.after(0.01, self.die, 1)
+        if msg.type == MsgType.ACTION and self.link.registered_here:
+            if not self._arrived(msg.payload, frame):
+                return
+        self._outputs(self.link.on_message(msg, self.job.loop.now))
+        self._schedule(self.job.loop.now)  # a redirect, an ack: the link looks again
+        self.poke()
 
-    def _result(self, aid: int, name: str, result: ActionResult | None) -> None:
-        """Answer order `aid`: its typed result, or (None) a failure of its callback."""
-        error = None if result is not None else (
-            f"RuntimeError: injected fault in the {name} callback")
-        self.send(MsgType.RESULT, ResultMessage(aid, name, result, error).to_wire())
+    def _arrived(self, p: dict[str, Any], frame: bytes) -> bool:
+        """An order arrives (the I/O thread): the invariants see it, its fault strikes.
+        False: the process is gone."""
+        aid, name = p["id"], p["name"]
+        if aid in self.core.seen:  # the core drops it as a repeat
+            self.job.violation(f"rank {self.rank} dropped order {name} as a repeat of "
+                               f"action {aid}: an action id was reused")
+        self.job.order_seen(self, name, p["payload"], aid)
+        self._known[aid] = self.job.known_damaged(frame)
+        fault = self.job.fault_at(self, name, -1)
+        if fault is None:
+            return True
+        if fault.kind in ("uce", "comm", "raise") and name != "hold":
+            # its callback raises; a UCE is the device's, and the rank reports it too
+            self._raises[aid] = fault.kind
+            if fault.kind == "uce":
+                self.trainer.strike(fault, device=True)
+            return self.alive
+        if fault.kind == "hang" and name not in _NO_STUCK:
+            self._stuck.add(aid)  # its callback never returns
+        self.trainer.strike(fault)
+        return self.alive
 
-    def _order(self, aid: int, name: str, wire: dict[str, Any], known: frozenset[int]) -> None:
+    def _outputs(self, outs: list[Out]) -> None:
+        now = self.job.loop.now
+        for out in outs:
+            if not self.alive:
+                return
+            if isinstance(out, Transmit):
+                self.send(out.mtype, out.payload)
+            elif isinstance(out, Run):
+                self._submit(out, now)
+            elif isinstance(out, Connect):
+                self.conn = self.identity + b"@%d" % out.index
+                self.link.connected(now)
+                self._schedule(now)
+            elif isinstance(out, Accepted):
+                self.core.rejoining = bool(self.link.join_info.get("rejoin")) or self.fresh
+            elif isinstance(out, Refused):
+                self.job.loop.after(0.01, self.die, 1)
+            elif isinstance(out, GiveUp):
+                self._give_up(out.silent, now)
+
+    def _give_up(self, silent: float, now: float) -> None:
+        """No active controller: exit as an exit order would (`Processor._controller_lost`)."""
+        if self.core.exit_ordered is not None:
+            return
+        cfg = self.job.config
+        order = ExitOrder(cfg.controller_lost_exit_code, f"no active controller for "
+                                                         f"{silent:.0f}s")
+        for out in self.core.receive(-1, "exit", order.to_wire(),
+                                     now + cfg.action_time_limit):
+            if isinstance(out, Run):
+                self._submit(out, now)
+
+    # -- the lanes (`processor.orders`) and the order flow (`processor.gate.run_order`) ---
+    def _submit(self, run: Run, now: float) -> None:
+        lane = self.lanes[run.lane]
+        lane.queue.append(run.order)
+        self._staff(lane, now)
+
+    def _staff(self, lane: _Lane, now: float) -> None:
+        """Start the next order when the lane is free, or when its order overran its time
+        limit and another waits behind it (that one is left to finish on its own)."""
+        if not lane.queue:
+            return
+        if lane.current is not None and now <= lane.current.deadline:
+            return
+        received = lane.current = lane.queue.popleft()
+        lane.waiting = False
+        run, step = self.core.begin(received, now)
+        lane.run = run
+        self.poke()
+        self._step(lane, step)
+
+    def _step(self, lane: _Lane, step: Call | Wait | Done) -> None:
+        run = lane.run
+        assert run is not None
+        if isinstance(step, Done):
+            self._answer(run.received, step.result)
+            lane.current = lane.run = None
+            self._staff(lane, self.job.loop.now)
+        elif isinstance(step, Wait):
+            lane.waiting = True
+            self.job.loop.at(step.deadline, self._deadline, lane, run)
+        else:
+            if step.hard_exit is not None:
+                code, deadline = step.hard_exit
+                self.job.loop.at(deadline, self.die, code)
+            if run.received.id in self._stuck:
+                return  # the callback never returns
+            self.job.loop.after(0.001 + 0.004 * self.job.rng.random(), self._call, lane, run,
+                                step)
+
+    def _deadline(self, lane: _Lane, run: OrderRun) -> None:
+        if self.alive and lane.run is run and lane.waiting:
+            lane.waiting = False
+            self._step(lane, self.core.advance(run, self.job.loop.now))
+
+    def _call(self, lane: _Lane, run: OrderRun, step: Call) -> None:
+        """The host's callback (`callbacks.run_callback` with the trainer's callbacks)."""
         if not self.alive:
             return
-        self.job.order_seen(self, name, wire, aid)
-        payload = from_wire(name, wire)
-        fault = self.job.fault_at(self, name, -1)
-        if fault is not None and fault.kind in ("uce", "comm", "raise"):
-            # the order's callback raised: the order fails; a UCE is the device's, and the
-            # rank reports it too (the memory it hit stays damaged until repaired)
-            self._result(aid, name, None)
-            if fault.kind == "uce":
-                self.strike(fault)
-            return
-        if fault is not None:
-            self.strike(fault)
-            if not self.alive or self.thread == "hung" and name not in ("hold", "stop"):
-                return
-        self._known = known  # the damaged ranks the controller knew of when it sent this
-        handler = getattr(self, f"_do_{name}")  # the simulator's own table of order names
-        self._wire = wire  # the order as it travelled (the fields read below by name)
+        aid = run.received.id
+        self.trainer.known = self._known.get(aid, frozenset())
+        result, error = None, None
+        raises = self._raises.pop(aid, None)
         try:
-            out = handler(aid, payload)
-        except _Raised:
-            self._result(aid, name, None)
+            if raises is not None:
+                raise Raised(f"injected {raises} in the {run.received.name} callback")
+            result = run_callback(self.trainer, step.order)
+        except Raised as e:  # (any other exception is the simulator's bug: it fails the run)
+            error = e
+        if not self.alive:
             return
-        if out is not None and self.alive:
-            self._result(aid, name, out)
+        next_step = self.core.called(run, self.job.loop.now, result, error)
+        self.poke()
+        if lane.run is run:
+            self._step(lane, next_step)
+        elif isinstance(next_step, Done):  # an abandoned order's late result
+            self._answer(run.received, next_step.result)
 
-    def _check(self, what: str, source: int, held: int | None, intact: bool, step: int) -> None:
-        """State of `step` taken from `source`: a violation when it does not hold that step,
-        or holds it damaged or is gone and the controller knew; else damaged memory raises
-        (the device finds it) or the transfer from a dead process fails: the order fails."""
-        gone = held is None and not intact  # its process is dead: the transfer fails
-        if (held != step and not gone) or (not intact and source in self._known):
-            self.job.violation(f"rank {self.rank}: {what} rank {source} at step {step}, which "
-                               f"holds {held} ({'intact' if intact else 'damaged or gone'})")
-        if not intact:
-            raise _Raised(f"rank {source}'s memory is damaged, or it is gone")
-
-    def _do_hold(self, aid: int, payload: Any) -> HoldResult:
-        self.paused = True
-        return HoldResult(self.step, self.status)
-
-    def _do_pause(self, aid: int, payload: Any) -> PauseResult:
-        self.paused = True
-        return PauseResult(self.step, self.status)
-
-    def _do_stop(self, aid: int, order: StopOrder) -> StopResult | None:
-        self.paused = self.stopped = True
-        self.catch_up = order.lock_step
-        if self.thread in ("parked", "idle"):
-            return StopResult(self.step, self.status, True)
-        if self.thread == "hung":
-            self.job.loop.after(self.job.config.park_timeout, self._result, aid, "stop",
-                                StopResult(self.step, self.status, False))
-            return None
-        self.stop_answer = (aid, {})
-        if self.thread == "held":
-            self._hold_point(self._held_at)
-        elif self.thread in ("compute", "allreduce"):  # the stop aborts its communicators
-            self._epoch += 1
-            self._park()
-        return None
-
-    def _do_clean(self, aid: int, payload: Any) -> CleanResult:
-        return CleanResult()
-
-    def _do_repair(self, aid: int, order: RepairOrder) -> RepairResult:
-        if order.source == "checkpoint":
-            step = self.job.checkpoint(order.lock_step)
-            self.held, self.intact = step, True
-            return RepairResult(step)
-        for receive in order.receive:
-            held, intact = self.job.holds(receive.source)
-            self._check("repaired from", receive.source, held, intact, order.lock_step)
-        if order.receive:
-            self.held, self.intact = order.lock_step, True
-        return RepairResult(received=len(order.receive))
-
-    def _do_rollback(self, aid: int, order: RollbackOrder) -> RollbackResult:
-        self._check("rolled back on", self.rank, self.held, self.intact, order.step)
-        self.step, self.status, self.progress = order.step, "updated", order.step
-        self.held = order.step
-        return RollbackResult(order.step)
-
-    def _do_dump(self, aid: int, order: DumpOrder) -> DumpResult:
-        if order.shards:
-            self._check("dumped from", self.rank, self.held, self.intact, order.lock_step)
-        return DumpResult(tuple(f"/sim/shard_{s.shard}" for s in order.shards))
-
-    def _do_rename(self, aid: int, payload: Any) -> RenameResult:
-        wire = self._wire
-        self.job.published(wire["incident"], wire["lock_step"])
-        return RenameResult(wire["lock_step"], f"/sim/iter_{wire['lock_step']:07d}")
-
-    def _do_scale_in(self, aid: int, payload: Any) -> ScaleResult:
-        wire = self._wire
-        world, dp_size = self.job.shrunk([int(r) for r in wire["ranks"]])
-        if self.rank not in world:
-            return ScaleResult(False, dp_size)
-        return self._enter(world, dp_size, int(wire["lock_step"]))
-
-    def _do_scale_out(self, aid: int, payload: Any) -> ScaleResult:
-        wire = self._wire
-        return self._enter([int(r) for r in wire["ranks"]], int(wire["dp_size"]),
-                           int(wire["lock_step"]))
-
-    def _enter(self, world: list[int], dp_size: int, lock_step: int) -> ScaleResult:
-        self.world, self.fresh = world, False
-        self.replica = self.job.layout_of(self.rank, world, dp_size)
-        self.step, self.status, self.progress = lock_step, "updated", lock_step
-        self.held, self.intact = lock_step, True
-        return ScaleResult(True, dp_size, lock_step, self.replica,
-                           self.job.layout.micro_batches)
-
-    def _do_resume(self, aid: int, payload: Any) -> EmptyResult:
-        self.paused = self.stopped = self.fresh = False
-        self.catch_up = None
-        self.hang_reported = False
-        self.last_progress = self.job.loop.now
-        self.job.resumed(self, self._wire)
-        self.generation = max(self.generation, int(self._wire.get("incident", 0)))
-        if self.thread in ("parked", "idle", "held"):
-            self._epoch += 1
-            if self.step >= self.job.steps:
-                self.thread = "idle"
-                self.job.finished(self)
-            else:
-                self.job.loop.after(0.001, self._guarded, self._epoch, self.train, ())
-        return EmptyResult()
-
-    def _do_exit(self, aid: int, order: ExitOrder) -> EmptyResult:
-        self.exit_code = order.code
-        self.job.loop.after(0.01, self.die, order.code)
-        return EmptyResult()
+    def _answer(self, received: Received, send: Send) -> None:
+        try:
+            wire = send.message.to_wire()
+        except WireError as e:  # a result that does not match its type (`Processor`)
+            wire = ResultMessage(received.id, received.name,
+                                 error=f"ResultError: {e}").to_wire()
+        if received.id >= 0:  # (the processor's own exit has no one to answer)
+            self.send(send.mtype, wire)
+        self._known.pop(received.id, None)
