@@ -4,6 +4,7 @@ order left behind once overdue."""
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -161,4 +162,24 @@ def test_resume_reaches_the_training_thread_while_the_stop_callback_waits() -> N
         assert not p.stopped
     finally:
         unblock.set()
+        p.close()
+
+
+def test_the_exit_of_a_rank_without_a_controller_is_obeyed_without_an_answer(caplog) -> None:
+    """No active controller for `controller_lost_timeout`: the processor orders itself to
+    exit (order id -1). Its result went to `ResultMessage.to_wire`, which refuses id -1, and
+    so did the fallback: the order's thread raised ("order exit failed outside its
+    handler"). Found by tft-sim --seed 11275 --world 8 (and 16904), where it ended the run."""
+    p = _processor()
+    try:
+        with caplog.at_level(logging.ERROR, logger="mindspeed_tft.control.processor"):
+            p._controller_lost(130.0)
+            decision = p.wait_decision(3)
+            wait_for(lambda: p._orders.release._worker is not None
+                     and p._orders.release._worker.current is None, 5, what="the exit order")
+        assert (decision.action, decision.code) == ("exit", p.config.controller_lost_exit_code)
+        assert [r.getMessage() for r in caplog.records if "outside its handler" in
+                r.getMessage()] == []
+        assert [m for m, _ in p._channel._outbox if m == "result"] == []
+    finally:
         p.close()

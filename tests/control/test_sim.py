@@ -149,3 +149,23 @@ def test_a_rank_that_left_earlier_and_comes_back_is_no_part_of_a_later_repair() 
     assert [e["event"] for e in job.events if e["event"] in ("scale_in", "repaired")] == [
         "scale_in", "repaired"]
     assert not [e for e in job.events if e["event"] == "repair_failed"]
+
+
+def test_ranks_left_without_a_controller_exit_with_77_and_send_no_answer() -> None:
+    """tft-sim --seed 11275 --world 8: the launchers of nodes 0 and 1 die (both controllers
+    with them) during a recovery. The survivors hear no active controller for
+    `controller_lost_timeout` and order themselves to exit (order id -1): that exit's result
+    went to `ResultMessage.to_wire`, which refuses id -1, and raised (in the processor: on its
+    order thread; here: out of the run). Now nobody is answered and every survivor exits 77."""
+    schedule = Schedule(11275, Layout(dp=4, tp=2, replicas=2, micro_batches=12,
+                                      ranks_per_node=2, checkpoint_every=2, backup=True),
+                        (Fault("comm", 1, "update", 5), Fault("launcher", 0, "update", 4),
+                         Fault("launcher", 1, "stop", 4)),
+                        ("late", "warm", "late", "restart"), steps=7, delay=(0.0005, 0.002))
+    job = SimJob(schedule)
+    codes: dict[int, int] = {}
+    exited = job.exited
+    job.exited = lambda proc, code: (codes.__setitem__(proc.rank, code), exited(proc, code))
+    outcome = job.run()
+    assert outcome.failure is None, outcome.failure
+    assert codes == {0: -9, 1: -9, 2: -9, 3: -9, 4: 77, 5: 77, 6: 77, 7: 77}

@@ -283,6 +283,8 @@ class Processor:
         """Run one order (on an order worker thread) and send its result back."""
         self._gate.core.rejoining = self.rejoining
         send = self._gate.run_order(order, self._call, self._arm_exit)
+        if order.id < 0:  # the processor's own exit (no active controller): nobody to answer
+            return
         try:
             wire = send.message.to_wire()
         except WireError as e:  # a host's result that does not match its type

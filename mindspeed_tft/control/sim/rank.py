@@ -314,11 +314,12 @@ class SimRank:
             self._answer(run.received, next_step.result)
 
     def _answer(self, received: Received, send: Send) -> None:
+        self._known.pop(received.id, None)
+        if received.id < 0:  # the processor's own exit (no active controller): no answer
+            return
         try:
             wire = send.message.to_wire()
         except WireError as e:  # a result that does not match its type (`Processor`)
             wire = ResultMessage(received.id, received.name,
                                  error=f"ResultError: {e}").to_wire()
-        if received.id >= 0:  # (the processor's own exit has no one to answer)
-            self.send(send.mtype, wire)
-        self._known.pop(received.id, None)
+        self.send(send.mtype, wire)
