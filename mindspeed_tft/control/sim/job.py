@@ -5,8 +5,8 @@ rank's link delivers, every launcher command and every tick its `next_deadline` 
 at virtual times; delivers the frames it decides over the network; hands its events to the
 invariants (`invariants.Checker`) after every input, and time to them after every event.
 It ends when the controller is FINAL and every process ended (or a grace after FINAL), and
-fails with the first violated invariant, an exception of the core, or a job that did not
-end within its bound (a deadlock or livelock).
+fails with the first violated invariant, an exception of the controller core or of a rank
+(its processor cores), or a job that did not end within its bound (a deadlock or livelock).
 """
 
 from __future__ import annotations
@@ -325,6 +325,8 @@ class SimJob:
                     break
         except Violation as v:
             failure = str(v)
+        except Exception as e:  # a bug of a rank's cores (or of the simulator): a failure
+            failure = f"{type(e).__name__} at {self.loop.now:.3f}s: {e}"
         return Outcome(failure, self.core.state.value, self.core.exit_code, len(self.events),
                        self.loop.now)
 
