@@ -59,9 +59,16 @@ def events_path() -> str | None:
 def emit(event: str, rank: int, **fields: Any) -> dict[str, Any]:
     """Append one event; returns the record (also when no file is configured)."""
     record: dict[str, Any] = {"time": time.time(), "event": event, "rank": rank, **fields}
+    write_record(record)
+    return record
+
+
+def write_record(record: dict[str, Any]) -> None:
+    """Append one record made elsewhere (the controller's core makes its own, stamped with
+    the time of the input it answers) to the events file, as `emit` writes its own."""
     path = events_path()
     if not path:
-        return record
+        return
     line = (json.dumps(record, separators=(",", ":"), default=str) + "\n").encode()
     global _fd
     with _lock:
@@ -70,7 +77,6 @@ def emit(event: str, rank: int, **fields: Any) -> dict[str, Any]:
             # the user's and their group's (the umask applies too)
             _fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
         os.write(_fd, line)
-    return record
 
 
 class WorkCounts:

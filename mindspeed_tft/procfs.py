@@ -12,7 +12,7 @@ earlier (`launcher.agent.TFTSubprocessContext._poll`). The controller reads the 
 of the ranks that run in its own pid namespace (`identity` / `namespace`: a registration
 says where its process runs), so under plain torchrun, where no launcher reports deaths, a
 killed rank is lost as soon as the signal lands instead of after interval x misses of
-silence (`control.controller.liveness`).
+silence (`control.controller.liveness`, `procwatch`).
 
 Without procfs (another OS) or without the right to read `exit_code`, every function here
 answers as for a process that is not exiting: the launcher then waits for the reap, as

@@ -40,7 +40,9 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from mindspeed_tft.control.processor.core import Decision
 from mindspeed_tft.control.processor.termination import Termination, exit_without_teardown
+from mindspeed_tft.control.wire.order_types import ExitOrder
 from mindspeed_tft.envvars import launcher_value
 from mindspeed_tft.events import configure_events, emit, iteration_log, validate_record
 from mindspeed_tft.faults import FaultInjector
@@ -501,17 +503,18 @@ class TFTPlugin:
                                         on_exit=self._log_missed_at_exit,
                                         exit_fn=exit_without_teardown)
 
-    def _log_missed(self, decision: Any) -> None:
+    def _log_missed(self, decision: Decision) -> None:
         """After a repair: the logging rank logs the iterations the stop cut off."""
         iteration_log.fill(self._records(decision),
                            logger=dist.get_rank() == dist.get_world_size() - 1,
                            train_iters=getattr(self.args, "train_iters", None))
 
-    def _log_missed_at_exit(self, decision: Any) -> None:
+    def _log_missed_at_exit(self, decision: Decision) -> None:
         """The job ends with a dump: the rank the controller chose (a survivor) logs the
         iterations up to the dump's that the stop cut off."""
         assert self.processor is not None
-        if decision.payload.get("logger") != self.processor.rank:
+        order = decision.order
+        if not isinstance(order, ExitOrder) or order.logger != self.processor.rank:
             return
         iteration_log.fill(self._records(decision), logger=True,
                            train_iters=getattr(self.args, "train_iters", None),
@@ -519,10 +522,9 @@ class TFTPlugin:
                                "line off")
 
     @staticmethod
-    def _records(decision: Any) -> list[dict[str, Any]]:
-        given = decision.payload.get("iterations")
-        return [r for r in map(validate_record, given if isinstance(given, list) else [])
-                if r is not None]
+    def _records(decision: Decision) -> list[dict[str, Any]]:
+        given = decision.order.iterations if decision.order is not None else None
+        return [r for r in map(validate_record, given or ()) if r is not None]
 
     def finish(self) -> None:
         """Training ended normally: leave the control plane (the processor says bye)."""

@@ -43,7 +43,26 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mindspeed_tft.control.wire.order_types import DumpOrder, RepairOrder, RollbackOrder, StopOrder
+from mindspeed_tft.control.wire.callbacks import CallbackHost, NoRecovery
+from mindspeed_tft.control.wire.order_types import (
+    CleanOrder,
+    DumpOrder,
+    RenameOrder,
+    RepairOrder,
+    RollbackOrder,
+    ScaleInOrder,
+    ScaleOutOrder,
+    StopOrder,
+)
+from mindspeed_tft.control.wire.results import (
+    CleanResult,
+    DumpResult,
+    RenameResult,
+    RepairResult,
+    RollbackResult,
+    ScaleResult,
+    StopResult,
+)
 from mindspeed_tft.events import emit, emit_work, iteration_log
 from mindspeed_tft.recovery import collectives
 from mindspeed_tft.recovery.dump import (
@@ -72,8 +91,8 @@ log = logging.getLogger("mindspeed_tft.recovery")
 ASSEMBLE_WAIT_SECONDS = 60.0
 
 
-class RecoveryActions:
-    """The processor callbacks of one rank."""
+class RecoveryActions(NoRecovery):
+    """The processor callbacks of one rank (`callbacks.RecoveryCallbacks`)."""
 
     def __init__(
         self,
@@ -106,12 +125,10 @@ class RecoveryActions:
         self._resume_incident: int | None = None
         self._rebuild_seconds: float | None = None
 
-    def register(self, processor: Any) -> None:
-        """Register every callback this class implements with `processor`."""
+    def register(self, processor: CallbackHost) -> None:
+        """Be `processor`'s recovery callbacks."""
         self.processor = processor
-        for name in ("stop", "clean", "repair", "rollback", "dump", "rename", "scale_in",
-                     "scale_out"):
-            processor.register_callback(name, getattr(self, name))
+        processor.set_callbacks(self)
 
     def attach(self, state: RecoverableState) -> None:
         """The trainer's state exists (model, optimizer, data)."""
@@ -137,19 +154,20 @@ class RecoveryActions:
         return self.state
 
     # -- stop -----------------------------------------------------------------------------
-    def stop(self, order: StopOrder) -> dict[str, Any]:
+    def stop(self, order: StopOrder) -> StopResult:
         closed = collectives.abandon(
             f"incident {order.incident}: stopped by the controller", self.keep_ports
         )
         self._mark_work("stop", order.incident)
         # the iterations this rank completed; the stop may have cut the logging rank's line off
-        return {"connections_closed": closed, "iterations": iteration_log.records()}
+        return StopResult(connections_closed=closed,
+                          iterations=tuple(iteration_log.records()))
 
     # -- repair ---------------------------------------------------------------------------
-    def clean(self, payload: dict[str, Any]) -> dict[str, Any]:
-        return {}
+    def clean(self, order: CleanOrder) -> CleanResult:
+        return CleanResult()
 
-    def repair(self, order: RepairOrder) -> dict[str, Any]:
+    def repair(self, order: RepairOrder) -> RepairResult:
         generation = order.incident
         rejoining = self.state is None
         run = self.processor.run_in_training_thread
@@ -175,7 +193,7 @@ class RecoveryActions:
         if released:
             emit("groups_released", self.rank, groups=released, incident=incident)
 
-    def _restore(self, order: RepairOrder) -> dict[str, Any]:
+    def _restore(self, order: RepairOrder) -> RepairResult:
         state = self._training_state()
         lock_step = order.lock_step
         self.received_snapshot = None
@@ -188,7 +206,7 @@ class RecoveryActions:
             self.loaded_step = state.load_checkpoint(root)
             if self.loaded_step == 0:
                 raise RuntimeError(f"no periodic checkpoint under {root} to repair from")
-            return {"step": self.loaded_step}
+            return RepairResult(step=self.loaded_step)
         new_ranks = set(order.new_ranks)
         receive = [{"optimizer": e.optimizer, "shard": e.shard,
                     "from": self.global_rank_of(e.source), "params": self.rank in new_ranks}
@@ -201,15 +219,15 @@ class RecoveryActions:
         if got_params:  # the complete params of the lock step: nothing to gather for them
             self.snapshots.params_iteration = lock_step
             self.params_restored = True
-        return {"received": len(order.receive), "sent": len(order.send)}
+        return RepairResult(received=len(order.receive), sent=len(order.send))
 
-    def rollback(self, order: RollbackOrder) -> dict[str, Any]:
+    def rollback(self, order: RollbackOrder) -> RollbackResult:
         damaged = self.rank in order.params_damaged
         return self.processor.run_in_training_thread(
             lambda: self._rollback(order.step, damaged, order.incident))
 
     def _rollback(self, step: int, params_damaged: bool = True,
-                  incident: int = 0) -> dict[str, Any]:
+                  incident: int = 0) -> RollbackResult:
         state = self._training_state()
         if self.loaded_step is not None:
             # the checkpoint load restored scheduler, samples and RNG of that iteration
@@ -239,7 +257,7 @@ class RecoveryActions:
         self._mark_work("repaired", incident, rebuild_s=_rounded(self._rebuild_seconds))
         self._resume_incident = incident
         # parked now: a record the stop result missed (the update ran on after it) is final
-        return {"step": step, "iterations": iteration_log.records()}
+        return RollbackResult(step, tuple(iteration_log.records()))
 
     # -- work counts ------------------------------------------------------------------------
     def _mark_work(self, mark: str, incident: int, **fields: Any) -> None:
@@ -258,39 +276,38 @@ class RecoveryActions:
         self._mark_work("resumed", incident)
 
     # -- elastic training -----------------------------------------------------------------
-    def scale_in(self, payload: dict[str, Any]) -> dict[str, Any]:
+    def scale_in(self, order: ScaleInOrder) -> ScaleResult:
         if self.resize is None:
             raise RuntimeError(f"rank {self.rank}: this process cannot scale in")
         resize = self.resize
-        root = os.path.dirname(str(payload["path"]))
-        ranks = [int(r) for r in payload["ranks"]]
+        root = os.path.dirname(order.path)
+        ranks = list(order.ranks)
         result = self.processor.run_in_training_thread(
-            lambda: resize(int(payload["incident"]), ranks, root))
+            lambda: resize(order.incident, ranks, root))
         if result.get("stays"):
-            self._check_loaded(result, payload, root)
-        return result
+            self._check_loaded(result, order.lock_step, root)
+        return _scale_result(result)
 
-    def scale_out(self, payload: dict[str, Any]) -> dict[str, Any]:
+    def scale_out(self, order: ScaleOutOrder) -> ScaleResult:
         if self.grow is None:
             raise RuntimeError(f"rank {self.rank}: this process cannot scale out")
         grow = self.grow
-        root = os.path.dirname(str(payload["path"]))
-        world = [int(r) for r in payload["ranks"]]
+        root = os.path.dirname(order.path)
+        world = list(order.ranks)
         returning = self.state is None
         run = self.processor.run_in_training_thread
-        result = run(lambda: grow(int(payload["incident"]), world, int(payload["dp_size"]), root,
-                                  int(payload["lock_step"])))
+        result = run(lambda: grow(order.incident, world, order.dp_size, root, order.lock_step))
         if returning:
             self._wait_attached()
             result["iteration"] = run(lambda: self._training_state().rebuild(root))
-        self._check_loaded(result, payload, root)
-        return result
+        self._check_loaded(result, order.lock_step, root)
+        return _scale_result(result)
 
-    def _check_loaded(self, result: dict[str, Any], payload: dict[str, Any], root: str) -> None:
+    def _check_loaded(self, result: dict[str, Any], lock_step: int, root: str) -> None:
         """A scale change loaded the dump of the lock step, not another checkpoint."""
-        if result.get("iteration") != int(payload["lock_step"]):
+        if result.get("iteration") != lock_step:
             raise RuntimeError(f"rank {self.rank} loaded iteration {result.get('iteration')} "
-                               f"from {root}, not the dump's {payload['lock_step']}")
+                               f"from {root}, not the dump's {lock_step}")
 
     def _wait_attached(self) -> None:
         """A restarted or returning rank: wait (bounded) until its trainer built its model."""
@@ -304,11 +321,11 @@ class RecoveryActions:
             raise DumpError("no --save directory: there is nowhere to write the dump")
         return root
 
-    def dump(self, order: DumpOrder) -> dict[str, Any]:
+    def dump(self, order: DumpOrder) -> DumpResult:
         lock_step = order.lock_step
         shards = [entry for entry in order.shards if entry.optimizer == "dense"]
         if not shards:
-            return {"written": []}
+            return DumpResult()
         root = self._checkpoint_root()
         state = self._training_state()
         my_shard = self.map.shard_of(self.global_rank)
@@ -327,14 +344,15 @@ class RecoveryActions:
                 written.append(
                     write_shard(state, root, lock_step, self.map.chunk_size, my_shard.index)
                 )
-        result: dict[str, Any] = {"written": written}
+        result = DumpResult(tuple(written))
         if assembler:
             if distributed:
                 self._wait_for_shards(root, lock_step)
             snapshot = self.snapshots.at(lock_step, state.opt_param_scheduler)
-            result["assembled"] = assemble(state, root, snapshot, self.map.chunk_size, own)
+            result = DumpResult(tuple(written),
+                                assemble(state, root, snapshot, self.map.chunk_size, own))
         emit("dump_written", self.rank, iteration=lock_step, shard=str(my_shard),
-             assembled="assembled" in result)
+             assembled=result.assembled is not None)
         log.info("rank %d: dump of iteration %d written (%s)", self.rank, lock_step, result)
         return result
 
@@ -350,8 +368,8 @@ class RecoveryActions:
             time.sleep(0.05)
 
     # -- rename ---------------------------------------------------------------------------
-    def rename(self, payload: dict[str, Any]) -> dict[str, Any]:
-        lock_step = int(payload["lock_step"])
+    def rename(self, order: RenameOrder) -> RenameResult:
+        lock_step = order.lock_step
         sizes = self._training_state().args.tft_features.parallel
         expected = [model_parallel_dir_name(tp, pp, sizes.pipeline)
                     for tp in range(sizes.tensor) for pp in range(sizes.pipeline)]
@@ -359,7 +377,13 @@ class RecoveryActions:
         emit("dump_saved", self.rank, iteration=lock_step, path=path)
         log.warning("rank %d: dying-gasp checkpoint of iteration %d published at %s",
                     self.rank, lock_step, path)
-        return {"path": path, "iteration": lock_step}
+        return RenameResult(lock_step, path)
+
+
+def _scale_result(result: dict[str, Any]) -> ScaleResult:
+    """The plugin's answer to a scale change (`TFTPlugin.scale_in`, `scale_out`), typed."""
+    return ScaleResult(bool(result["stays"]), int(result["dp_size"]), result.get("iteration"),
+                       result.get("replica"), result.get("micro_batches"))
 
 
 def _rounded(seconds: float | None) -> float | None:

@@ -30,12 +30,27 @@ import os
 from typing import Any
 
 from mindspeed_tft.control import Processor
+from mindspeed_tft.control.wire.callbacks import NoRecovery
 from mindspeed_tft.control.wire.order_types import (
+    CleanOrder,
     DumpOrder,
     ExitOrder,
+    PauseOrder,
+    RenameOrder,
     RepairOrder,
     RollbackOrder,
+    ScaleInOrder,
+    ScaleOutOrder,
     StopOrder,
+)
+from mindspeed_tft.control.wire.results import (
+    CleanResult,
+    DumpResult,
+    RenameResult,
+    RepairResult,
+    RollbackResult,
+    ScaleResult,
+    StopResult,
 )
 from mindspeed_tft.elastic import replica_num_for
 from mindspeed_tft.recovery import group_names
@@ -52,8 +67,9 @@ class HandlerError(RuntimeError):
     """A handler returned what the SDK counts as a failure."""
 
 
-class SdkActions:
-    """The processor callbacks of one process (see the module docstring)."""
+class SdkActions(NoRecovery):
+    """The processor callbacks of one process (`callbacks.RecoveryCallbacks`; see the
+    module docstring)."""
 
     def __init__(self, runtime: Runtime) -> None:
         self.rt = runtime
@@ -63,10 +79,9 @@ class SdkActions:
         self.launch_replicas: int | None = None
 
     def register(self, processor: Processor) -> None:
+        """Be `processor`'s recovery callbacks."""
         self.processor = processor
-        for name in ("pause", "stop", "clean", "repair", "rollback", "dump", "rename", "exit",
-                     "scale_in", "scale_out"):
-            processor.register_callback(name, getattr(self, name))
+        processor.set_callbacks(self)
 
     def _call(self, name: str, *args: Any) -> Any:
         """Call handler `name` with `args` (its ctx appended unless the SDK passes none)."""
@@ -85,7 +100,7 @@ class SdkActions:
         return self.rt.handlers.get(name) is not None
 
     # -- orders -------------------------------------------------------------------------
-    def pause(self, payload: dict[str, Any]) -> dict[str, Any]:
+    def pause(self, order: PauseOrder) -> None:
         """The SDK's pause callback: once the training thread is held at its next hold point
         (`tft_pause_train`; bounded wait), the stream-sync handler runs on this thread, as
         the SDK calls it at the end of its pause callback (also when that wait timed out)."""
@@ -95,9 +110,8 @@ class SdkActions:
             log.warning("rank %s: the training thread did not reach a hold point of the pause; "
                         "syncing the stream anyway, as the SDK does", self.rt.rank)
         self._call_bare("stream_sync")
-        return {}
 
-    def stop(self, order: StopOrder) -> dict[str, Any]:
+    def stop(self, order: StopOrder) -> StopResult:
         rt = self.rt
         rt.cleaned = False
         rt.repair_step = order.lock_step
@@ -105,15 +119,15 @@ class SdkActions:
         if not self._has("stop"):
             raise HandlerError("no stop handler registered (tft_register_stop_handler)")
         self._call("stop", rt.args)
-        return {}
+        return StopResult()
 
-    def clean(self, payload: dict[str, Any]) -> dict[str, Any]:
+    def clean(self, order: CleanOrder) -> CleanResult:
         rt = self.rt
-        rt.repair_type = repair_type_name(payload.get("strategy"))
-        rt.repair_step = int(payload.get("lock_step") or rt.repair_step)
+        rt.repair_type = repair_type_name(order.strategy)
+        rt.repair_step = order.lock_step or rt.repair_step
         return self._clean()
 
-    def _clean(self) -> dict[str, Any]:
+    def _clean(self) -> CleanResult:
         rt = self.rt
         uce = rt.uce_reported
         if not self._has("clean"):
@@ -123,13 +137,13 @@ class SdkActions:
         rt.cleaned = True
         if ret == RET_NO_REBUILD and uce:
             # the UCE spared what a repair would copy: no repair for this rank
-            return {"detail": {"target": "spared"}}
+            return CleanResult(spared=True)
         if ret not in (RET_OK, RET_NO_REBUILD, None):
             raise HandlerError(f"the clean handler returned {ret!r} (0: ok, 2: a UCE with "
                                "nothing to rebuild)")
-        return {}
+        return CleanResult()
 
-    def repair(self, order: RepairOrder) -> dict[str, Any]:
+    def repair(self, order: RepairOrder) -> RepairResult:
         rt, processor = self.rt, self.processor
         assert processor is not None and rt.rank is not None and rt.world_size is not None
         rt.repair_type = repair_type_name(order.strategy)
@@ -147,9 +161,9 @@ class SdkActions:
             self._call("repair", call.step, call.need_rebuild, call.error_ranks,
                        call.repair_info, rt.args)
         rt.uce_damaged = False
-        return {} if rt.loaded_step is None else {"step": rt.loaded_step}
+        return RepairResult(step=rt.loaded_step)
 
-    def rollback(self, order: RollbackOrder) -> dict[str, Any]:
+    def rollback(self, order: RollbackOrder) -> RollbackResult:
         step = order.step
         self.rt.repair_step = step
         self._call("rollback", step, self.rt.args)
@@ -157,15 +171,15 @@ class SdkActions:
         # the data is Updated at `step` now (the SDK's notify-normal sets the same), also in
         # a restarted worker that has made no update of its own yet
         self.processor.report_update_end(step)
-        return {"step": step}
+        return RollbackResult(step)
 
-    def dump(self, order: DumpOrder) -> dict[str, Any]:
+    def dump(self, order: DumpOrder) -> DumpResult:
         rt = self.rt
         rt.repair_type = "dump"
         step = order.lock_step
         rt.repair_step = step
         if not order.shards:
-            return {"written": []}
+            return DumpResult()
         if not self._has("save_ckpt"):
             raise HandlerError("no save handler registered (tft_register_save_ckpt_handler)")
         if os.environ.get("TTP_STOP_CLEAN_BEFORE_DUMP") == "1" and not rt.cleaned:
@@ -173,21 +187,20 @@ class SdkActions:
         assert rt.rank is not None
         info = save_info(order, rt.rank, rt.groups)
         self._call("save_ckpt", step, info, rt.args)
-        return {"written": [entry["ranks"] for entry in info]}
+        return DumpResult(tuple(tuple(entry["ranks"]) for entry in info))
 
-    def rename(self, payload: dict[str, Any]) -> dict[str, Any]:
-        step = int(payload["lock_step"])
+    def rename(self, order: RenameOrder) -> RenameResult:
+        step = order.lock_step
         self._call("rename", step, self.rt.args)
         # where the dump is, for the controller (a shrink or grow follows a renamed dump): the
         # SDK's handlers know the folder, the SDK does not
-        return {"iteration": step, "path": f"the rename handler's checkpoint of step {step}"}
+        return RenameResult(step, f"the rename handler's checkpoint of step {step}")
 
-    def exit(self, order: ExitOrder) -> dict[str, Any]:
+    def exit(self, order: ExitOrder) -> None:
         try:
             self._call("exit")
         except Exception:  # the exit goes on
             log.exception("rank %s: the exit handler failed", self.rt.rank)
-        return {}
 
     # -- elastic training: the ZIT handlers (see `_zit`) ---------------------------------
     def _zit(self, name: str, *args: Any, param: str) -> None:
@@ -220,36 +233,35 @@ class SdkActions:
         assert self.processor is not None and self.processor.replica is not None
         return dict(self.processor.replica)
 
-    def scale_in(self, payload: dict[str, Any]) -> dict[str, Any]:
+    def scale_in(self, order: ScaleInOrder) -> ScaleResult:
         """The job shrinks without the lost ranks' DP replicas: the SDK's downgrade. Every
         rank is cleaned first (the SDK's stop and clean before it); the ranks that stay call
         `zit_downgrade_rebuild` and train on from memory at the lock step."""
         rt = self.rt
         assert rt.rank is not None
-        group_names.set_repair_id(int(payload["incident"]))
+        group_names.set_repair_id(order.incident)
         layout = self._layout()
         if not rt.cleaned:
             self._clean()
-        world, dp_size = downgrade([int(r) for r in payload["ranks"]], layout)
+        world, dp_size = downgrade(list(order.ranks), layout)
         if rt.rank not in world:
             log.warning("rank %s: the job continues at DP %d without this rank's replica",
                         rt.rank, dp_size)
-            return {"stays": False, "dp_size": dp_size}
+            return ScaleResult(False, dp_size)
         self._zit("zit_downgrade_rebuild", layout.dp_group(rt.rank, world), list(world),
                   param=DOWNGRADE_PARAM)
         replica = self._enter_world(world)
-        return {"stays": True, "dp_size": dp_size, "iteration": int(payload["lock_step"]),
-                "replica": replica, "micro_batches": layout.size}
+        return ScaleResult(True, dp_size, order.lock_step, replica, layout.size)
 
-    def scale_out(self, payload: dict[str, Any]) -> dict[str, Any]:
+    def scale_out(self, order: ScaleOutOrder) -> ScaleResult:
         """The job grows by returning ranks: the SDK's upgrade (rebuild on every rank, the
         training state copied to each returning rank, rollback to the lock step)."""
         rt, processor = self.rt, self.processor
         assert rt.rank is not None and processor is not None
-        step = int(payload["lock_step"])
-        world = [int(r) for r in payload["ranks"]]
-        joining = [int(r) for r in payload["joining"]]
-        group_names.set_repair_id(int(payload["incident"]))
+        step = order.lock_step
+        world = list(order.ranks)
+        joining = list(order.joining)
+        group_names.set_repair_id(order.incident)
         rt.repair_step = step
         if processor.rejoining and rt.rank in joining:
             # as in a worker reboot: once its training function raised "ARF FINISH" and
@@ -263,5 +275,4 @@ class SdkActions:
         self._zit("zit_upgrade_rollback", step, param=UPGRADE_PARAM)
         processor.report_update_end(step)  # Updated at `step`, as after a rollback
         replica = self._enter_world(world)
-        return {"stays": True, "dp_size": int(payload["dp_size"]), "iteration": step,
-                "replica": replica}
+        return ScaleResult(True, order.dp_size, step, replica)

@@ -30,7 +30,25 @@ import time
 from typing import Any
 
 from mindspeed_tft.control import ControlConfig, Processor, run_with_fault_tolerance
+from mindspeed_tft.control.wire.callbacks import NoRecovery
 from mindspeed_tft.control.wire.classify import ForceStop
+from mindspeed_tft.control.wire.order_types import (
+    CleanOrder,
+    DumpOrder,
+    ExitOrder,
+    RenameOrder,
+    RepairOrder,
+    RollbackOrder,
+    StopOrder,
+)
+from mindspeed_tft.control.wire.results import (
+    CleanResult,
+    DumpResult,
+    RenameResult,
+    RepairResult,
+    RollbackResult,
+    StopResult,
+)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -92,26 +110,50 @@ def main(argv: list[str] | None = None) -> None:
     lag_step, _, lag_secs = args.lag.partition("=")
     slow_name, _, slow_secs = args.slow.partition("=")
 
-    def callback(name: str):
-        def fn(order: Any) -> dict[str, Any]:
-            # the typed orders (order_types) are recorded as they travelled
-            payload = order if isinstance(order, dict) else order.to_wire()
-            record("callback", name=name, payload=payload)
-            if name == slow_name:
-                time.sleep(float(slow_secs))
-            if name == args.die_in:
-                out.flush()
-                os.kill(os.getpid(), signal.SIGKILL)
-            if name == "stop":
-                abort.set()  # abort the fake communicator: a blocked all-reduce raises
-            if name == "rollback":
-                state["iteration"] = payload["step"]
-                return {"iteration": state["iteration"]}
-            return {}
-        return fn
+    def callback(name: str, order: Any) -> None:
+        # the typed orders (order_types) are recorded as they travelled
+        record("callback", name=name, payload=order.to_wire())
+        if name == slow_name:
+            time.sleep(float(slow_secs))
+        if name == args.die_in:
+            out.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        if name == "stop":
+            abort.set()  # abort the fake communicator: a blocked all-reduce raises
+        if name == "rollback":
+            state["iteration"] = order.step
 
-    for name in ("stop", "clean", "repair", "rollback", "dump", "rename", "exit"):
-        proc.register_callback(name, callback(name))
+    class Host(NoRecovery):
+        """Records every order it runs (and acts out the fault options)."""
+
+        def stop(self, order: StopOrder) -> StopResult:
+            callback("stop", order)
+            return super().stop(order)
+
+        def clean(self, order: CleanOrder) -> CleanResult:
+            callback("clean", order)
+            return super().clean(order)
+
+        def repair(self, order: RepairOrder) -> RepairResult:
+            callback("repair", order)
+            return super().repair(order)
+
+        def rollback(self, order: RollbackOrder) -> RollbackResult:
+            callback("rollback", order)
+            return super().rollback(order)
+
+        def dump(self, order: DumpOrder) -> DumpResult:
+            callback("dump", order)
+            return super().dump(order)
+
+        def rename(self, order: RenameOrder) -> RenameResult:
+            callback("rename", order)
+            return super().rename(order)
+
+        def exit(self, order: ExitOrder) -> None:
+            callback("exit", order)
+
+    proc.set_callbacks(Host())
 
     def allreduce(step: int) -> None:
         mine = os.path.join(args.coll, str(args.rank))

@@ -12,11 +12,15 @@ import queue
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from mindspeed_tft.control import ControlConfig, Controller
 from mindspeed_tft.control.controller.states import State
-from mindspeed_tft.control.processor.gate import Decision, Gate
+from mindspeed_tft.control.processor.core import Run, Send
+from mindspeed_tft.control.processor.gate import Gate
 from mindspeed_tft.control.wire.classify import ForceStop
+from mindspeed_tft.control.wire.order_types import ExitOrder, ResumeOrder, StopOrder, TypedOrder
+from mindspeed_tft.control.wire.results import HoldResult, ResultMessage, StopResult
 from tests.control.ctl_harness import Job, wait_for
 
 
@@ -122,7 +126,9 @@ def test_the_hold_answers_at_once_and_holds_the_next_update() -> None:
     gate.report_update_end(4)
     gate.before_update(5)  # the training thread is inside update 5
     t0 = time.monotonic()
-    assert gate.hold() == {"step": 4, "status": "updating"}
+    assert gate.on_action({"id": 1, "name": "hold", "timeout": 30.0,
+                           "payload": {"incident": 1}}, t0) == [
+        Send("result", ResultMessage(1, "hold", HoldResult(4, "updating")))]
     assert time.monotonic() - t0 < 0.5
     gate.report_update_end(5)
     outcomes: queue.Queue[str] = queue.Queue()
@@ -142,9 +148,10 @@ def test_the_hold_answers_at_once_and_holds_the_next_update() -> None:
     thread.start()
     time.sleep(0.3)
     assert outcomes.empty()  # held before update 6
-    result = gate.stop(6, lambda: {})  # lock step 6: update 6 may run, then it is stopped
-    assert result == {"step": 6, "status": "updated", "parked": True}
-    gate.decide(Decision("exit", 1))
+    # lock step 6: update 6 may run, then it is stopped
+    sent = _run(gate, 2, StopOrder(1, 6, {}), lambda order: StopResult())
+    assert sent == Send("result", ResultMessage(2, "stop", StopResult(6, "updated", True)))
+    _run(gate, 3, ExitOrder(1), lambda order: None)
     thread.join(5)
     assert [outcomes.get_nowait() for _ in range(3)] == ["update 6", "stopped before 7", "exit"]
 
@@ -154,10 +161,19 @@ def test_a_resume_owed_to_a_joining_process_waits_for_its_training_thread() -> N
     the resume can come before that thread waits for it. Owed, it is kept for the thread;
     a resume that nothing held is not (the thread would otherwise take a stale one later)."""
     cfg = ControlConfig(port=0, park_timeout=5, action_time_limit=30)
+    resume = ResumeOrder(1, 4, "recover", False)
     gate = Gate(0, cfg)
-    gate.resume(Decision("resume", step=4, strategy="recover"), owed=True)
+    gate.core.rejoining = True
+    _run(gate, 1, resume, lambda order: None)
     decision = gate.wait_decision(timeout=0.5)
     assert (decision.action, decision.step, decision.strategy) == ("resume", 4, "recover")
     gate = Gate(0, cfg)
-    gate.resume(Decision("resume", step=4, strategy="recover"))
+    _run(gate, 1, resume, lambda order: None)
     assert gate.wait_decision(timeout=0.3).action == "exit"  # nothing was held: not kept
+
+
+def _run(gate: Gate, aid: int, order: TypedOrder, call: Any) -> Send:
+    """Receive `order` and run it on this thread (as an order lane would)."""
+    [run] = gate.receive(aid, type(order).KIND, order.to_wire(), 1e18)
+    assert isinstance(run, Run)
+    return gate.run_order(run.order, call, lambda code, deadline: None)

@@ -1,5 +1,6 @@
-"""The typed orders (`order_types`): the wire form they had as plain maps, byte for byte,
-and a clear refusal of every payload that does not match (pure: no processes)."""
+"""The typed orders (`order_types`) and results (`results`): the wire form they had as plain
+maps, byte for byte, and a clear refusal of every payload that does not match (pure: no
+processes)."""
 
 from __future__ import annotations
 
@@ -11,19 +12,44 @@ import pytest
 
 from mindspeed_tft.control import ControlConfig, Processor
 from mindspeed_tft.control.controller.strategy import Strategy
-from mindspeed_tft.control.processor.orders import Order
+from mindspeed_tft.control.processor.core import Run
+from mindspeed_tft.control.wire.callbacks import NoRecovery
 from mindspeed_tft.control.wire.order_types import (
+    ORDER_TYPES,
+    CleanOrder,
     DumpOrder,
     DumpShard,
     ExitOrder,
+    HoldOrder,
     OrderError,
+    PauseOrder,
     Receive,
+    RenameOrder,
     RepairOrder,
+    ResumeOrder,
     RollbackOrder,
+    ScaleInOrder,
+    ScaleOutOrder,
     Send,
     StopOrder,
     from_wire,
     to_wire,
+)
+from mindspeed_tft.control.wire.protocol import ACTIONS
+from mindspeed_tft.control.wire.results import (
+    CleanResult,
+    DumpResult,
+    EmptyResult,
+    HoldResult,
+    PauseResult,
+    RenameResult,
+    RepairResult,
+    ReportMessage,
+    ResultError,
+    ResultMessage,
+    RollbackResult,
+    ScaleResult,
+    StopResult,
 )
 
 #: each order and the map the controller sent for it before it was typed (key order too)
@@ -47,6 +73,23 @@ WIRE: list[tuple[Any, dict[str, Any]]] = [
     (ExitOrder(75, "dumped", ({"iteration": 8, "lr": None},), logger=3),
      {"code": 75, "reason": "dumped", "iterations": [{"iteration": 8, "lr": None}],
       "logger": 3}),
+    # the seven orders typed later, each against the map its sender built before
+    (HoldOrder(4), {"incident": 4}),
+    (CleanOrder(4, "retry", 9, (2, 5)),
+     {"incident": 4, "strategy": "retry", "lock_step": 9, "faulty": [2, 5]}),
+    (RenameOrder(4, 9), {"incident": 4, "lock_step": 9}),
+    (PauseOrder("operator pause"), {"reason": "operator pause"}),
+    (ResumeOrder(4, 9, "retry", False, ({"iteration": 9, "lr": 0.1},)),
+     {"incident": 4, "step": 9, "strategy": "retry", "false_alarm": False,
+      "iterations": [{"iteration": 9, "lr": 0.1}]}),
+    (ResumeOrder(0, 7, "none", True),  # a rank that stopped itself with no incident
+     {"incident": 0, "step": 7, "strategy": "none", "false_alarm": True}),
+    (ScaleInOrder(4, 9, "/ckpt/dump/iter_0000009", (0, 1, 4, 5)),
+     {"incident": 4, "lock_step": 9, "path": "/ckpt/dump/iter_0000009",
+      "ranks": [0, 1, 4, 5]}),
+    (ScaleOutOrder(5, 9, "/ckpt/dump/iter_0000009", (0, 1, 2, 3), 4),
+     {"incident": 5, "lock_step": 9, "path": "/ckpt/dump/iter_0000009",
+      "ranks": [0, 1, 2, 3], "dp_size": 4}),
 ]
 
 
@@ -59,9 +102,14 @@ def test_the_wire_form_is_the_map_sent_before_and_reads_back(order: Any,
     assert from_wire(name, wire) == order == type(order).from_wire(order.to_wire())
 
 
-def test_other_orders_stay_maps_and_the_strategies_are_known() -> None:
-    assert from_wire("resume", {"step": 3}) == {"step": 3}
-    assert to_wire({"reason": "operator pause"}) == {"reason": "operator pause"}
+def test_every_order_is_typed_and_the_strategies_are_known() -> None:
+    assert set(ORDER_TYPES) == set(ACTIONS)
+    assert {type(order).KIND for order, _ in WIRE} == set(ACTIONS)
+    # the operator's resume: the one order whose keys came in another order before
+    # (step, strategy, false_alarm, incident); the same map, now in the type's order
+    old = {"step": -1, "strategy": "none", "false_alarm": True, "incident": 0}
+    assert ResumeOrder.from_wire(old) == ResumeOrder(0, None, "none", True)
+    assert ResumeOrder(0, None, "none", True).to_wire() == old
     RollbackOrder.from_wire({"incident": 1, "step": 2, "strategy": "none",
                              "params_damaged": []})
     for strategy in Strategy:
@@ -83,18 +131,33 @@ REFUSED = [
      "repair order: bad 'source': 'disk' (allowed: one of replica, checkpoint)"),
     ("repair", {**WIRE[1][1], "strategy": "pray"}, "repair order: bad 'strategy': 'pray'"),
     ("repair", {**WIRE[1][1], "receive": [{"optimizer": "dense", "shard": 1}]},
-     "repair order's receive[0] order: missing 'from'"),
+     "repair order's receive[0]: missing 'from'"),
     ("repair", {**WIRE[1][1], "send": [{"optimizer": "dense", "shard": 0, "to": "3"}]},
-     "repair order's send[0] order: bad 'to': '3'"),
+     "repair order's send[0]: bad 'to': '3'"),
     ("repair", {**WIRE[1][1], "faulty": [1, -2]}, "repair order: bad 'faulty': [1, -2]"),
     ("rollback", {"incident": 1, "step": True, "strategy": "retry", "params_damaged": []},
      "rollback order: bad 'step': True"),
     ("dump", {**WIRE[4][1], "strategy": "retry"},
      "dump order: bad 'strategy': 'retry' (allowed: one of dump)"),
     ("dump", {**WIRE[4][1], "shards": [{"optimizer": "", "shard": 0, "holders": [0]}]},
-     "dump order's shards[0] order: bad 'optimizer': ''"),
+     "dump order's shards[0]: bad 'optimizer': ''"),
     ("exit", {"code": 300}, "exit order: bad 'code': 300 (allowed: an exit code"),
     ("exit", {"code": 1, "iterations": [3]}, "exit order: bad 'iterations': [3]"),
+    ("hold", {}, "hold order: missing 'incident'"),
+    ("clean", {"incident": 1, "strategy": "retry", "lock_step": None, "faulty": []},
+     "clean order: bad 'lock_step': None (allowed: a step"),
+    ("rename", {"incident": 1, "lock_step": 3, "path": "/x"},
+     "rename order: unknown key 'path'"),
+    ("pause", {"reason": 3}, "pause order: bad 'reason': 3 (allowed: a string)"),
+    ("resume", {"incident": 1, "step": -2, "strategy": "none", "false_alarm": True},
+     "resume order: bad 'step': -2 (allowed: a step, or -1"),
+    ("resume", {"incident": 1, "step": 3, "strategy": "none", "false_alarm": 1},
+     "resume order: bad 'false_alarm': 1 (allowed: true or false)"),
+    ("scale_in", {"incident": 1, "lock_step": 3, "path": "", "ranks": [0]},
+     "scale_in order: bad 'path': '' (allowed: a path of 1 to 4096 characters)"),
+    ("scale_out", {"incident": 1, "lock_step": 3, "path": "/d", "ranks": [0], "dp_size": 0},
+     "scale_out order: bad 'dp_size': 0 (allowed: a DP size"),
+    ("teleport", {}, "unknown order 'teleport' (allowed: hold, stop"),
 ]
 
 
@@ -113,6 +176,77 @@ def test_to_wire_checks_what_it_sends() -> None:
         ExitOrder(-1).to_wire()
 
 
+#: each result (and report) a rank sends, and the map it sent before it was typed
+RESULTS: list[tuple[Any, dict[str, Any]]] = [
+    (HoldResult(9, "updating"), {"step": 9, "status": "updating"}),
+    (PauseResult(9, "updated"), {"step": 9, "status": "updated"}),
+    (StopResult(9, "updated", True, 3, ({"iteration": 9},)),  # the plugin's stop
+     {"connections_closed": 3, "iterations": [{"iteration": 9}], "step": 9,
+      "status": "updated", "parked": True}),
+    (StopResult(9, "updating", None),  # the SDK's stop: no training function seen
+     {"step": 9, "status": "updating", "parked": None}),
+    (CleanResult(), {}),
+    (CleanResult(spared=True), {"detail": {"target": "spared"}}),
+    (RepairResult(received=1, sent=0), {"received": 1, "sent": 0}),
+    (RepairResult(step=8), {"step": 8}),
+    (RollbackResult(9, ({"iteration": 9},)), {"step": 9, "iterations": [{"iteration": 9}]}),
+    (RollbackResult(9), {"step": 9}),
+    (DumpResult(("/c/shard_001.pt",), "/c/iter_0000009"),
+     {"written": ["/c/shard_001.pt"], "assembled": "/c/iter_0000009"}),
+    (DumpResult(((0, 4),)), {"written": [[0, 4]]}),  # the SDK's: the ranks of each shard
+    (RenameResult(9, "/c/iter_0000009"), {"path": "/c/iter_0000009", "iteration": 9}),
+    (ScaleResult(False, 2), {"stays": False, "dp_size": 2}),
+    (ScaleResult(True, 2, 9, {"dense": {"dp_index": 1, "dp_size": 2, "replica_num": 1,
+                                        "shard": 1, "holders": [5]}}, 8),
+     {"stays": True, "dp_size": 2, "iteration": 9,
+      "replica": {"dense": {"dp_index": 1, "dp_size": 2, "replica_num": 1, "shard": 1,
+                            "holders": [5]}}, "micro_batches": 8}),
+    (EmptyResult(), {}),
+    (ResultMessage(7, "rollback", RollbackResult(9)),
+     {"id": 7, "action": "rollback", "ok": True, "result": {"step": 9}}),
+    (ResultMessage(7, "stop", error="RuntimeError: no"),
+     {"id": 7, "action": "stop", "ok": False, "result": {}, "error": "RuntimeError: no"}),
+    (ReportMessage("uce", "RuntimeError: UCE", 9, "updating", {"target": "activation"}),
+     {"kind": "uce", "message": "RuntimeError: UCE", "step": 9, "status": "updating",
+      "detail": {"target": "activation"}}),
+    (ReportMessage("hang", "no progress", 9, "updated"),
+     {"kind": "hang", "message": "no progress", "step": 9, "status": "updated"}),
+]
+
+
+@pytest.mark.parametrize("result,wire", RESULTS, ids=lambda v: type(v).__name__)
+def test_a_result_is_the_map_sent_before_and_reads_back(result: Any,
+                                                        wire: dict[str, Any]) -> None:
+    assert msgpack.packb(result.to_wire()) == msgpack.packb(wire)  # byte for byte
+    assert type(result).from_wire(wire) == result
+
+
+BAD_RESULTS = [
+    (StopResult, {"step": 9, "status": "halted", "parked": True},
+     "stop result: bad 'status': 'halted' (allowed: one of updated, updating)"),
+    (StopResult, {"step": 9, "status": "updated"}, "stop result: missing 'parked'"),
+    (RepairResult, {"sent": -1}, "repair result: bad 'sent': -1 (allowed: a count)"),
+    (CleanResult, {"detail": {"target": "optimizer"}}, "clean result: bad 'detail'"),
+    (ScaleResult, {"stays": True, "dp_size": 2, "iteration": 9, "replica": {"dense": {}},
+                   "micro_batches": 8}, "scale result: bad 'replica'"),
+    (ResultMessage, {"id": 1, "action": "stop", "ok": True,
+                     "result": {"step": 1, "status": "updated"}},
+     "stop result: missing 'parked'"),
+    (ResultMessage, {"id": 1, "action": "fly", "ok": True, "result": {}},
+     "result: bad 'action': 'fly'"),
+    (ReportMessage, {"kind": "uce", "message": "x", "step": 1, "status": "updated",
+                     "extra": 1}, "report: unknown key 'extra'"),
+]
+
+
+@pytest.mark.parametrize("kind,wire,error", BAD_RESULTS)
+def test_a_bad_result_is_refused_naming_the_field(kind: Any, wire: dict[str, Any],
+                                                  error: str) -> None:
+    with pytest.raises(ResultError) as refused:
+        kind.from_wire(wire)
+    assert error in str(refused.value)
+
+
 def _results(p: Processor) -> queue.Queue[tuple[str, dict[str, Any]]]:
     sent: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
     def post(mtype: str, payload: dict[str, Any]) -> None:
@@ -123,19 +257,35 @@ def _results(p: Processor) -> queue.Queue[tuple[str, dict[str, Any]]]:
     return sent
 
 
+def _run(p: Processor, aid: int, name: str, wire: Any) -> None:
+    """Receive and run one order on this thread (as an order lane would)."""
+    [run] = p._gate.receive(aid, name, wire, 1e18)
+    assert isinstance(run, Run)
+    p._run_order(run.order)
+
+
+class _Rollbacks(NoRecovery):
+    def __init__(self) -> None:
+        self.ran: list[RollbackOrder] = []
+
+    def rollback(self, order: RollbackOrder) -> RollbackResult:
+        self.ran.append(order)
+        return RollbackResult(order.step)
+
+
 def test_a_processor_fails_a_bad_order_without_running_its_callback() -> None:
     p = Processor(0, 1, ControlConfig(action_time_limit=4.0), hard_exit=False, host="localhost")
-    ran: list[Any] = []
-    p.register_callback("rollback", ran.append)
+    host = _Rollbacks()
+    p.set_callbacks(host)
     sent = _results(p)
     try:
-        p._run_order(Order(7, "rollback", {"incident": 1, "step": "9", "strategy": "retry",
-                                          "params_damaged": []}, 1e18))
+        _run(p, 7, "rollback", {"incident": 1, "step": "9", "strategy": "retry",
+                                "params_damaged": []})
         _, result = sent.get(timeout=2)
-        assert (result["id"], result["ok"], ran) == (7, False, [])
+        assert (result["id"], result["ok"], host.ran) == (7, False, [])
         assert result["error"].startswith("OrderError: rollback order: bad 'step': '9'")
-        p._run_order(Order(8, "rollback", WIRE[3][1], 1e18))
-        assert sent.get(timeout=2)[1]["ok"] and ran == [WIRE[3][0]]  # the typed order
+        _run(p, 8, "rollback", WIRE[3][1])
+        assert sent.get(timeout=2)[1]["ok"] and host.ran == [WIRE[3][0]]  # the typed order
     finally:
         p.close()
 
@@ -144,7 +294,7 @@ def test_a_bad_exit_order_still_ends_the_rank_with_the_failure_code() -> None:
     p = Processor(0, 1, ControlConfig(action_time_limit=4.0), hard_exit=False, host="localhost")
     _results(p)
     try:
-        p._run_order(Order(3, "exit", {"code": "now"}, 1e18))
+        _run(p, 3, "exit", {"code": "now"})
         decision = p.wait_decision(2)
         assert (decision.action, decision.code) == ("exit", p.config.failure_exit_code)
         assert "exit order: bad 'code': 'now'" in decision.reason

@@ -4,6 +4,7 @@ order left behind once overdue."""
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -11,20 +12,25 @@ from collections.abc import Callable
 from typing import Any
 
 from mindspeed_tft.control import ControlConfig, Processor
-from mindspeed_tft.control.processor.orders import Order, Orders
-from mindspeed_tft.control.wire.order_types import StopOrder
+from mindspeed_tft.control.processor.core import RELEASE_ORDERS, Received, Run, Send
+from mindspeed_tft.control.processor.orders import Orders
+from mindspeed_tft.control.wire.callbacks import NoRecovery
+from mindspeed_tft.control.wire.order_types import StopOrder, from_wire
+from mindspeed_tft.control.wire.results import HoldResult, ResultMessage, StopResult
 from tests.jobs import wait_for
 
 
 def _order(oid: int, name: str, limit: float = 30.0,
-           payload: dict[str, Any] | None = None) -> Order:
-    return Order(oid, name, payload or {}, time.monotonic() + limit)
+           payload: dict[str, Any] | None = None) -> Run:
+    order = None if payload is None else from_wire(name, payload)
+    return Run(Received(oid, name, time.monotonic() + limit, order),
+               "release" if name in RELEASE_ORDERS else "work")
 
 
 def _blocking_repairs(unblock: threading.Event,
-                      ran: queue.Queue[tuple[str, int]]) -> Callable[[Order], None]:
+                      ran: queue.Queue[tuple[str, int]]) -> Callable[[Received], None]:
     """An order runner whose repairs block until `unblock`; it records (name, thread)."""
-    def run(order: Order) -> None:
+    def run(order: Received) -> None:
         if order.name == "repair":
             unblock.wait(10)
         ran.put((order.name, threading.get_ident()))
@@ -51,7 +57,7 @@ def test_exit_and_resume_do_not_queue_behind_a_blocked_order() -> None:
     unblock = threading.Event()
     ran: queue.Queue[str] = queue.Queue()
 
-    def run(order: Order) -> None:
+    def run(order: Received) -> None:
         if order.name == "stop":
             unblock.wait(10)
         ran.put(order.name)
@@ -70,21 +76,19 @@ def test_exit_and_resume_do_not_queue_behind_a_blocked_order() -> None:
 
 
 def test_a_hold_is_answered_at_once_in_the_receiving_thread() -> None:
-    # the hold (the first round of a stop) never waits, so it runs where it arrives: no
-    # worker's wake-up, and never behind a stuck order of the work lane
-    unblock = threading.Event()
-    ran: queue.Queue[tuple[str, int]] = queue.Queue()
-    orders = Orders(0, _blocking_repairs(unblock, ran))
+    # the hold (the first round of a stop) never waits, so the core answers it where it
+    # arrives: no worker's wake-up, and never behind a stuck order of the work lane
+    p = _processor()
+    unblock = _stuck_stop(p)
     try:
-        orders.submit(_order(1, "repair"))
-        orders.submit(_order(2, "hold"))
-        assert ran.get_nowait() == ("hold", threading.get_ident())
-        unblock.set()
-        name, worker = ran.get(timeout=2)
-        assert name == "repair" and worker != threading.get_ident()
+        out = p._gate.on_action({"id": 2, "name": "hold", "timeout": 5.0,
+                                 "payload": {"incident": 1}}, time.monotonic())
+        assert out == [Send("result", ResultMessage(2, "hold", HoldResult(0, "updated")))]
+        assert p._gate.on_action({"id": 2, "name": "hold", "timeout": 5.0,
+                                  "payload": {"incident": 1}}, time.monotonic()) == []
     finally:
         unblock.set()
-        orders.close()
+        p.close()
 
 
 def test_an_order_past_its_time_limit_no_longer_holds_up_its_lane() -> None:
@@ -116,10 +120,19 @@ def _processor() -> Processor:
     return Processor(0, 1, cfg, hard_exit=False, host="localhost")
 
 
+class _StuckStop(NoRecovery):
+    def __init__(self, unblock: threading.Event) -> None:
+        self.unblock = unblock
+
+    def stop(self, order: StopOrder) -> StopResult:
+        self.unblock.wait(10)
+        return StopResult()
+
+
 def _stuck_stop(p: Processor) -> threading.Event:
     """Rank 0 stopped, its stop callback blocked (its result not sent yet)."""
     unblock = threading.Event()
-    p.register_callback("stop", lambda payload: {"waited": unblock.wait(10)})
+    p.set_callbacks(_StuckStop(unblock))
     p._orders.submit(_order(1, "stop", payload=StopOrder(1, 3, {}).to_wire()))
     wait_for(lambda: p.stopped, 5, what="the stop")
     return unblock
@@ -141,10 +154,32 @@ def test_resume_reaches_the_training_thread_while_the_stop_callback_waits() -> N
     p = _processor()
     unblock = _stuck_stop(p)
     try:
-        p._orders.submit(_order(2, "resume", payload={"step": 7, "strategy": "none"}))
+        p._orders.submit(_order(2, "resume", payload={"incident": 1, "step": 7,
+                                                      "strategy": "none",
+                                                      "false_alarm": False}))
         decision = p.wait_decision(3)
         assert (decision.action, decision.step) == ("resume", 7)
         assert not p.stopped
     finally:
         unblock.set()
+        p.close()
+
+
+def test_the_exit_of_a_rank_without_a_controller_is_obeyed_without_an_answer(caplog) -> None:
+    """No active controller for `controller_lost_timeout`: the processor orders itself to
+    exit (order id -1). Its result went to `ResultMessage.to_wire`, which refuses id -1, and
+    so did the fallback: the order's thread raised ("order exit failed outside its
+    handler"). Found by tft-sim --seed 11275 --world 8 (and 16904), where it ended the run."""
+    p = _processor()
+    try:
+        with caplog.at_level(logging.ERROR, logger="mindspeed_tft.control.processor"):
+            p._controller_lost(130.0)
+            decision = p.wait_decision(3)
+            wait_for(lambda: p._orders.release._worker is not None
+                     and p._orders.release._worker.current is None, 5, what="the exit order")
+        assert (decision.action, decision.code) == ("exit", p.config.controller_lost_exit_code)
+        assert [r.getMessage() for r in caplog.records if "outside its handler" in
+                r.getMessage()] == []
+        assert [m for m, _ in p._channel._outbox if m == "result"] == []
+    finally:
         p.close()

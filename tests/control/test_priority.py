@@ -34,7 +34,8 @@ PROGRAM = textwrap.dedent("""
             data[word] &= ~(1 << 23)
         assert libc.capset(header, data) == 0, ctypes.get_errno()
     from mindspeed_tft.control import ControlConfig, Controller, Processor
-    from mindspeed_tft.control.processor.orders import Lane, Order
+    from mindspeed_tft.control.processor.core import Received
+    from mindspeed_tft.control.processor.orders import Lane
     from mindspeed_tft.control.wire.priority import raise_priority
 
     def nice(tid):  # with the policy: "rr" (SCHED_RR at its priority) or "other"
@@ -51,7 +52,7 @@ PROGRAM = textwrap.dedent("""
             done.set()
         def control_thread():
             raise_priority(cfg.thread_nice, cfg.thread_rtprio)
-            Lane("lane", run).submit(Order(1, "probe", {}, 1e18), 0.0)
+            Lane("lane", run).submit(Received(1, "probe", 1e18, None), 0.0)
         t = threading.Thread(target=control_thread)
         t.start()
         t.join()

@@ -34,9 +34,10 @@ can never both resume training: resuming needs a majority.
 lived in node 0's launcher, with node 0's ranks and the job's store) makes any takeover
 with absent ranks dump-only: those ranks cannot be restarted, so a repair could not work.
 
-Every controller holds one `BackupSync` (`controller.backups`): on the active controller it
-keeps the backups that joined in sync; on a backup it owns the upstream link to the active
-controller and decides when to take charge. It shares the controller's rank table, state
+Every controller's core holds one `BackupSync` (`ControllerCore.backups`): on the active
+controller it keeps the backups that joined in sync; on a backup it speaks over the upstream
+link to the active controller (the shell's socket: frames go out through the core's outbox)
+and decides when to take charge. It shares the controller's rank table, state
 machine and drop counter, and reaches the rest of the controller only through `BackupHost`.
 """
 
@@ -46,21 +47,20 @@ import dataclasses
 import logging
 from typing import Any, Protocol
 
-import zmq
-
-from ...events import CONTROLLER_RANK, emit
+from ...events import CONTROLLER_RANK
 from ...features import Features
 from ..wire.classify import FaultKind
 from ..wire.config import ControlConfig, parse_hostport
 from ..wire.order_types import ExitOrder, Payload
 from ..wire.protocol import CONTROLLER, DropCounter, Message, MsgType, ProtocolError, decode, encode
-from ..wire.transport import CurveKeys, connect_dealer, hostport, new_routing_id, token_ok
+from ..wire.transport import hostport, token_ok
 from .ranktable import CONNECTED, Health, RankInfo, RankTable
 from .states import INCIDENT_STATES, State, StateMachine
 
 log = logging.getLogger("mindspeed_tft.control.backup")
 
-_SYNC_MAX_BYTES = 256 << 20
+#: the largest sync a backup reads (its shell's link to the active controller has this cap)
+SYNC_MAX_BYTES = 256 << 20
 
 
 class BackupHost(Protocol):
@@ -81,6 +81,9 @@ class BackupHost(Protocol):
     def broadcast(self, name: str, payload: Payload) -> None: ...
     def send_registered(self, row: RankInfo) -> None: ...
     def fault(self, rank: int, kind: FaultKind, message: str) -> None: ...
+    def emit(self, event: str, rank: int, **fields: Any) -> dict[str, Any]: ...
+    def send_upstream(self, frame: bytes) -> None: ...
+    def close_upstream(self) -> None: ...
 
 
 class BackupSync:
@@ -103,8 +106,8 @@ class BackupSync:
         self.server_key: str | None = None
         #: on the active controller: the backups that joined, by connection
         self.peers: dict[bytes, dict[str, Any]] = {}
-        #: on a backup: the link to the active controller (None once in charge)
-        self.upstream: zmq.Socket | None = None
+        #: on a backup: the link to the active controller is open (until it takes charge)
+        self.upstream = False
         self._last_sync = 0.0
         #: when this backup last sent a rank back to the active controller
         self._last_redirect = float("-inf")
@@ -123,15 +126,6 @@ class BackupSync:
     def joined(self) -> list[str]:
         """Endpoints of the backups that joined this (active) controller."""
         return sorted(b["endpoint"] for b in self.peers.values())
-
-    def close(self) -> None:
-        if self.upstream is not None:
-            try:
-                self.upstream.setsockopt(zmq.LINGER, 2000)
-                self.upstream.close()
-            except zmq.ZMQError:
-                pass
-        self.upstream = None
 
     # -- active controller ------------------------------------------------------------------
     def on_backup(self, identity: bytes, msg: Message, now: float,
@@ -198,15 +192,24 @@ class BackupSync:
         }
 
     # -- backup controller ------------------------------------------------------------------
-    def connect(self, ctx: zmq.Context, curve: CurveKeys | None, now: float) -> None:
-        """Connect to the active controller (a backup, when it starts)."""
-        # CURVE: a backup's client pair is the server pair, which the active controller
-        # recognises as a backup's (only controller hosts hold its secret)
-        client_keys = None if curve is None else curve.as_backup_client()
-        self.upstream = connect_dealer(
-            ctx, self.config.processor_addr, self.config.port, routing_id=new_routing_id(),
-            max_bytes=_SYNC_MAX_BYTES, curve=client_keys)
+    def linked(self, now: float) -> None:
+        """A backup's shell connected it to the active controller (when it starts)."""
+        self.upstream = True
         self._last_sync = now
+
+    def next_deadline(self, now: float) -> float:
+        """When `tick_active` / `standby_tick` next has something to do (loop clock)."""
+        if self.host.role == "active":
+            return self._next_sync if self.peers else float("inf")
+        cfg = self.config
+        silent = self._last_sync + cfg.lost_after
+        if now <= silent:  # the active controller is alive: its silence is the next moment
+            takeover = silent + 1e-9
+        else:  # a minority takeover waits longer; before it, the rank count may change
+            takeover = max(silent + cfg.lost_after + cfg.heartbeat_interval,
+                           self._last_redirect + cfg.lost_after + 2 * cfg.heartbeat_interval)
+            takeover = takeover + 1e-9 if takeover > now else now + cfg.heartbeat_interval
+        return min(takeover, self._next_hello) if self.upstream else takeover
 
     def on_upstream(self, frames: list[bytes], now: float) -> None:
         """A frame from the active controller: only `sync` is expected."""
@@ -214,7 +217,7 @@ class BackupSync:
             self.drops.drop("frames", "upstream")
             return
         try:
-            msg = decode(frames[0], _SYNC_MAX_BYTES)
+            msg = decode(frames[0], SYNC_MAX_BYTES)
         except ProtocolError as e:
             self.drops.drop(e.reason, "upstream " + e.detail)
             return
@@ -272,14 +275,10 @@ class BackupSync:
 
     def standby_tick(self, now: float) -> None:
         """Say hello upstream; take charge when the active controller is gone."""
-        if self.upstream is not None and now >= self._next_hello:
+        if self.upstream and now >= self._next_hello:
             self._next_hello = now + self.config.heartbeat_interval
-            frame = encode(MsgType.BACKUP, CONTROLLER, self.host.next_seq(),
-                           self._hello_payload())
-            try:
-                self.upstream.send(frame, zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+            self.host.send_upstream(encode(MsgType.BACKUP, CONTROLLER, self.host.next_seq(),
+                                           self._hello_payload()))
         if self.active_alive(now):
             return
         live = sum(1 for r in self.table.all()
@@ -306,10 +305,10 @@ class BackupSync:
         if dump_only:  # every fault is handled with a dump (strategy.strategy_for)
             host.adopt(host.epoch, dataclasses.replace(host.features, worker_reboot=False,
                                                        hbm_repair=False))
-        if self.upstream is not None:
-            self.upstream.close(0)
-            self.upstream = None
-        emit("controller_takeover", CONTROLLER_RANK, endpoint=host.endpoint, epoch=host.epoch,
+        if self.upstream:
+            self.host.close_upstream()
+            self.upstream = False
+        host.emit("controller_takeover", CONTROLLER_RANK, endpoint=host.endpoint, epoch=host.epoch,
              live=live, backup_index=self.backup_index, dump_only=dump_only)
         synced = self.sm.state
         faulty = self._survey(now)

@@ -17,12 +17,14 @@ disappears, but only with more than half of the ranks alive: every controller ho
 `backup.BackupSync` for that (`self.backups`), which reaches back into the controller only
 through the `BackupHost` methods below.
 
-The controller is the loop, its commands and its ticks; the rest it holds, each reaching back
-only through a small protocol of its own: `sockets.ControllerSockets` (`self.sockets`),
-`inbox.Inbox` (`self.inbox`: each message, `InboxHost`), `registration.Registration`
-(`self.registration`: `RegistrationHost`), `liveness.Liveness` (`self.liveness`: silent ranks
-and ended processes, `LivenessHost`) and `incidents.Incidents` (`self.incidents`: the
-incident under way, the orders it sends, its counters; `IncidentsHost`).
+`Controller` is a thin shell: every decision is its core's (`core.ControllerCore`,
+`self.core`: a state machine without I/O, which the simulator `control.sim` drives too). The
+shell owns what does I/O: the ROUTER and its monitor (`sockets.ControllerSockets`), the
+admission of connections (`admission.Admission`), a backup's link to the active controller,
+/proc watching (`procwatch.LocalProcesses`), the loop thread, the real clock, typed commands
+from other threads (`core.Command`), the snapshot file and the metrics endpoint. It feeds
+the core each frame, command and tick with the time it was read, then writes the events the
+core decided to the events stream and sends its frames.
 
 With `TFT_METRICS_PORT` set, the active controller also serves its metrics over HTTP
 (`metrics.py`: state, ranks, incident counters in `self.incidents.stats`, goodput) from
@@ -40,37 +42,25 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
-from ...events import CONTROLLER_RANK, configure_events, emit
+from ...events import configure_events, write_record
 from ...features import Features
 from ..wire import local
-from ..wire.classify import FaultKind
 from ..wire.config import ControlConfig, ControlConfigError, setup_logging
-from ..wire.order_types import ExitOrder, Payload
 from ..wire.priority import raise_priority
-from ..wire.protocol import (
-    CONTROLLER,
-    DropCounter,
-    Limits,
-    MsgType,
-    encode,
-)
-from ..wire.transport import (
-    hostport,
-)
+from ..wire.transport import connect_dealer, hostport, new_routing_id
 from .admission import PENDING_MARGIN, Admission
-from .backup import BackupSync
-from .elasticity import Elasticity
-from .inbox import Inbox
+from .backup import SYNC_MAX_BYTES, BackupSync
+from .core import Command, ControllerCore, NoReplacement, Pause, ProcessExit, Resume
 from .incident import IncidentFlow
-from .incidents import Incidents
-from .liveness import LOST_DRAIN, Liveness
-from .ranktable import Health, RankInfo, RankTable
-from .registration import Registration
-from .sockets import DRAIN_BATCH, DRAIN_SLICE, ControllerSockets
+from .liveness import LOST_DRAIN
+from .procwatch import LocalProcesses
+from .ranktable import Health, RankTable
+from .sockets import DRAIN_BATCH, DRAIN_SLICE, ControllerSockets, FrameLink
 from .states import State, StateMachine
 from .strategy import StrategyPlanner
 
@@ -79,8 +69,21 @@ log = logging.getLogger("mindspeed_tft.control.controller")
 _BATCH_WAIT = 0.01  # seconds; heartbeats wait at most this long to be read (not during incidents)
 
 
+@dataclass(frozen=True)
+class _Stop:
+    """Stop the loop (shell command)."""
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    """Compute a snapshot in the loop thread (shell command, from another thread)."""
+
+    box: list[dict[str, Any]] = field(default_factory=list)
+    done: threading.Event = field(default_factory=threading.Event)
+
+
 class Controller:
-    """The control plane's brain (see the module docstring).
+    """The control plane's brain: the shell around its core (see the module docstring).
 
     world_size: number of training ranks. config: addresses, timing, CURVE (default
     `ControlConfig.from_env()`). features/planner: strategy choice and action payloads.
@@ -101,74 +104,85 @@ class Controller:
             raise ValueError(f"role={role!r} must be 'active' or 'backup'")
         self.config = config or ControlConfig.from_env()
         self.world_size = world_size
-        self.features = features or Features(high_availability=True)
-        self.planner = planner or StrategyPlanner(self.features)
-        self.role = role
-        self.backup_index = backup_index
         self.bind_addr = bind_addr or self.config.controller_addr
         self._port_wanted = self.config.port if port is None else port
         self.port: int | None = None
-        self.table = RankTable(world_size)
-        self.sm = StateMachine(State.INIT, emit_events=False)  # INIT is announced on start
-        self.sm.listeners.append(self._on_transition)
-        self.drops = DropCounter(log)
-        #: per-type frame caps and msgpack limits for this world size (protocol.Limits)
-        self.limits = Limits.for_world(world_size, self.config.max_message_bytes)
+        #: ranks whose processes run in this pid namespace, watched in /proc
+        self.processes = LocalProcesses(lambda: self.core.table, watch_processes)
+        #: every decision (`core.ControllerCore`)
+        self.core = ControllerCore(world_size, self.config,
+                                   features=features or Features(high_availability=True),
+                                   planner=planner, role=role, backup_index=backup_index,
+                                   endpoint=hostport(self.bind_addr, self._port_wanted),
+                                   watch=self.processes)
         #: the ROUTER's connections by class: admitted (showed the job's token; at most a
         #: connection per rank twice over, for replacements while the old connection times
         #: out, two backups and a margin) and pending (their own bound and deadline)
         self.admission = Admission(2 * world_size + 64, world_size + PENDING_MARGIN,
                                    self.config.admit_deadline)
-        self.epoch = 0
         #: the metrics endpoint (`metrics.MetricsServer`; TFT_METRICS_PORT, active role only)
         self.metrics: Any = None
-        #: elastic training: home replicas, the global batch in micro-batches (scale-out)
-        self.elasticity = Elasticity()
-        self.exit_code: int | None = None
-        self._seq = 0
         #: the ROUTER, its monitor, the context and the wake-up pipe (`sockets`)
         self.sockets = ControllerSockets(self.config, self.admission)
+        #: a backup's link to the active controller (None once in charge, or active)
+        self.upstream: zmq.Socket | None = None
         self._thread: threading.Thread | None = None
         #: the thread running the loop (`start`'s or `run`'s caller), once it started
         self._loop_ident: int | None = None
-        self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Command | _Stop | _Snapshot] = queue.SimpleQueue()
         self._ready = threading.Event()
         self._final = threading.Event()
         self._stopping = False
         self._error: BaseException | None = None
-        self._ack_frame: bytes | None = None
-        self._started = 0.0
-        self.backups = BackupSync(self, config=self.config, table=self.table, sm=self.sm,
-                                  drops=self.drops, world_size=world_size,
-                                  backup_index=backup_index)
         self._snapshot_path: str | None = None
-        self._snapshot_dirty = True
         self._next_snapshot = 0.0
-        #: silent ranks and ended processes (`liveness.Liveness`, through `LivenessHost`)
-        self.liveness = Liveness(self, config=self.config, table=self.table, sm=self.sm,
-                                 watch_processes=watch_processes)
-        #: registrations and the INIT roll call (`registration.Registration`)
-        self.registration = Registration(
-            self, config=self.config, world_size=world_size, table=self.table, sm=self.sm,
-            drops=self.drops, elasticity=self.elasticity, watch=self.liveness)
-        #: the incident under way, the orders it sends, its counters (`incidents.Incidents`)
-        self.incidents = Incidents(self, config=self.config, table=self.table, sm=self.sm,
-                                   planner=self.planner, elasticity=self.elasticity)
-        #: what processors and backups send (`inbox.Inbox`)
-        self.inbox = Inbox(self, config=self.config, table=self.table, sm=self.sm,
-                           drops=self.drops, limits=self.limits, admission=self.admission,
-                           sockets=self.sockets, registration=self.registration,
-                           backups=self.backups)
 
-    # -- public API -------------------------------------------------------------------
+    # -- the core's parts, as before the split (tests, launchers, metrics read them) ---------
+    @property
+    def table(self) -> RankTable:
+        return self.core.table
+
+    @property
+    def sm(self) -> StateMachine:
+        return self.core.sm
+
+    @property
+    def backups(self) -> BackupSync:
+        return self.core.backups
+
+    @property
+    def features(self) -> Features:
+        return self.core.features
+
+    @features.setter
+    def features(self, features: Features) -> None:
+        """Features learnt later (the SDK's runtime: before training starts)."""
+        self.core.features = features
+
+    @property
+    def planner(self) -> StrategyPlanner:
+        return self.core.planner
+
+    @property
+    def role(self) -> str:
+        return self.core.role
+
+    @property
+    def epoch(self) -> int:
+        return self.core.epoch
+
+    @property
+    def exit_code(self) -> int | None:
+        return self.core.exit_code
+
     @property
     def state(self) -> State:
-        return self.sm.state
+        return self.core.sm.state
 
     @property
     def flow(self) -> IncidentFlow | None:
         """The incident under way (`Incidents.flow`)."""
-        return self.incidents.flow
+        return self.core.flow
 
     @property
     def _now(self) -> float:
@@ -180,6 +194,7 @@ class Controller:
         """`ip:port` this controller listens on (after `start`)."""
         return hostport(self.bind_addr, self.port or self._port_wanted)
 
+    # -- public API -------------------------------------------------------------------
     def start(self, timeout: float = 30.0) -> None:
         """Bind and run the loop in a background thread (returns once bound)."""
         if self._thread is not None:
@@ -202,7 +217,7 @@ class Controller:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the loop and close the sockets (and the metrics endpoint)."""
-        self._command("stop")
+        self._command(_Stop())
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
         self._stop_metrics()
@@ -217,11 +232,11 @@ class Controller:
 
     def pause(self) -> None:
         """Operator pause: NORMAL -> PAUSE, ranks hold before their next update."""
-        self._command("pause")
+        self._command(Pause())
 
     def resume(self) -> None:
         """End an operator pause: PAUSE -> NORMAL."""
-        self._command("resume")
+        self._command(Resume())
 
     def report_process_exit(self, rank: int, returncode: int) -> None:
         """A launcher saw `rank`'s process end (thread-safe; returns at once).
@@ -231,12 +246,12 @@ class Controller:
         interval x misses. Ignored for a rank that is not connected (it said bye, was
         ordered to exit or is already lost) and for returncode 0 (a clean exit is no fault;
         if it never said bye, its silence still gives it away)."""
-        self._command("process_exit", int(rank), int(returncode))
+        self._command(ProcessExit(int(rank), int(returncode)))
 
     def report_no_replacement(self, rank: int, why: str) -> None:
         """A launcher will not restart lost `rank` (thread-safe; returns at once): the
         incident stops waiting for it (a dump, or with elastic training a shrink)."""
-        self._command("no_replacement", int(rank), str(why))
+        self._command(NoReplacement(int(rank), str(why)))
 
     def has_left(self, rank: int) -> bool:
         """Whether elastic training shrank the job without `rank` (any thread)."""
@@ -250,23 +265,22 @@ class Controller:
         if (self._loop_ident is None or self._final.is_set()
                 or threading.get_ident() == self._loop_ident):
             return self._snapshot()
-        box: list[dict[str, Any]] = []
-        done = threading.Event()
-        self._command("snapshot", box, done)
+        request = _Snapshot()
+        self._command(request)
         deadline = time.monotonic() + timeout
-        while not done.wait(0.05):
+        while not request.done.wait(0.05):
             if self._final.is_set():  # the loop ended before it saw the request
                 return self._snapshot()
             if time.monotonic() > deadline:
                 raise TimeoutError("controller loop did not answer")
-        return box[0]
+        return request.box[0]
 
     def write_snapshots(self, path: str) -> None:
         """Write a JSON snapshot to `path` whenever something but heartbeat times changed."""
         self._snapshot_path = path
 
     # -- loop ---------------------------------------------------------------------------
-    def _command(self, *cmd: Any) -> None:
+    def _command(self, cmd: Command | _Stop | _Snapshot) -> None:
         self._commands.put(cmd)
         self.sockets.wake()
 
@@ -297,22 +311,27 @@ class Controller:
         cfg = self.config
         self.port = self.sockets.open(self.world_size, self.bind_addr, self._port_wanted,
                                       self.role)
+        self.core.endpoint = self.endpoint
         if self.sockets.curve is not None:  # backups hold the server pair
             self.backups.server_key = self.sockets.curve.server_user_id
-        self._started = self.sockets.now = time.monotonic()
+        self.sockets.now = time.monotonic()
         if self.role == "backup":
             assert self.sockets.ctx is not None
-            self.backups.connect(self.sockets.ctx, self.sockets.curve, self._now)
+            # CURVE: a backup's client pair is the server pair, which the active controller
+            # recognises as a backup's (only controller hosts hold its secret)
+            curve = self.sockets.curve
+            self.upstream = connect_dealer(
+                self.sockets.ctx, cfg.processor_addr, cfg.port, routing_id=new_routing_id(),
+                max_bytes=SYNC_MAX_BYTES,
+                curve=None if curve is None else curve.as_backup_client())
         log.info("%s controller for %d ranks listening on %s", self.role, self.world_size,
                  self.endpoint)
-        if self.role == "active":
-            self.sm.emit_events = True
-            self.sm.announce("controller started")
-            if cfg.metrics_port:  # served from its own threads; it reads `snapshot()`
-                from .metrics import serve
+        self._feed(self.core.start)
+        if self.role == "active" and cfg.metrics_port:
+            from .metrics import serve  # served from its own threads; it reads `snapshot()`
 
-                self.metrics = serve(self, cfg)
-                log.info("metrics endpoint on %s", self.metrics.url)
+            self.metrics = serve(self, cfg)
+            log.info("metrics endpoint on %s", self.metrics.url)
 
     def _stop_metrics(self) -> None:
         server, self.metrics = self.metrics, None
@@ -321,8 +340,17 @@ class Controller:
 
     def _close(self) -> None:
         self.sockets.close()
-        self.backups.close()
+        self._close_upstream()
         self.sockets.term()
+
+    def _close_upstream(self, linger: int = 2000) -> None:
+        if self.upstream is not None:
+            try:
+                self.upstream.setsockopt(zmq.LINGER, linger)
+                self.upstream.close()
+            except zmq.ZMQError:
+                pass
+        self.upstream = None
 
     def _loop(self) -> None:
         socks = self.sockets
@@ -332,9 +360,8 @@ class Controller:
         poller.register(socks.wake_r, zmq.POLLIN)
         if socks.monitor is not None:
             poller.register(socks.monitor, zmq.POLLIN)
-        upstream = self.backups.upstream
-        if upstream is not None:
-            poller.register(upstream, zmq.POLLIN)
+        if self.upstream is not None:
+            poller.register(self.upstream, zmq.POLLIN)
         tick = min(0.25, self.config.heartbeat_interval / 4)
         next_tick = time.monotonic()
         while not self._stopping:
@@ -349,9 +376,8 @@ class Controller:
             drained = 0
             if socks.router in events:
                 drained = self.drain_router()
-            if self.backups.upstream is not None and self.backups.upstream in events:
-                socks.drain(self.backups.upstream,
-                            lambda frames: self.backups.on_upstream(frames, self._now))
+            if self.upstream is not None and self.upstream in events:
+                socks.drain(self.upstream, self._on_upstream)
             if self._now >= next_tick:
                 self._tick(self._now)
                 next_tick = self._now + tick
@@ -363,10 +389,48 @@ class Controller:
                 # thousands of ranks cost hundreds of wake-ups a second, not thousands
                 time.sleep(_BATCH_WAIT)
 
+    # -- feeding the core ---------------------------------------------------------------
+    def _feed(self, step: Any, *args: Any) -> None:
+        """One input to the core at the loop's clock; then its events, then its frames."""
+        core = self.core
+        core.at(self.sockets.now, time.time())
+        step(*args)
+        if core.out.empty:
+            return
+        out = core.take()
+        for record in out.events:
+            write_record(record)
+        for identity, frame in out.frames:
+            self.sockets.raw_send(identity, frame)
+        if out.upstream and self.upstream is not None:
+            for frame in out.upstream:
+                try:
+                    self.upstream.send(frame, zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+        if out.close_upstream:
+            self._close_upstream(0)
+
+    def _on_frame(self, identity: bytes, part: zmq.Frame, extra: int) -> None:
+        self._feed(self.core.on_frame, identity, part.bytes,
+                   FrameLink(self.sockets, self.admit, part), extra)
+
+    def _on_upstream(self, frames: list[bytes]) -> None:
+        self._feed(self.core.on_upstream, frames)
+
     def drain_router(self, budget: float = DRAIN_SLICE) -> int:
         """Handle what processors and backups sent, for at most `budget` seconds (0: the
         socket is closed)."""
-        return self.sockets.drain_router(self.inbox.on_frame, budget)
+        return self.sockets.drain_router(self._on_frame, budget)
+
+    def process_exit(self, rank: int, returncode: int, source: str) -> None:
+        """`procwatch.ProcessEnds`: a bye or report it sent before it ended comes first."""
+        self.drain_router()
+        self._feed(self.core.process_exit, rank, returncode, source)
+
+    def process_gone(self, rank: int, how: str, source: str) -> None:
+        self.drain_router()
+        self._feed(self.core.process_gone, rank, how, source)
 
     def _run_commands(self) -> None:
         while True:
@@ -374,44 +438,29 @@ class Controller:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
-            name = cmd[0]
-            if name == "stop":
+            if isinstance(cmd, _Stop):
                 self._stopping = True
-            elif name == "snapshot":
-                cmd[1].append(self._snapshot())
-                cmd[2].set()
-            elif name == "pause" and self.sm.state is State.NORMAL and self.role == "active":
-                self.sm.to(State.PAUSE, "operator pause")
-                self.broadcast("pause", {"reason": "operator pause"})
-            elif name == "process_exit":
-                self.liveness.on_process_exit(cmd[1], cmd[2])
-            elif name == "no_replacement" and self.flow is not None:
-                self.flow.no_replacement(cmd[1], cmd[2])
-            elif name == "resume" and self.sm.state is State.PAUSE:
-                self.sm.to(State.NORMAL, "operator resume")
-                self.broadcast("resume", {"step": -1, "strategy": "none", "false_alarm": True,
-                                          "incident": 0})
+            elif isinstance(cmd, _Snapshot):
+                cmd.box.append(self._snapshot())
+                cmd.done.set()
+            else:
+                if isinstance(cmd, ProcessExit):
+                    self.drain_router()  # a bye or report it sent before it ended comes first
+                self._feed(self.core.command, cmd)
 
     def _tick(self, now: float) -> None:
-        state = self.sm.state
         if self.role == "active":
-            self.liveness.supervise(now)
-            if self.flow is not None:
-                self.flow.tick(now)
-            if state is State.INIT and (late := self.registration.overdue(now, self._started)):
-                self._fail_init(late)
-            if self.incidents.grow_check and self.flow is None and state is State.NORMAL:
-                self.incidents.grow_check = False
-                self.incidents.maybe_grow(self._now)
-            self.backups.tick_active(now)
-        else:
-            self.backups.standby_tick(now)
+            self.processes.poll(now, self)
+            if self.core.overdue(now):
+                # their heartbeats may be queued behind other input: read it first (bounded)
+                self.drain_router(LOST_DRAIN)
+            self.sockets.now = now
+        self._feed(self.core.tick)
         if self.sockets.router is not None and self.admission.due(now):
             self.drain_router(LOST_DRAIN)  # a REGISTER already queued admits its connection
             self.admission.enforce(now)
         self._write_snapshot()
 
-    # -- InboxHost, RegistrationHost, LivenessHost (and fault, mark_dirty, send, raw_send) --
     def admit(self, part: zmq.Frame) -> bool:
         """The connection `part` came by showed the job's token: admit it (False: the rank
         cap is reached)."""
@@ -419,148 +468,40 @@ class Controller:
             self.sockets.drain(self.sockets.monitor, self._on_monitor)
         return self.admission.admit(part.get(zmq.SRCFD))
 
-    def rank_restarted(self, row: RankInfo) -> None:
-        self.incidents.rank_restarted(row)
-
-    def rank_returned(self, row: RankInfo, replica: dict[str, Any] | None) -> None:
-        self.incidents.rank_returned(row, replica)
-
-    def order(self, rank: int, name: str, payload: Payload) -> None:
-        self.incidents.order(rank, name, payload)
-
-    def ack_frame(self) -> bytes:
-        """The answer to a heartbeat (encoded once per state, epoch and role)."""
-        frame = self._ack_frame
-        if frame is None:
-            frame = self._ack_frame = encode(
-                MsgType.ACK, CONTROLLER, self.next_seq(),
-                {"state": self.sm.state.value, "epoch": self.epoch, "role": self._role_name()})
-        return frame
-
-    def training_finished(self) -> None:
-        """Every member said bye: the job ends with code 0."""
-        self.sm.to(State.EXIT, "training finished")
-        self.incidents.dismiss_returning("training finished before the job could grow by "
-                                         "this rank")
-        self.exit_code = 0
-        emit("exit", CONTROLLER_RANK, code=0, reason="training finished")
-        self.sm.to(State.FINAL, "training finished")
-
-    def rank_missing(self, rank: int) -> None:
-        """A rank was lost during INIT: the roll call waits for it again."""
-        self.registration.missing.add(rank)
-
-    def send_registered(self, row: RankInfo) -> None:
-        lock = self.incident_lock_step()
-        self.send(row.identity, MsgType.REGISTERED, {
-            "epoch": self.epoch, "state": self.sm.state.value,
-            "interval": self.config.heartbeat_interval, "misses": self.config.heartbeat_misses,
-            "backups": self.backups.addresses(), "rejoin": row.fresh,
-            "lock_step": lock, "role": self._role_name()})
-
     def _on_monitor(self, frames: list[bytes]) -> None:
         """Connection events (`ControllerSockets.on_monitor`)."""
         if self.sockets.on_monitor(frames):
-            self._snapshot_dirty = True
-
-    # -- faults -----------------------------------------------------------------------------
-    def fault(self, rank: int, kind: FaultKind, message: str,
-              detail: dict[str, Any] | None = None) -> None:
-        """A fault on `rank`: starts an incident, joins the one under way, or ends INIT."""
-        state = self.sm.state
-        if detail and self.flow is not None:
-            self.flow.incident.details[rank] = detail
-        if state is State.INIT:
-            emit("fault_detected", CONTROLLER_RANK, ranks=[rank], kind=kind.value,
-                 message=message[:500])
-            self._fail_init(f"{kind} on rank {rank} before all ranks registered: {message[:200]}")
-        elif self.flow is None and state in (State.NORMAL, State.PAUSE):
-            self.incidents.open(rank, kind, message, detail, self._now)
-        elif self.flow is not None:
-            self.flow.add_fault(rank, kind, message)
-
-    def _fail_init(self, reason: str) -> None:
-        log.error("initialisation failed: %s", reason)
-        code = self.config.failure_exit_code
-        self.exit_code = code
-        emit("exit", CONTROLLER_RANK, code=code, reason=reason)
-        self.broadcast("exit", ExitOrder(code, reason))
-        self.sm.to(State.FINAL, reason)
-
-    # -- BackupHost (the rest: next_seq, raw_send, broadcast, send_registered, fault) ------
-    def incident_lock_step(self) -> int | None:
-        """The lock step of the incident under way; None when there is none."""
-        return self.incidents.lock_step()
-
-    def adopt(self, epoch: int, features: Features) -> None:
-        """A backup takes the active controller's epoch and features (sync)."""
-        self.epoch = epoch
-        self.features = features
-        self.planner.features = features
-
-    def become_active(self) -> None:
-        """A backup takes charge: a new epoch, and its transitions are events from now on."""
-        self.role = "active"
-        self.epoch += 1
-        self.sm.emit_events = True
-        self._ack_frame = None
-
-    def mark_dirty(self) -> None:
-        """Something a snapshot shows changed."""
-        self._snapshot_dirty = True
-
-    # -- sending ----------------------------------------------------------------------------
-    def next_seq(self) -> int:
-        self._seq += 1
-        return self._seq
-
-    def send(self, identity: bytes, mtype: str, payload: dict[str, Any]) -> None:
-        self.raw_send(identity, encode(mtype, CONTROLLER, self.next_seq(), payload))
-
-    def raw_send(self, identity: bytes, frame: bytes) -> None:
-        self.sockets.raw_send(identity, frame)
-
-    def broadcast(self, name: str, payload: Payload) -> None:
-        self.incidents.send_action_many([r.rank for r in self.table.connected()],
-                                        self.incidents.new_action_id(), name, payload,
-                                        self.config.action_time_limit)
-
-    def _role_name(self) -> str:
-        return "active" if self.role == "active" else "standby"
-
-    def _on_transition(self, old: State, new: State, reason: str) -> None:
-        self._ack_frame = None
-        self._snapshot_dirty = True
-        self.backups.sync_soon()
+            self.core.dirty = True
 
     # -- snapshots ------------------------------------------------------------------------
     def _snapshot(self) -> dict[str, Any]:
+        core = self.core
         return {
-            "state": self.sm.state.value,
-            "role": self._role_name(),
-            "epoch": self.epoch,
+            "state": core.sm.state.value,
+            "role": core.role_name(),
+            "epoch": core.epoch,
             "world_size": self.world_size,
             "port": self.port,
-            "ranks": {str(k): v for k, v in self.table.snapshot().items()},
-            "dropped": dict(self.drops.counts),
-            "dropped_total": self.drops.total,
+            "ranks": {str(k): v for k, v in core.table.snapshot().items()},
+            "dropped": dict(core.drops.counts),
+            "dropped_total": core.drops.total,
             "connections": {**self.sockets.connections, **self.admission.view()},
-            "backups": self.backups.joined(),
-            "incident": self.incidents.view(),
-            "incidents": self.incidents.count,
-            "incident_stats": self.incidents.stats.view(),
+            "backups": core.backups.joined(),
+            "incident": core.incidents.view(),
+            "incidents": core.incidents.count,
+            "incident_stats": core.incidents.stats.view(),
             # seconds since the longest-silent connected rank was heard from
-            "heartbeat_age": self.liveness.heartbeat_age(time.monotonic()),
-            "exit_code": self.exit_code,
-            "history": [s.value for s in self.sm.history],
+            "heartbeat_age": core.liveness.heartbeat_age(time.monotonic()),
+            "exit_code": core.exit_code,
+            "history": [s.value for s in core.sm.history],
         }
 
     def _write_snapshot(self, force: bool = False) -> None:
         path = self._snapshot_path
-        if path is None or not (self._snapshot_dirty or force) or (
+        if path is None or not (self.core.dirty or force) or (
                 not force and self._now < self._next_snapshot):
             return
-        self._snapshot_dirty = False
+        self.core.dirty = False
         self._next_snapshot = self._now + 0.1
         tmp = f"{path}.tmp{os.getpid()}"
         with open(tmp, "w", encoding="utf-8") as f:

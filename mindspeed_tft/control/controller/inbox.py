@@ -1,12 +1,14 @@
 """The controller's inbox: what it does with each message a processor or a backup sends.
 
-`Inbox` is held by the controller (`Controller.inbox`) and runs in its loop thread. Every
-frame is checked before it is decoded (its type's size cap, and whether the connection it
+`Inbox` is part of the controller's core (`ControllerCore.inbox`). Every frame is checked
+before it is decoded (its type's size cap, and whether the connection it
 came by may send it at all), then bound to the rank registered from that connection (a
 spoofed sender or a replayed sequence number is dropped), and dispatched: heartbeats (rank
 progress, answers), registrations (`registration`), fault reports, action results (the
 incident under way), byes (a rank finished training) and backup controllers' hellos
-(`backup`). It reaches back into the controller only through the `InboxHost` methods below.
+(`backup`). It reaches back into the core only through the `InboxHost` methods below, and
+to the connection a frame came by only through its `Link` (the shell's connection and
+admission; the simulator's connection).
 """
 
 from __future__ import annotations
@@ -14,11 +16,9 @@ from __future__ import annotations
 import logging
 from typing import Any, Protocol
 
-import zmq
-
 from ..wire.classify import FaultKind
 from ..wire.config import ControlConfig
-from ..wire.order_types import ExitOrder, Payload
+from ..wire.order_types import ExitOrder, Payload, ResumeOrder
 from ..wire.protocol import (
     SEQ_WINDOW,
     TO_CONTROLLER,
@@ -31,19 +31,32 @@ from ..wire.protocol import (
     peek,
     seq_in_window,
 )
+from ..wire.results import ReportMessage, ResultError, ResultMessage
 from ..wire.transport import token_ok
-from .admission import Admission
 from .backup import BackupSync
 from .incident import IncidentFlow
 from .ranktable import CONNECTED, Health, RankInfo, RankTable
 from .registration import Registration
-from .sockets import ControllerSockets
 from .states import State, StateMachine
 
 log = logging.getLogger("mindspeed_tft.control.controller")
 
 #: types an unregistered connection may send (anything else is dropped before decoding)
 _UNBOUND_TYPES = frozenset({MsgType.REGISTER, MsgType.BACKUP})
+
+
+class Link(Protocol):
+    """The connection a frame came by (the shell's `sockets.FrameLink`; the simulator's)."""
+
+    @property
+    def key(self) -> str | None:
+        """CURVE: the sender's public key (the ZAP User-Id of its frame); None without."""
+
+    def admit(self) -> bool:
+        """It showed the job's token: admit the connection (False: the rank cap is reached)."""
+
+    def known(self) -> None:
+        """A registered rank's frame (maybe over a new connection): admit it if pending."""
 
 
 class InboxHost(Protocol):
@@ -53,7 +66,8 @@ class InboxHost(Protocol):
 
     @property
     def flow(self) -> IncidentFlow | None: ...
-    def admit(self, part: zmq.Frame) -> bool: ...
+    @property
+    def now(self) -> float: ...
     def fault(self, rank: int, kind: FaultKind, message: str,
               detail: dict[str, Any] | None = None) -> None: ...
     def mark_dirty(self) -> None: ...
@@ -68,27 +82,23 @@ class Inbox:
     """Messages to the controller (see the module docstring)."""
 
     def __init__(self, host: InboxHost, *, config: ControlConfig, table: RankTable,
-                 sm: StateMachine, drops: DropCounter, limits: Limits, admission: Admission,
-                 sockets: ControllerSockets, registration: Registration,
-                 backups: BackupSync) -> None:
+                 sm: StateMachine, drops: DropCounter, limits: Limits,
+                 registration: Registration, backups: BackupSync) -> None:
         self.host = host
         self.config = config
         self.table = table
         self.sm = sm
         self.drops = drops
         self.limits = limits
-        self.admission = admission
-        self.sockets = sockets
         self.registration = registration
         self.backups = backups
 
-    def on_frame(self, identity: bytes, part: zmq.Frame, extra: int = 0) -> None:
-        """One message from the ROUTER: the sender's routing id and its frame (`extra`:
-        how many frames more it had)."""
+    def on_frame(self, identity: bytes, frame: bytes, link: Link, extra: int = 0) -> None:
+        """One message from the ROUTER: the sender's routing id, its frame and the connection
+        it came by (`extra`: how many frames more it had)."""
         if extra:
             self.drops.drop("frames", f"{extra + 1} frames")
             return
-        frame = part.bytes
         bound = self.table.lookup(identity)
         try:
             # the type from the header, its size cap, and whether this connection may send
@@ -101,20 +111,18 @@ class Inbox:
             self.drops.drop(e.reason, e.detail)
             self.host.mark_dirty()
             return
-        if bound is not None and self.admission.pending:
+        if bound is not None:
             # a registered rank's process, maybe on a new connection (a reconnect keeps its
             # routing id): that connection is admitted
-            fd = part.get(zmq.SRCFD)
-            if self.admission.is_pending(fd):
-                self.admission.admit(fd)
-        self._dispatch(t, identity, msg, part)
+            link.known()
+        self._dispatch(t, identity, msg, link)
 
-    def _dispatch(self, t: str, identity: bytes, msg: Message, part: zmq.Frame) -> None:
-        now = self.sockets.now
+    def _dispatch(self, t: str, identity: bytes, msg: Message, link: Link) -> None:
+        now = self.host.now
         if t == MsgType.HEARTBEAT:
             self._on_heartbeat(identity, msg)
         elif t == MsgType.REGISTER:
-            self.registration.on_register(identity, msg, now, self.sockets.key(part), part)
+            self.registration.on_register(identity, msg, now, link.key, link)
         elif t == MsgType.REPORT:
             self._on_report(identity, msg)
         elif t == MsgType.RESULT:
@@ -122,11 +130,11 @@ class Inbox:
         elif t == MsgType.BYE:
             self._on_bye(identity, msg)
         elif t == MsgType.BACKUP and self.host.role == "active":
-            key = self.sockets.key(part)
-            curve = self.sockets.curve
+            key = link.key
+            server_key = self.backups.server_key
             if token_ok(self.config, msg.payload.get("token")) and (
-                    curve is None or key == curve.server_user_id):
-                self.host.admit(part)  # a backup controller: it holds the job's token
+                    server_key is None or key == server_key):
+                link.admit()  # a backup controller: it holds the job's token
             self.backups.on_backup(identity, msg, now, key)
         else:
             self.drops.drop("unexpected_type", t)
@@ -145,7 +153,7 @@ class Inbox:
                                         f"{SEQ_WINDOW}")
         else:
             row.last_seq = msg.seq
-            row.last_seen = self.sockets.now
+            row.last_seen = self.host.now
             return row
         self.host.mark_dirty()
         return None
@@ -175,7 +183,7 @@ class Inbox:
                                                             "this rank was declared lost"))
                 row.health = Health.EXITING
                 return
-        now = self.sockets.now
+        now = self.host.now
         if self.host.role == "backup" and self.backups.active_alive(now):
             self.host.send(identity, MsgType.REDIRECT, {"reason": "the active controller is alive"})
             self.backups.redirected(now)
@@ -188,16 +196,20 @@ class Inbox:
         row = self._bound(identity, msg)
         if row is None or self.host.role != "active":
             return
-        p = msg.payload
-        kind = FaultKind(p["kind"])
+        try:
+            report = ReportMessage.from_wire(msg.payload)
+        except ResultError as e:  # (the frame's check leaves only the detail's keys)
+            self.drops.drop("bad report", f"rank {row.rank}: {e}")
+            self.host.mark_dirty()
+            return
+        kind = report.fault
         if row.health in CONNECTED:
-            row.step, row.status = p["step"], p["status"]
+            row.step, row.status = report.step, report.status
         flow = self.host.flow
         if kind is FaultKind.NORMAL:
             if flow is None and self.sm.state in (State.NORMAL, State.PAUSE):
                 # a rank stopped itself with no incident under way: let it go on
-                self.host.order(row.rank, "resume", {
-                    "incident": 0, "step": row.step, "strategy": "none", "false_alarm": True})
+                self.host.order(row.rank, "resume", ResumeOrder(0, row.step, "none", True))
             return
         if row.health not in CONNECTED:
             return
@@ -205,13 +217,22 @@ class Inbox:
             return  # a report that crossed the stop: its training thread did come back
         row.health = Health.HUNG if kind is FaultKind.HANG else Health.FAULTY
         self.host.mark_dirty()
-        self.host.fault(row.rank, kind, p["message"], p.get("detail"))
+        self.host.fault(row.rank, kind, report.message, report.detail)
 
     def _on_result(self, identity: bytes, msg: Message) -> None:
         row = self._bound(identity, msg)
         flow = self.host.flow
-        if row is not None and flow is not None:
-            flow.on_result(row.rank, msg.payload)
+        if row is None or flow is None:
+            return
+        p = msg.payload  # id, action, ok, result, error: checked with the frame
+        try:
+            result = ResultMessage.from_wire(p)
+        except ResultError as e:
+            # a result that does not match its order's type: the order failed, and the
+            # failure names the field
+            log.error("rank %d: %s", row.rank, e)
+            result = ResultMessage(p["id"], p["action"], error=f"ResultError: {e}")
+        flow.on_result(row.rank, result)
 
     def _on_bye(self, identity: bytes, msg: Message) -> None:
         row = self._bound(identity, msg)

@@ -39,7 +39,7 @@ than its deadline, so nothing hangs.
 A phase ends in the flow's `_after` table (phase name -> the method that takes its results);
 the elastic phases (scale_in, scale_out) are `scaling.Scaling`'s.
 
-When a flow ends (`_resume`, `_exit`), its `outcome` says how: the kind of its first fault, the
+When a flow ends (`resume`, `end_job`), its `outcome` says how: the kind of its first fault, the
 strategy, the outcome, the time to recover and the iterations lost. The controller's
 `incidents.Incidents` adds it to its `IncidentStats` (`flow_finished`), which the metrics
 endpoint serves (`metrics`).
@@ -54,10 +54,20 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ...events import CONTROLLER_RANK, emit, validate_record
+from ...events import CONTROLLER_RANK, validate_record
 from ..wire.classify import FaultKind
 from ..wire.config import ControlConfig
-from ..wire.order_types import ExitOrder, Payload
+from ..wire.order_types import ExitOrder, HoldOrder, Payload, ResumeOrder
+from ..wire.results import (
+    ActionResult,
+    CleanResult,
+    EmptyResult,
+    HoldResult,
+    RenameResult,
+    ResultMessage,
+    RollbackResult,
+    StopResult,
+)
 from .elasticity import Elasticity
 from .ranktable import CONNECTED, Health, RankInfo, RankTable
 from .scaling import Scaling, fail_text
@@ -104,10 +114,12 @@ class Incident:
     #: resume hands those up to its step to the logging rank (logged exactly once)
     iterations: dict[int, dict[str, Any]] = field(default_factory=dict)
 
-    def note_iterations(self, result: Any) -> None:
-        """Keep the iteration records a result carries (network input: checked)."""
-        records = result.get("iterations") if isinstance(result, dict) else None
-        for value in records[:8] if isinstance(records, list) else ():
+    def note_iterations(self, result: ActionResult) -> None:
+        """Keep the iteration records a stop or rollback result carries (each record
+        checked: network input)."""
+        records = (result.iterations if isinstance(result, (StopResult, RollbackResult))
+                   else None)
+        for value in records[:8] if records is not None else ():
             record = validate_record(value)
             if record is None:
                 continue
@@ -178,8 +190,17 @@ class Phase:
     action_id: int
     deadline: float
     pending: set[int]
-    results: dict[int, dict[str, Any]] = field(default_factory=dict)
+    results: dict[int, ActionResult] = field(default_factory=dict)
     failures: dict[int, str] = field(default_factory=dict)
+
+
+def outcome_of(inc: Incident, resumed_at: float | None, outcome: str, lost: int) -> Outcome:
+    """How `inc` ended (`resumed_at`: the events-clock time training resumed, if it did)."""
+    took = None
+    if resumed_at is not None and inc.detected is not None:
+        took = max(0.0, resumed_at - inc.detected)
+    kind = inc.first_kind.value if inc.first_kind is not None else "none"
+    return Outcome(kind, str(inc.strategy or "none"), outcome, took, lost)
 
 
 class FlowHost(Protocol):
@@ -192,6 +213,7 @@ class FlowHost(Protocol):
     elasticity: Elasticity
 
     def now(self) -> float: ...
+    def emit(self, event: str, rank: int, **fields: Any) -> dict[str, Any]: ...
     def new_action_id(self) -> int: ...
     def send_action(self, rank: int, action_id: int, name: str, payload: Payload,
                     timeout: float) -> None: ...
@@ -220,10 +242,12 @@ class IncidentFlow:
         #: elastic training: a shrink or a grow of the job (`scaling`)
         self.scaling = Scaling(self)
         self.done = False
+        #: a repair that reloads the last checkpoint was sent (the lock step is gone)
+        self.reloaded = False
         self.exit_code: int | None = None
         #: the time (events clock) of the event after which training resumed
         self.resumed_at: float | None = None
-        #: how it ended, for the controller's counters (set by `_resume` and `_exit`)
+        #: how it ended, for the controller's counters (set by `resume` and `end_job`)
         self.outcome: Outcome | None = None
         #: what runs when a phase ends (all its ranks answered, or its deadline passed)
         self._after: dict[str, Callable[[Phase], None]] = {
@@ -247,7 +271,7 @@ class IncidentFlow:
         scaling = self.scaling
         scaling.growing = (list(world), dp_size)
         scaling.joining = list(joining)
-        self.incident.detected = emit(
+        self.incident.detected = self.host.emit(
             "scale_out_started", CONTROLLER_RANK, world_size=len(world), dp_size=dp_size,
             joining=scaling.joining, incident=self.incident.id)["time"]
         self.host.sm.to(State.ABNORMAL, f"scale-out: ranks {scaling.joining} came back; the job "
@@ -290,20 +314,20 @@ class IncidentFlow:
         if self.host.sm.state is State.ABNORMAL and self.incident.faults.get(rank) is FaultKind.HANG:
             self._withdraw(rank, "made progress again")
 
-    def on_result(self, rank: int, payload: dict[str, Any]) -> None:
+    def on_result(self, rank: int, message: ResultMessage) -> None:
         phase = self.phase
-        if phase is None or payload["id"] != phase.action_id or rank not in phase.pending:
+        if phase is None or message.id != phase.action_id or rank not in phase.pending:
             return
         phase.pending.discard(rank)
-        log.debug("rank %d: %s result ok=%s %s", rank, phase.name, payload["ok"],
-                  str(payload.get("result") or payload.get("error"))[:200])
-        if payload["ok"]:
-            phase.results[rank] = payload["result"]
-            if phase.name in ("hold", "stop"):
-                self._note_status(rank, payload["result"])
-            self.incident.note_iterations(payload["result"])
+        log.debug("rank %d: %s result ok=%s %s", rank, phase.name, message.ok,
+                  str(message.result if message.ok else message.error)[:200])
+        if message.result is not None:
+            phase.results[rank] = message.result
+            if isinstance(message.result, (HoldResult, StopResult)):
+                self._note_status(rank, message.result)
+            self.incident.note_iterations(message.result)
         else:
-            phase.failures[rank] = payload.get("error", "failed")
+            phase.failures[rank] = message.error or "failed"
         if not phase.pending:
             self._phase_done()
 
@@ -323,7 +347,7 @@ class IncidentFlow:
         state = self.host.sm.state
         if self.done or state in (State.DUMP, State.EXIT, State.FINAL) or (
                 inc.strategy is not None and inc.strategy is not Strategy.RECOVER):
-            self._send(rank, "exit", ExitOrder(self.host.config.failure_exit_code,
+            self.send_order(rank, "exit", ExitOrder(self.host.config.failure_exit_code,
                                                "the job is not being recovered"))
             row = self.host.table.get(rank)
             if row is not None:
@@ -333,7 +357,7 @@ class IncidentFlow:
         phase = self.phase
         if phase is not None and phase.name == "rejoin" and rank in phase.pending:
             phase.pending.discard(rank)
-            phase.results[rank] = {}
+            phase.results[rank] = EmptyResult()
             if not phase.pending:
                 self._phase_done()
 
@@ -368,7 +392,7 @@ class IncidentFlow:
             row = self.host.table.get(rank)
             if kind in PROCESS_KINDS and row is not None and not row.fresh:
                 inc.lost_steps[rank] = row.step
-            event = emit("fault_detected", CONTROLLER_RANK, ranks=[rank], kind=kind.value,
+            event = self.host.emit("fault_detected", CONTROLLER_RANK, ranks=[rank], kind=kind.value,
                          message=message[:500], incident=inc.id)
             if inc.detected is None:
                 inc.detected = event["time"]
@@ -380,15 +404,15 @@ class IncidentFlow:
         """The fault recorded for `rank` was not one (`fault_withdrawn` event)."""
         inc = self.incident
         kind = inc.faults.pop(rank)
-        emit("fault_withdrawn", CONTROLLER_RANK, ranks=[rank], kind=kind.value, message=why,
+        self.host.emit("fault_withdrawn", CONTROLLER_RANK, ranks=[rank], kind=kind.value, message=why,
              incident=inc.id)
         log.info("rank %d: %s report withdrawn: %s", rank, kind, why)
 
-    def _note_status(self, rank: int, result: dict[str, Any]) -> None:
+    def _note_status(self, rank: int, result: HoldResult | StopResult) -> None:
         row = self.host.table.get(rank)
         if row is None:
             return
-        parked = result.get("parked")
+        parked = result.parked if isinstance(result, StopResult) else None
         if parked is True:
             self.incident.parked.add(rank)
         if parked is True and self.incident.faults.get(rank) is FaultKind.HANG:
@@ -399,22 +423,18 @@ class IncidentFlow:
         elif parked is False and rank not in self.incident.faults:
             row.health = Health.HUNG
             self._record(rank, FaultKind.HANG, "training thread did not come back when stopped")
-        step, status = result.get("step"), result.get("status")
-        if type(step) is int and step >= 0:
-            row.step = step
-        if status in ("updated", "updating"):
-            row.status = status
+        row.step, row.status = result.step, result.status
 
-    def _send(self, rank: int, name: str, payload: Payload, action_id: int | None = None) -> None:
+    def send_order(self, rank: int, name: str, payload: Payload, action_id: int | None = None) -> None:
         aid = self.host.new_action_id() if action_id is None else action_id
         self.host.send_action(rank, aid, name, payload, self.host.config.action_time_limit)
 
-    def _start_phase(self, name: str, targets: list[int], payload: Payload | None = None,
+    def start_phase(self, name: str, targets: list[int], payload: Payload | None = None,
                      per_rank: Mapping[int, Payload] | None = None) -> None:
         aid = self.host.new_action_id()
         limit = self.host.config.action_time_limit
         self.phase = Phase(name, aid, self.host.now() + limit, set(targets))
-        emit("action", CONTROLLER_RANK, action=name, targets=len(targets), incident=self.incident.id)
+        self.host.emit("action", CONTROLLER_RANK, action=name, targets=len(targets), incident=self.incident.id)
         if per_rank is None:
             assert payload is not None
             self.host.send_action_many(list(targets), aid, name, payload, limit)
@@ -434,7 +454,7 @@ class IncidentFlow:
         """ABNORMAL, first round: hold every rank before its next update and learn its
         exact step (heartbeats are up to an interval old); `_after_hold` sends the stop."""
         targets = [r.rank for r in self.host.table.connected() if not r.fresh]
-        self._start_phase("hold", targets, {"incident": self.incident.id})
+        self.start_phase("hold", targets, HoldOrder(self.incident.id))
 
     def _after_hold(self, phase: Phase) -> None:
         """Second round: stop the held ranks with the provisional lock step their answers
@@ -446,7 +466,7 @@ class IncidentFlow:
         payload = self.host.planner.stop_payload(self.incident, self.host.table)
         log.info("incident %d: stop sent to %d ranks, provisional lock step %d",
                  self.incident.id, len(targets), payload.lock_step)
-        self._start_phase("stop", targets, payload)
+        self.start_phase("stop", targets, payload)
 
     def _mark_hung(self, phase: Phase, why: str) -> None:
         for r, err in phase.failures.items():
@@ -472,18 +492,18 @@ class IncidentFlow:
         inc.lock_step = host.planner.lock_step(inc, host.table)
         strategy = host.planner.choose(inc)
         if strategy is None:  # every fault was withdrawn: false alarm
-            emit("strategy", CONTROLLER_RANK, strategy="none", lock_step=inc.lock_step,
+            self.host.emit("strategy", CONTROLLER_RANK, strategy="none", lock_step=inc.lock_step,
                  incident=inc.id)
-            self._resume(false_alarm=True)
+            self.resume(false_alarm=True)
             return
-        reason = f"faults {self._fault_text()}"
+        reason = "faults " + ", ".join(f"rank {r}: {k}" for r, k in sorted(inc.faults.items()))
         if inc.lock_step == 0:
             strategy = Strategy.EXIT
             reason = ("no optimizer update completed yet (lock step 0): there is nothing to "
                       "repair or dump")
         inc.strategy = strategy
         inc.source = host.planner.repair_source(strategy, inc)
-        emit("strategy", CONTROLLER_RANK, strategy=strategy.value, lock_step=inc.lock_step,
+        self.host.emit("strategy", CONTROLLER_RANK, strategy=strategy.value, lock_step=inc.lock_step,
              source=inc.source, faults={str(r): k.value for r, k in inc.faults.items()},
              incident=inc.id)
         log.warning("incident %d: strategy %s at lock step %d (%s)", inc.id, strategy,
@@ -505,13 +525,13 @@ class IncidentFlow:
                 if kind in PROCESS_KINDS and row is not None and (
                         not row.fresh or r in inc.unreplaceable):
                     if row.connected:  # hung: end the process so its launcher restarts it
-                        self._send(r, "exit", ExitOrder(self.host.config.reboot_exit_code,
+                        self.send_order(r, "exit", ExitOrder(self.host.config.reboot_exit_code,
                                                         "hung rank restarted (ARF)"))
                         row.health = Health.EXITING
                     inc.awaiting.add(r)
             inc.awaiting -= {r for r in inc.new_ranks if (row := table.get(r)) and row.connected}
         targets = [r.rank for r in table.connected() if not r.fresh]
-        self._start_phase("clean", targets, self.host.planner.clean_payload(inc))
+        self.start_phase("clean", targets, self.host.planner.clean_payload(inc))
 
     def _after_clean(self, phase: Phase) -> None:
         if phase.failures:
@@ -520,11 +540,9 @@ class IncidentFlow:
         inc = self.incident
         for rank, result in phase.results.items():
             # a faulty rank's clean may find what its fault damaged (an SDK host: a UCE
-            # that hit memory holding nothing to copy back, SPEC 8); network input: checked
-            target = result.get("detail", {}).get("target") if isinstance(
-                result.get("detail"), dict) else None
-            if rank in inc.faults and isinstance(target, str) and len(target) <= 32:
-                inc.details.setdefault(rank, {})["target"] = target
+            # that hit memory holding nothing to copy back, SPEC 8)
+            if rank in inc.faults and isinstance(result, CleanResult) and result.spared:
+                inc.details.setdefault(rank, {})["target"] = "spared"
         if inc.awaiting:
             limit = self.host.config.effective_replacement_wait
             phase = Phase("rejoin", -1, self.host.now() + limit, set(inc.awaiting))
@@ -565,7 +583,10 @@ class IncidentFlow:
         except PlanError as e:
             self._repair_failed(f"repair impossible: {e}")
             return
-        self._start_phase("repair", targets, per_rank=payloads)
+        # a repair from the checkpoint replaces the ranks' state: no dump of the lock step
+        # after it has begun (found by the simulator: tft-sim --seed 656 --world 8)
+        self.reloaded = inc.source == "checkpoint"
+        self.start_phase("repair", targets, per_rank=payloads)
 
     def _after_repair(self, phase: Phase) -> None:
         if phase.failures:
@@ -577,7 +598,7 @@ class IncidentFlow:
             self._repair_failed(f"rollback impossible: {e}")
             return
         targets = [r.rank for r in self.host.table.connected()]
-        self._start_phase("rollback", targets, payload)
+        self.start_phase("rollback", targets, payload)
 
     def _after_rollback(self, phase: Phase) -> None:
         if phase.failures:
@@ -585,18 +606,17 @@ class IncidentFlow:
             return
         inc = self.incident
         step = inc.rollback_step if inc.rollback_step is not None else inc.lock_step
-        self.resumed_at = emit("repaired", CONTROLLER_RANK, strategy=str(inc.strategy),
+        self.resumed_at = self.host.emit("repaired", CONTROLLER_RANK, strategy=str(inc.strategy),
                                lock_step=inc.lock_step, step=step, incident=inc.id)["time"]
-        self._resume(false_alarm=False)
+        self.resume(false_alarm=False)
 
-    def _resume(self, *, false_alarm: bool) -> None:
+    def resume(self, *, false_alarm: bool) -> None:
         inc, host = self.incident, self.host
         step = inc.rollback_step if inc.rollback_step is not None else inc.lock_step
-        payload = {"incident": inc.id, "step": step, "strategy": str(inc.strategy or "none"),
-                   "false_alarm": false_alarm,
-                   "iterations": [inc.iterations[i] for i in sorted(inc.iterations) if i <= step]}
-        self.outcome = self._outcome(
-            "false_alarm" if false_alarm else "scaled_in" if self.scaling.shrinking is not None
+        payload = ResumeOrder(inc.id, step, str(inc.strategy or "none"), false_alarm,
+                              tuple(inc.iterations[i] for i in sorted(inc.iterations) if i <= step))
+        self.outcome = outcome_of(
+            inc, self.resumed_at, "false_alarm" if false_alarm else "scaled_in" if self.scaling.shrinking is not None
             else "scaled_out" if self.scaling.growing is not None else "repaired",
             lost=0 if false_alarm else max(0, inc.lock_step - step))
         rows = host.table.connected()
@@ -613,7 +633,7 @@ class IncidentFlow:
 
     def _repair_failed(self, reason: str) -> None:
         log.error("incident %d: %s; falling back to dump", self.incident.id, reason)
-        emit("repair_failed", CONTROLLER_RANK, reason=reason, incident=self.incident.id)
+        self.host.emit("repair_failed", CONTROLLER_RANK, reason=reason, incident=self.incident.id)
         self._enter_dump(reason)
 
     def _enter_dump(self, reason: str) -> None:
@@ -621,52 +641,58 @@ class IncidentFlow:
         self.phase = None
         host.sm.to(State.DUMP, reason)
         if inc.strategy is Strategy.EXIT:
-            self._exit(host.config.failure_exit_code, reason)
+            self.end_job(host.config.failure_exit_code, reason)
+            return
+        if self.reloaded:  # what the ranks hold is the checkpoint's step, or part of it
+            self.end_job(host.config.failure_exit_code,
+                         f"{reason}; no dump: the ranks were reloading the last checkpoint, "
+                         "they no longer hold the lock step")
             return
         targets = [r.rank for r in host.table.connected() if not r.fresh]
         try:
             payloads, self.renamer = host.planner.dump_payloads(inc, host.table, targets)
         except PlanError as e:
-            self._exit(host.config.failure_exit_code, f"dump impossible: {e}")
+            self.end_job(host.config.failure_exit_code, f"dump impossible: {e}")
             return
         self.writers = {r for r, p in payloads.items() if p.shards}
-        self._start_phase("dump", targets, per_rank=payloads)
+        self.start_phase("dump", targets, per_rank=payloads)
 
     def _after_dump(self, phase: Phase) -> None:
         failed = {r: e for r, e in phase.failures.items() if r in self.writers}
         if failed:
             text = "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))
-            self._exit(self.host.config.failure_exit_code, f"dump failed ({text})")
+            self.end_job(self.host.config.failure_exit_code, f"dump failed ({text})")
             return
         assert self.renamer is not None
-        self._start_phase("rename", [self.renamer], self.host.planner.rename_payload(self.incident))
+        self.start_phase("rename", [self.renamer], self.host.planner.rename_payload(self.incident))
 
     def _after_rename(self, phase: Phase) -> None:
         if phase.failures:
-            self._exit(self.host.config.failure_exit_code,
+            self.end_job(self.host.config.failure_exit_code,
                        f"rename of the dump failed: {fail_text(phase)}")
             return
-        where = next((res.get("path") for res in phase.results.values() if res.get("path")), None)
+        where = next((res.path for res in phase.results.values()
+                      if isinstance(res, RenameResult) and res.path), None)
         if self.scaling.shrinking is not None and where:
             self.scaling.start_scale_in(where)
             return
         if self.scaling.growing is not None and where:
             self.scaling.start_scale_out(where)
             return
-        self._exit(self.host.config.dump_exit_code,
+        self.end_job(self.host.config.dump_exit_code,
                    f"dying-gasp checkpoint saved at iteration {self.incident.lock_step}"
                    + (f" in {where}" if where else ""))
 
-    def _exit(self, code: int, reason: str) -> None:
+    def end_job(self, code: int, reason: str) -> None:
         host = self.host
         self.phase = None
         if self.scaling.growing is not None:
             self.scaling.send_joining_away(reason)
         self.exit_code = code
-        self.outcome = self._outcome("dumped" if code == host.config.dump_exit_code
-                                     else "exited", lost=0)
+        self.outcome = outcome_of(self.incident, self.resumed_at, "dumped"
+                                  if code == host.config.dump_exit_code else "exited", lost=0)
         host.sm.to(State.EXIT, reason)
-        emit("exit", CONTROLLER_RANK, code=code, reason=reason, incident=self.incident.id)
+        self.host.emit("exit", CONTROLLER_RANK, code=code, reason=reason, incident=self.incident.id)
         (log.info if code == 0 else log.error)("exit with code %d: %s", code, reason)
         rows = host.table.connected()
         payload = ExitOrder(code, reason)
@@ -685,19 +711,7 @@ class IncidentFlow:
         host.sm.to(State.FINAL, reason)
         self._finish()
 
-    def _outcome(self, outcome: str, lost: int) -> Outcome:
-        inc = self.incident
-        took = None  # resumed_at: set by the event after which training resumes
-        if self.resumed_at is not None and inc.detected is not None:
-            took = max(0.0, self.resumed_at - inc.detected)
-        kind = inc.first_kind.value if inc.first_kind is not None else "none"
-        return Outcome(kind, str(inc.strategy or "none"), outcome, took, lost)
-
     def _finish(self) -> None:
         self.done = True
         self.phase = None
         self.host.flow_finished(self)
-
-    # -- text -------------------------------------------------------------------------
-    def _fault_text(self) -> str:
-        return ", ".join(f"rank {r}: {k}" for r, k in sorted(self.incident.faults.items()))

@@ -1,6 +1,6 @@
 """Registration: which connection speaks for which rank, and the roll call of INIT.
 
-`Registration` is held by the controller (`Controller.registration`) and runs in its loop
+`Registration` is part of the controller's core (`ControllerCore.registration`), in its loop
 thread. It refuses registrations without the job's token, for a rank or world size the job
 does not have, or beyond the admitted connections' rank cap; binds a rank to the connection
 (and, under CURVE, the key) it registered from; tells a repeated registration from a
@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import logging
 from typing import Any, Protocol
-
-import zmq
 
 from ...features import Features
 from ..wire.config import ControlConfig
@@ -33,12 +31,17 @@ class RegistrationHost(Protocol):
     role: str
     features: Features
 
-    def admit(self, part: zmq.Frame) -> bool: ...
     def mark_dirty(self) -> None: ...
     def send(self, identity: bytes, mtype: str, payload: dict[str, Any]) -> None: ...
     def send_registered(self, row: RankInfo) -> None: ...
     def rank_returned(self, row: RankInfo, replica: dict[str, Any] | None) -> None: ...
     def rank_restarted(self, row: RankInfo) -> None: ...
+
+
+class Admit(Protocol):
+    """The connection a registration came by (`inbox.Link`)."""
+
+    def admit(self) -> bool: ...
 
 
 class ProcessWatch(Protocol):
@@ -87,7 +90,7 @@ class Registration:
             return now - row.last_seen > self.config.lost_after
         return row.health not in CONNECTED
 
-    def refused(self, identity: bytes, msg: Message, part: zmq.Frame | None) -> bool:
+    def refused(self, identity: bytes, msg: Message, link: Admit | None) -> bool:
         """Refuse a registration without the job's token, for a rank or world size this
         job does not have, or beyond the rank cap of admitted connections (True: refused).
         A refusal says nothing about the job (no world size, no rank state): the details
@@ -102,18 +105,18 @@ class Registration:
                             f"(this job: {self.world_size})")
             self.host.send(identity, MsgType.REJECT, REFUSED)
             return True
-        if part is not None and not self.host.admit(part):  # its connection shows the token
+        if link is not None and not link.admit():  # its connection shows the token
             self.drops.drop("over_cap", f"register claiming rank {rank}")
             self.host.send(identity, MsgType.REJECT, REFUSED_FOR_NOW)
             return True
         return False
 
     def on_register(self, identity: bytes, msg: Message, now: float, key: str | None = None,
-                    part: zmq.Frame | None = None) -> None:
-        """A rank registers; `key`: its CURVE public key (None without CURVE); `part`: the
-        frame it came in (its connection is admitted once the token matches)."""
+                    link: Admit | None = None) -> None:
+        """A rank registers; `key`: its CURVE public key (None without CURVE); `link`: the
+        connection it came by (admitted once the token matches)."""
         rank = msg.sender
-        if self.refused(identity, msg, part):
+        if self.refused(identity, msg, link):
             return
         bound = self.table.lookup(identity)
         if bound is not None and bound.rank != rank:

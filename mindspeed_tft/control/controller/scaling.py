@@ -15,9 +15,10 @@ import logging
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from ...events import CONTROLLER_RANK, emit
+from ...events import CONTROLLER_RANK
 from ..wire.config import ControlConfig
-from ..wire.order_types import ExitOrder, Payload
+from ..wire.order_types import ExitOrder, Payload, ScaleInOrder, ScaleOutOrder
+from ..wire.results import ActionResult, ScaleResult
 from .elasticity import Elasticity
 from .ranktable import Health, RankTable
 from .states import State, StateMachine
@@ -42,19 +43,21 @@ class _ScaleHost(Protocol):
     @property
     def elasticity(self) -> Elasticity: ...
     def now(self) -> float: ...
+    def emit(self, event: str, rank: int, **fields: Any) -> dict[str, Any]: ...
 
 
 class PhaseResults(Protocol):
     """What came back from one phase (`incident.Phase`)."""
 
     @property
-    def results(self) -> dict[int, dict[str, Any]]: ...
+    def results(self) -> dict[int, ActionResult]: ...
     @property
     def failures(self) -> dict[int, str]: ...
 
 
 class ScaleFlow(Protocol):
-    """What `Scaling` needs from its incident flow (the flow's own helpers)."""
+    """What `Scaling` needs from its incident flow (`incident.IncidentFlow`'s public
+    interface: send one order, start a phase, end the job, resume training)."""
 
     resumed_at: float | None
 
@@ -62,12 +65,12 @@ class ScaleFlow(Protocol):
     def incident(self) -> _Numbered: ...
     @property
     def host(self) -> _ScaleHost: ...
-    def _send(self, rank: int, name: str, payload: Payload,
-              action_id: int | None = None) -> None: ...
-    def _start_phase(self, name: str, targets: list[int], payload: Payload | None = None,
-                     per_rank: Mapping[int, Payload] | None = None) -> None: ...
-    def _exit(self, code: int, reason: str) -> None: ...
-    def _resume(self, *, false_alarm: bool) -> None: ...
+    def send_order(self, rank: int, name: str, payload: Payload,
+                   action_id: int | None = None) -> None: ...
+    def start_phase(self, name: str, targets: list[int], payload: Payload | None = None,
+                    per_rank: Mapping[int, Payload] | None = None) -> None: ...
+    def end_job(self, code: int, reason: str) -> None: ...
+    def resume(self, *, false_alarm: bool) -> None: ...
 
 
 def fail_text(phase: PhaseResults) -> str:
@@ -108,7 +111,7 @@ class Scaling:
             why = ("no data-parallel replica is left" if not staying else
                    f"ranks {gone} of the remaining replicas are gone too" if gone else
                    "the lost ranks' data-parallel replicas are unknown")
-            flow._exit(host.config.dump_exit_code,
+            flow.end_job(host.config.dump_exit_code,
                        f"elastic training cannot shrink ({why}); dying-gasp checkpoint saved "
                        f"at iteration {inc.lock_step} in {path}")
             return
@@ -116,12 +119,12 @@ class Scaling:
         for rank in self.leaving:  # the lost ranks' peers in their replicas leave too
             row = host.table.get(rank)
             if row is not None and row.connected:
-                flow._send(rank, "exit", ExitOrder(0, "left the job: elastic training "
+                flow.send_order(rank, "exit", ExitOrder(0, "left the job: elastic training "
                                                    f"shrank it without data-parallel replica(s) "
                                                    f"of ranks {sorted(self.shrinking)}"))
                 row.health = Health.EXITING
-        flow._start_phase("scale_in", staying, {"incident": inc.id, "lock_step": inc.lock_step,
-                                                "path": path, "ranks": staying})
+        flow.start_phase("scale_in", staying,
+                         ScaleInOrder(inc.id, inc.lock_step, path, tuple(staying)))
 
     def after_scale_in(self, phase: PhaseResults) -> None:
         flow = self.flow
@@ -129,11 +132,11 @@ class Scaling:
         if phase.failures:
             self.end_with_the_dump(f"scale-in failed ({fail_text(phase)})")
             return
-        results = phase.results
-        staying = sorted(r for r, res in results.items() if res.get("stays"))
+        results = {r: res for r, res in phase.results.items() if isinstance(res, ScaleResult)}
+        staying = sorted(r for r, res in results.items() if res.stays)
         standby = sorted(r for r in results if r not in staying)
         for rank in standby:  # the DP size the global batch splits evenly over is smaller
-            flow._send(rank, "exit", ExitOrder(0, "left the job: the global batch "
+            flow.send_order(rank, "exit", ExitOrder(0, "left the job: the global batch "
                                                f"splits evenly over {len(staying)} ranks only"))
         for rank in [*self.leaving, *standby]:
             row = host.table.get(rank)
@@ -141,28 +144,28 @@ class Scaling:
                 row.health = Health.LEFT
         for rank in staying:
             row = host.table.get(rank)
-            replica = results[rank].get("replica")
-            if row is not None and isinstance(replica, dict):
+            replica = results[rank].replica
+            if row is not None and replica is not None:
                 row.replica = replica
-        dp_size = results[staying[0]].get("dp_size") if staying else None
-        batches = results[staying[0]].get("micro_batches") if staying else None
-        if isinstance(batches, int) and batches > 0:
+        dp_size = results[staying[0]].dp_size if staying else None
+        batches = results[staying[0]].micro_batches if staying else None
+        if batches is not None and batches > 0:
             host.elasticity.micro_batches = batches
         left = sorted([*self.leaving, *standby])
-        flow.resumed_at = emit(
+        flow.resumed_at = host.emit(
             "scale_in", CONTROLLER_RANK, world_size=len(staying), dp_size=dp_size,
             ranks=staying, left=left, lost=sorted(self.shrinking or ()), step=inc.lock_step,
             incident=inc.id)["time"]
         log.warning("incident %d: job shrunk to %d ranks (DP %s) at step %d; left: %s", inc.id,
                     len(staying), dp_size, inc.lock_step, left)
-        flow._resume(false_alarm=False)
+        flow.resume(false_alarm=False)
 
     def send_joining_away(self, why: str) -> None:
         """The job does not grow: the returning ranks exit (their launcher may bring them
         back later) and stay out of the job."""
         host = self.flow.host
         for rank in self.joining:
-            self.flow._send(rank, "exit", ExitOrder(host.config.failure_exit_code,
+            self.flow.send_order(rank, "exit", ExitOrder(host.config.failure_exit_code,
                                                     f"the job did not grow by this rank: {why}"))
             row = host.table.get(rank)
             if row is not None:
@@ -182,7 +185,7 @@ class Scaling:
         if gone or joiners != self.joining:
             self.send_joining_away(f"ranks {gone or sorted(set(self.joining) - set(joiners))} "
                                    "went away before the scale-out")
-            flow._exit(host.config.dump_exit_code,
+            flow.end_job(host.config.dump_exit_code,
                        f"scale-out abandoned (ranks went away); dying-gasp checkpoint saved at "
                        f"iteration {inc.lock_step} in {path}")
             return
@@ -191,9 +194,9 @@ class Scaling:
             row = host.table.get(rank)
             if row is not None:
                 row.health, row.fresh = Health.ALIVE, True
-        flow._start_phase("scale_out", world, {"incident": inc.id, "lock_step": inc.lock_step,
-                                               "path": path, "ranks": world,
-                                               "dp_size": dp_size, "joining": self.joining})
+        flow.start_phase("scale_out", world,
+                         ScaleOutOrder(inc.id, inc.lock_step, path, tuple(world), dp_size,
+                                       tuple(self.joining)))
 
     def after_scale_out(self, phase: PhaseResults) -> None:
         flow = self.flow
@@ -205,15 +208,15 @@ class Scaling:
         world, dp_size = self.growing
         for rank, result in phase.results.items():
             row = host.table.get(rank)
-            replica = result.get("replica")
-            if row is not None and isinstance(replica, dict):
+            replica = result.replica if isinstance(result, ScaleResult) else None
+            if row is not None and replica is not None:
                 row.replica = replica
-        flow.resumed_at = emit(
+        flow.resumed_at = host.emit(
             "scale_out", CONTROLLER_RANK, world_size=len(world), dp_size=dp_size, ranks=world,
             joined=self.joining, step=inc.lock_step, incident=inc.id)["time"]
         log.warning("incident %d: job grown to %d ranks (DP %d) at step %d; joined: %s",
                     inc.id, len(world), dp_size, inc.lock_step, self.joining)
-        flow._resume(false_alarm=False)
+        flow.resume(false_alarm=False)
 
     def end_with_the_dump(self, why: str) -> None:
         """A scale change failed after its dump was published: exit with the dump code
@@ -221,4 +224,4 @@ class Scaling:
         flow = self.flow
         reason = f"{why}; dying-gasp checkpoint saved at iteration {flow.incident.lock_step}"
         flow.host.sm.to(State.DUMP, reason)
-        flow._exit(flow.host.config.dump_exit_code, reason)
+        flow.end_job(flow.host.config.dump_exit_code, reason)

@@ -21,6 +21,7 @@ import logging
 import threading
 from collections.abc import Callable
 from enum import Enum
+from typing import Any, Protocol
 
 from ...events import CONTROLLER_RANK, emit
 
@@ -60,6 +61,12 @@ FAULT_STATES = frozenset({State.NORMAL, State.PAUSE})
 INCIDENT_STATES = frozenset({State.ABNORMAL, State.ENV_CLEAR, State.REPAIR, State.DUMP})
 
 
+class EventSink(Protocol):
+    """Where events go: `events.emit`, or the controller core's `outbox.Outbox.emit`."""
+
+    def __call__(self, event: str, rank: int, **fields: Any) -> dict[str, Any]: ...
+
+
 class IllegalTransition(RuntimeError):
     """A transition not in `TRANSITIONS`."""
 
@@ -67,8 +74,11 @@ class IllegalTransition(RuntimeError):
 class StateMachine:
     """Current state plus checked transitions; listeners run after each transition."""
 
-    def __init__(self, initial: State = State.INIT, *, emit_events: bool = True) -> None:
+    def __init__(self, initial: State = State.INIT, *, emit_events: bool = True,
+                 sink: EventSink = emit) -> None:
         self._state = initial
+        #: where its `state` events go (the controller's core: its outbox)
+        self._sink = sink
         self._lock = threading.Lock()
         self._emit = emit_events
         self.history: list[State] = [initial]
@@ -78,7 +88,7 @@ class StateMachine:
 
     def announce(self, reason: str = "start") -> None:
         """Emit the current state as a `state` event (no transition)."""
-        emit("state", CONTROLLER_RANK, state=self._state.value, prev=None, reason=reason)
+        self._sink("state", CONTROLLER_RANK, state=self._state.value, prev=None, reason=reason)
 
     @property
     def state(self) -> State:
@@ -105,7 +115,7 @@ class StateMachine:
             self.history.append(new)
         log.info("state %s -> %s (%s)", old, new, reason)
         if self._emit:
-            emit("state", CONTROLLER_RANK, state=new.value, prev=old.value, reason=reason)
+            self._sink("state", CONTROLLER_RANK, state=new.value, prev=old.value, reason=reason)
         for fn in self.listeners:
             fn(old, new, reason)
 
@@ -117,6 +127,6 @@ class StateMachine:
             self.history.append(new)
         log.info("state set %s -> %s (%s)", old, new, reason)
         if self._emit:
-            emit("state", CONTROLLER_RANK, state=new.value, prev=old.value, reason=reason)
+            self._sink("state", CONTROLLER_RANK, state=new.value, prev=old.value, reason=reason)
         for fn in self.listeners:
             fn(old, new, reason)

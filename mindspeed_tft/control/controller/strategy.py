@@ -33,14 +33,17 @@ from typing import Any, Protocol
 from ...features import Features
 from ..wire.classify import FaultKind
 from ..wire.order_types import (
+    CleanOrder,
     DumpOrder,
     DumpShard,
     Receive,
+    RenameOrder,
     RepairOrder,
     RollbackOrder,
     Send,
     StopOrder,
 )
+from ..wire.results import ActionResult, RepairResult
 from .ranktable import CONNECTED, Health, RankInfo, RankTable
 
 
@@ -184,9 +187,9 @@ class StrategyPlanner:
         return StopOrder(incident.id, self.lock_step(incident, table, under_way=True),
                          {r: k.value for r, k in incident.faults.items()})
 
-    def clean_payload(self, incident: IncidentFacts) -> dict[str, Any]:
-        return {"incident": incident.id, "strategy": str(incident.strategy),
-                "lock_step": incident.lock_step, "faulty": sorted(self.faulty(incident))}
+    def clean_payload(self, incident: IncidentFacts) -> CleanOrder:
+        return CleanOrder(incident.id, str(incident.strategy), incident.lock_step,
+                          tuple(sorted(self.faulty(incident))))
 
     def repair_payloads(self, incident: IncidentFacts, table: RankTable,
                         targets: Iterable[int]) -> dict[int, RepairOrder]:
@@ -226,14 +229,15 @@ class StrategyPlanner:
                            involved=involved) for r in targets}
 
     def rollback_payload(self, incident: IncidentFacts,
-                         repair_results: Mapping[int, Mapping[str, Any]]) -> RollbackOrder:
+                         repair_results: Mapping[int, ActionResult]) -> RollbackOrder:
         """Everyone back to the lock step (or to the step a checkpoint load reported)."""
         step = incident.lock_step
-        loaded = {res.get("step") for res in repair_results.values() if "step" in res}
+        loaded = {res.step for res in repair_results.values()
+                  if isinstance(res, RepairResult) and res.step is not None}
         if len(loaded) > 1:
-            raise PlanError(f"ranks loaded different steps {sorted(map(str, loaded))}")
+            raise PlanError(f"ranks loaded different steps {sorted(loaded)}")
         if loaded:
-            step = int(next(iter(loaded)))  # type: ignore[arg-type]
+            step = next(iter(loaded))
         incident.rollback_step = step
         return RollbackOrder(incident.id, step, str(incident.strategy),
                              tuple(sorted(self.params_damaged(incident))))
@@ -298,5 +302,5 @@ class StrategyPlanner:
             parts.append(f"rank {r} {row.health}{bad}{fresh} step {row.step} {row.status}")
         return ", ".join(parts)
 
-    def rename_payload(self, incident: IncidentFacts) -> dict[str, Any]:
-        return {"incident": incident.id, "lock_step": incident.lock_step}
+    def rename_payload(self, incident: IncidentFacts) -> RenameOrder:
+        return RenameOrder(incident.id, incident.lock_step)

@@ -1,6 +1,7 @@
 """The processor's link to the controller: one DEALER socket, served by a background I/O thread.
 
-The I/O thread connects, registers (and registers again until a controller answers),
+What to say and to whom is decided by the link's core (`link.LinkCore`, no I/O); this is
+its shell. The I/O thread connects, registers (and registers again until a controller answers),
 heartbeats with the rank's step and data status, sends the queued reports and results,
 reports a hang once the watchdog fires, and fails over to the next controller address
 (the backups from `TTP_BACKUP_ADDRS` and from the registration reply) when the controller
@@ -12,8 +13,8 @@ Because heartbeats come from this thread, they keep flowing while the training
 thread is stuck. Each order (`action` message) is handed once to the processor's `Orders`
 lanes; nothing here waits for the training thread or for a callback.
 
-What the channel reports about the training thread it reads through `RankView` (the
-`gate.Gate` implements it).
+What the link reports about the training thread it reads through `link.RankView` (the
+`gate.Gate` implements it, the processor's core behind its lock).
 """
 
 from __future__ import annotations
@@ -24,18 +25,30 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import zmq
 
 from ... import procfs
 from ...events import work_counts
-from ..wire.classify import FaultKind
-from ..wire.config import ControlConfig, parse_hostport
+from ..wire.config import ControlConfig
 from ..wire.priority import raise_priority
-from ..wire.protocol import CONTROLLER, DropCounter, MsgType, ProtocolError, decode, encode
+from ..wire.protocol import CONTROLLER, DropCounter, ProtocolError, decode, encode
 from ..wire.transport import CurveKeys, connect_dealer, new_routing_id, storm_allowance
-from .orders import Order, Orders
+from .core import Run
+from .link import (
+    TO_PROCESSOR,
+    Accepted,
+    Connect,
+    GiveUp,
+    Identity,
+    LinkCore,
+    Out,
+    RankView,
+    Refused,
+    Transmit,
+)
+from .orders import Orders
 
 # the processor's parts log as the processor
 log = logging.getLogger("mindspeed_tft.control.processor")
@@ -43,16 +56,8 @@ log = logging.getLogger("mindspeed_tft.control.processor")
 _RECV_BATCH = 256
 
 
-class RankView(Protocol):
-    """What the channel reports about the training thread."""
-
-    def position(self) -> tuple[int, str, int]: ...
-    def hang(self, now: float) -> tuple[float, float] | None: ...
-    def unanswered_report(self) -> dict[str, Any] | None: ...
-
-
 class Channel:
-    """Registration, heartbeats, failover and the I/O thread of one rank.
+    """The shell of one rank's `link.LinkCore`: its socket, I/O thread and clock.
 
     addresses: controllers to try in order (the backups of the config are added).
     The public attributes say what the controller last told this rank.
@@ -66,18 +71,18 @@ class Channel:
         #: called once (on the I/O thread) with the seconds of silence when no active
         #: controller was heard for `config.controller_lost_timeout`
         self.on_controller_lost = on_controller_lost
-        self._last_active = 0.0
-        self._gave_up = False
-        self.world_size = world_size
         self.config = config
-        self.replica = replica
-        self.host = host
-        self.view = view
         self.orders = orders
-        self.addresses = list(addresses)
+        addresses = list(addresses)
         for b in config.backups:
-            if b not in self.addresses:
-                self.addresses.append(b)
+            if b not in addresses:
+                addresses.append(b)
+        self.link = LinkCore(
+            rank, Identity(world_size, os.getpid(), host, procfs.identity(), config.job_token),
+            view, addresses=addresses, interval=config.heartbeat_interval,
+            misses=config.heartbeat_misses,
+            controller_lost_timeout=config.controller_lost_timeout,
+            storm_allowance=storm_allowance(world_size), replica=replica)
         self._curve = CurveKeys.from_config(config, server=False)
         self.drops = DropCounter(log)
         #: one identity for the life of this process: a reconnect to the same controller is
@@ -89,23 +94,42 @@ class Channel:
         self._thread: threading.Thread | None = None
         self._running = False
         self._registered = threading.Event()
-        self._ever_registered = False
         #: why the registration was refused (or the I/O thread failed)
         self.reject: str | None = None
-        self._addr_index = 0
-        self._last_heard = 0.0
-        self._seen_actions: deque[int] = deque(maxlen=256)
         self._sock: zmq.Socket | None = None
-        self._switch_to: int | None = None
-        self._registered_here = False
-        self._next_register = 0.0
-        self.controller_state: str | None = None
-        self.controller_role: str | None = None
-        self.join_info: dict[str, Any] = {}
-        self.interval = config.heartbeat_interval
-        self.misses = config.heartbeat_misses
-        self.last_ack: float | None = None
-        self.failovers = 0
+
+    # -- what the controller said (the link's state) ----------------------------------------
+    @property
+    def addresses(self) -> list[tuple[str, int]]:
+        return self.link.addresses
+
+    @property
+    def join_info(self) -> dict[str, Any]:
+        return self.link.join_info
+
+    @property
+    def interval(self) -> float:
+        return self.link.interval
+
+    @property
+    def misses(self) -> int:
+        return self.link.misses
+
+    @property
+    def failovers(self) -> int:
+        return self.link.failovers
+
+    @property
+    def controller_state(self) -> str | None:
+        return self.link.controller_state
+
+    @property
+    def controller_role(self) -> str | None:
+        return self.link.controller_role
+
+    @property
+    def last_ack(self) -> float | None:
+        return self.link.last_ack
 
     # -- lifecycle --------------------------------------------------------------------
     @property
@@ -147,9 +171,9 @@ class Channel:
     def update_replica(self, replica: dict[str, Any]) -> None:
         """The rank's replica layout, learnt after it registered: registration sends it from
         now on, and a repeated registration tells the controller now."""
-        self.replica = replica
-        if self._ever_registered:
-            self.post(MsgType.REGISTER, self._register_payload())
+        for out in self.link.update_replica(replica):
+            if isinstance(out, Transmit):
+                self.post(out.mtype, out.payload)
 
     def flush(self, timeout: float) -> None:
         """Wait (bounded) until the queued messages left."""
@@ -189,14 +213,11 @@ class Channel:
     def _connect(self, ctx: zmq.Context) -> zmq.Socket:
         if self._sock is not None:
             self._sock.close(0)
-        addr, port = self.addresses[self._addr_index]
+        addr, port = self.link.address
         self._sock = connect_dealer(ctx, addr, port, routing_id=self._routing_id,
                                     max_bytes=self.config.max_message_bytes, curve=self._curve)
         work_counts.add("connections.control")
-        self._last_heard = time.monotonic()
-        self._next_register = 0.0
-        self.controller_role = None
-        self._registered_here = False
+        self.link.connected(time.monotonic())
         log.info("rank %d connects to controller %s:%d", self.rank, addr, port)
         return self._sock
 
@@ -204,13 +225,9 @@ class Channel:
         poller = zmq.Poller()
         poller.register(self._wake_r, zmq.POLLIN)
         poller.register(sock, zmq.POLLIN)
-        next_hb = 0.0
+        link = self.link
         while self._running:
-            now = time.monotonic()
-            wait = min(self.interval / 4, 0.25)
-            if not self._registered_here and now >= self._next_register:
-                wait = 0.0  # the (next) registration is due: send it without a poll first
-            events = dict(poller.poll(int(wait * 1000)))
+            events = dict(poller.poll(int(link.wait(time.monotonic()) * 1000)))
             now = time.monotonic()
             if self._wake_r in events:
                 os.read(self._wake_r, 4096)
@@ -219,20 +236,33 @@ class Channel:
             if self.reject is not None:
                 return
             self.orders.check(now)
-            self._check_controller_lost(now)
-            switch_to = self._failover_target(now)
-            if switch_to is not None:
-                self._switch_to = None
-                poller.unregister(self._sock)
-                self._addr_index = switch_to
-                self.failovers += 1
-                poller.register(self._connect(ctx), zmq.POLLIN)
-                continue
-            if self._registered_here:
-                next_hb = self._talk(now, next_hb)
-            elif now >= self._next_register:
-                self._next_register = now + self.interval
-                self._send(MsgType.REGISTER, self._register_payload())
+            if link.registered_here:
+                while self._outbox:
+                    self._send(*self._outbox.popleft())
+            for out in link.tick(now):
+                if isinstance(out, Connect):
+                    poller.unregister(self._sock)
+                    poller.register(self._connect(ctx), zmq.POLLIN)
+                else:
+                    self._act(out, now)
+
+    def _act(self, out: Out, now: float) -> None:
+        """Do what the link decided (anything but a reconnect)."""
+        if isinstance(out, Transmit):
+            self._send(out.mtype, out.payload)
+        elif isinstance(out, Run):
+            self.orders.submit(out, now)
+        elif isinstance(out, Accepted):
+            self._registered.set()
+        elif isinstance(out, Refused):
+            self.reject = out.reason
+            self._registered.set()
+        elif isinstance(out, GiveUp) and self.on_controller_lost is not None:
+            where = ", ".join(f"{a}:{p}" for a, p in self.link.addresses)
+            log.error("rank %d: no active controller for %.1fs (TTP_CONTROLLER_LOST_TIMEOUT="
+                      "%g; tried %s): giving up", self.rank, out.silent,
+                      self.config.controller_lost_timeout, where)
+            self.on_controller_lost(out.silent)
 
     def _receive(self, now: float) -> None:
         for _ in range(_RECV_BATCH):
@@ -241,60 +271,6 @@ class Channel:
             except zmq.Again:
                 return
             self._on_frames(frames, now)
-
-    def _check_controller_lost(self, now: float) -> None:
-        """Give up once no active controller was heard for `controller_lost_timeout`."""
-        if self._gave_up or not self._ever_registered or self.on_controller_lost is None:
-            return
-        silent = now - self._last_active
-        if silent > self.config.controller_lost_timeout:
-            self._gave_up = True
-            where = ", ".join(f"{a}:{p}" for a, p in self.addresses)
-            log.error("rank %d: no active controller for %.1fs (TTP_CONTROLLER_LOST_TIMEOUT="
-                      "%g; tried %s): giving up", self.rank, silent,
-                      self.config.controller_lost_timeout, where)
-            self.on_controller_lost(silent)
-
-    def _failover_target(self, now: float) -> int | None:
-        """The address to switch to: asked for (redirect), or the next after a silence."""
-        if self._switch_to is not None:
-            return self._switch_to
-        # one interval more than a rank gets: acks come every other heartbeat or so; until
-        # it is registered there, as long again as every rank's handshake at once may take
-        # (a registration storm: a reconnect would throw its handshake's work away)
-        patience = self.interval * (self.misses + 1)
-        if not self._registered_here:
-            patience += storm_allowance(self.world_size)
-        if now - self._last_heard > patience:
-            log.warning("rank %d: controller %s:%d silent for %.1fs; failing over", self.rank,
-                        *self.addresses[self._addr_index], now - self._last_heard)
-            return (self._addr_index + 1) % len(self.addresses)
-        return None
-
-    def _talk(self, now: float, next_hb: float) -> float:
-        """Registered here: send what is queued, a heartbeat when due, a hang report when the
-        watchdog fires; returns when the next heartbeat is due."""
-        while self._outbox:
-            mtype, payload = self._outbox.popleft()
-            self._send(mtype, payload)
-        if now >= next_hb:
-            next_hb = now + self.interval
-            step, status, progress = self.view.position()
-            # an ack only when needed to know the controller is there: with the default
-            # 3 misses, every other heartbeat (half the traffic)
-            self._send(MsgType.HEARTBEAT, {
-                "step": step, "status": status, "progress": progress,
-                "ack": now - self._last_heard >= self.interval * self.misses / 2})
-        hung = self.view.hang(now)
-        if hung is not None:
-            idle, limit = hung
-            step, status, progress = self.view.position()
-            self._send(MsgType.REPORT, {
-                "kind": FaultKind.HANG.value,
-                "message": f"rank {self.rank}: no training progress for {idle:.1f}s "
-                           f"(timeout {limit:.1f}s) after step {progress}",
-                "step": step, "status": status})
-        return next_hb
 
     def _send(self, mtype: str, payload: dict[str, Any]) -> None:
         self._seq += 1
@@ -305,18 +281,6 @@ class Channel:
             self._sock.send(frame, zmq.NOBLOCK)  # type: ignore[union-attr]
         except zmq.ZMQError as e:
             log.debug("rank %d could not send %s: %s", self.rank, mtype, e)
-
-    def _register_payload(self) -> dict[str, Any]:
-        step, status, _ = self.view.position()
-        payload = {"world_size": self.world_size, "pid": os.getpid(), "host": self.host[:255],
-                   "replica": self.replica, "failover": self._ever_registered,
-                   "step": step, "status": status}
-        if self.config.job_token is not None:  # the job's secret (over CURVE: encrypted)
-            payload["token"] = self.config.job_token
-        proc = procfs.identity()  # a controller in the same pid namespace watches /proc
-        if proc is not None:
-            payload["proc"] = proc
-        return payload
 
     # -- incoming -------------------------------------------------------------------------
     def _on_frames(self, frames: list[bytes], now: float) -> None:
@@ -333,67 +297,9 @@ class Channel:
             return
         work_counts.add(f"control_received.{msg.type}")
         work_counts.add(f"control_received_bytes.{msg.type}", len(frames[0]))
-        self._last_heard = now
-        p = msg.payload
-        t = msg.type
-        if t == MsgType.ACTION or (t in (MsgType.ACK, MsgType.REGISTERED)
-                                   and p.get("role") == "active"):
-            self._last_active = now
-        if t == MsgType.ACK:
-            self.last_ack = now
-            self.controller_state = p["state"]
-            self.controller_role = p["role"]
-        elif t == MsgType.ACTION:
-            if self._registered_here:
-                self._on_action(p, now)
-        elif t == MsgType.REGISTERED:
-            self._on_registered(p)
-        elif t == MsgType.REJECT:
-            self._on_reject(p)
-        elif t == MsgType.REDIRECT:
-            if self._addr_index != 0:
-                log.info("rank %d: %s; going back", self.rank, p["reason"])
-                self._switch_to = 0
-        else:
-            self.drops.drop("unexpected_type", t)
-
-    def _on_action(self, p: dict[str, Any], now: float) -> None:
-        aid = p["id"]
-        if aid in self._seen_actions:
+        if msg.type not in TO_PROCESSOR:
+            self.link.last_heard = now
+            self.drops.drop("unexpected_type", msg.type)
             return
-        self._seen_actions.append(aid)
-        self.orders.submit(Order(aid, p["name"], p["payload"], now + p["timeout"]), now)
-
-    def _on_reject(self, p: dict[str, Any]) -> None:
-        if p["retry"]:
-            log.warning("rank %d: controller says: %s", self.rank, p["reason"])
-        else:
-            self.reject = p["reason"]
-            self._registered.set()
-
-    def _on_registered(self, p: dict[str, Any]) -> None:
-        self.controller_state = p["state"]
-        self.controller_role = p["role"]
-        self.interval = float(p["interval"])
-        self.misses = int(p["misses"])
-        for b in p["backups"]:
-            try:
-                hp = parse_hostport(b, "backup from controller")
-            except ValueError:
-                continue
-            if hp not in self.addresses:
-                self.addresses.append(hp)
-        if not self._registered_here:
-            log.info("rank %d registered with %s controller (state %s)", self.rank, p["role"],
-                     p["state"])
-        self._registered_here = True
-        if p["role"] != "active":
-            return  # a standby backup: heartbeat here, wait for it to take charge
-        first = not self._ever_registered
-        self._ever_registered = True
-        if first:
-            self.join_info = dict(p)
-        self._registered.set()
-        report = self.view.unanswered_report()
-        if report is not None and not first:  # the new controller never saw our error
-            self._outbox.append((MsgType.REPORT, report))
+        for out in self.link.on_message(msg, now):
+            self._act(out, now)

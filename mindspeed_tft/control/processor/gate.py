@@ -1,15 +1,15 @@
 """The gate: where a rank's training thread is held, stopped and handed work (SPEC 3, 6).
 
-The training-side half of the processor (`processor.Processor` composes it with the
-`channel` to the controller). One condition variable guards everything here; it is shared
-by the training thread (trainer hooks, fault handler) and the threads that run the
-controller's orders (`orders`):
+The shell of threads and clock around the processor's core (`core.ProcessorCore`, which
+decides everything: what to answer, when a wait ends). `processor.Processor` composes it
+with the `channel` to the controller. One condition variable guards the core; it is shared
+by the training thread (trainer hooks, fault handler), the I/O thread and the threads that
+run the controller's orders (`orders`):
 
 - before an optimizer update (`before_update`) the training thread passes, is held while
   paused, or raises `ForceStop` once the rank is stopped;
-- an order holds the gate (`hold` answers at once; `stop` and `pause` let an update in
-  progress finish; after a `hold`, the `stop` lets a rank behind the lock step catch up)
-  and waits, bounded, for the training thread to park in the fault handler;
+- an order runs as the core says (`run_order`): its callback, its bounded waits (an update
+  in progress finishing, the training thread parking in the fault handler);
 - the parked training thread runs the work that recovery hands it
   (`run_in_training_thread`, `serve_training_thread`) until a decision (`resume`,
   `decide`) lets it go (`wait_decision`).
@@ -32,12 +32,15 @@ from typing import Any
 
 from ..wire.classify import FaultKind, ForceStop
 from ..wire.config import ControlConfig
+from ..wire.order_types import TypedOrder
+from ..wire.results import ActionResult, ReportMessage
+from .core import Call, Decision, Done, OrderRun, ProcessorCore, Received, Run, Send, Verdict, Wait
 from .watchdog import ProgressWatchdog
 
 log = logging.getLogger("mindspeed_tft.control.processor")
 
-#: an order's callback, bound to its payload
-Callback = Callable[[], "dict[str, Any] | None"]
+#: how the shell runs an order's callback (`callbacks.run_callback` with the host's)
+Callback = Callable[[TypedOrder], "ActionResult | None"]
 
 #: seconds between two "still waiting" log lines of a long wait
 WAIT_LOG_SECONDS = 60.0
@@ -66,18 +69,6 @@ class ProcessorError(RuntimeError):
     """The processor cannot do its job (e.g. no controller accepted its registration)."""
 
 
-@dataclass(frozen=True)
-class Decision:
-    """What the controller decided for a rank waiting after an error."""
-
-    action: str                 # "resume" (re-enter training) or "exit"
-    code: int = 0               # exit code (exit)
-    step: int | None = None     # step to resume at (resume)
-    strategy: str = ""
-    reason: str = ""
-    payload: dict[str, Any] = field(default_factory=dict)
-
-
 @dataclass
 class _Task:
     """Work an action callback hands to the training thread."""
@@ -96,56 +87,60 @@ class Gate:
         self.config = config
         self.watchdog = ProgressWatchdog(config.hang_timeout_min, config.hang_timeout_factor,
                                          config.hang_initial_timeout)
-        self._watching = False
+        self.core = ProcessorCore(
+            rank, park_wait=min(config.park_timeout, config.action_time_limit / 2),
+            failure_exit_code=config.failure_exit_code, exit_grace=config.exit_grace,
+            watchdog=self.watchdog)
         self._cond = threading.Condition()
-        self._step = 0
-        self._status = "updated"
-        self._updating_step: int | None = None
-        self._progress = 0
-        self._stopped = False
-        self._paused = False
         #: the training thread waits at a hold point because the rank is paused
         self._held = False
-        self._in_handler = False
-        self._training = False
         self._training_thread_id: int | None = None
-        self._catch_up: int | None = None
-        self._pending: Decision | None = None
         self._tasks: deque[_Task] = deque()
-        self._last_report: dict[str, Any] | None = None
 
     @property
     def stopped(self) -> bool:
-        return self._stopped
+        return self.core.stopped
 
     @property
     def step(self) -> int:
-        return self._step
+        return self.core.step
 
     # -- what the channel reports ---------------------------------------------------------
     def position(self) -> tuple[int, str, int]:
         """Step, data status and progress (for heartbeats and registration)."""
         with self._cond:
-            return self._step, self._status, self._progress
+            return self.core.position()
 
     def hang(self, now: float) -> tuple[float, float] | None:
         """(idle seconds, limit) once the watchdog finds the training thread hung."""
-        return self.watchdog.check(now) if self._watching else None
+        return self.core.hang(now)
 
-    def unanswered_report(self) -> dict[str, Any] | None:
+    def unanswered_report(self) -> ReportMessage | None:
         """The error report no decision answered yet (a new controller never saw it)."""
         with self._cond:
-            return self._last_report if self._pending is None else None
+            return self.core.unanswered_report()
+
+    def on_action(self, payload: dict[str, Any], now: float) -> list[Send | Run]:
+        """An order arrived (I/O thread): its answer, or the lane that runs it."""
+        with self._cond:
+            out = self.core.on_action(payload, now)
+            self._cond.notify_all()
+        return out
+
+    def receive(self, aid: int, name: str, wire: Any, deadline: float) -> list[Send | Run]:
+        """An order of the processor's own (a lost controller's exit)."""
+        with self._cond:
+            return self.core.receive(aid, name, wire, deadline)
 
     # -- trainer hooks ------------------------------------------------------------------
     def before_update(self, step: int, timeout: float | None = None) -> None:
         """Hold point before optimizer update `step` (see `processor`)."""
         with self._cond:
             self._wait_unheld_locked(step, timeout)
-            if self._status == "updating" and self._updating_step == step:
+            core = self.core
+            if core.status == "updating" and core.updating_step == step:
                 return
-            self._status = "updating"
-            self._updating_step = step
+            core.update_start(step)
 
     def wait_unheld(self, step: int, timeout: float | None = None) -> None:
         """The hold of `before_update(step)` without marking the data Updating."""
@@ -158,11 +153,11 @@ class Gate:
         waiting = WaitLog(self.rank, f"the end of a pause before update {step}", limit)
         try:
             while True:
-                if self._pending is not None or (self._stopped and not (
-                        self._catch_up is not None and step <= self._catch_up)):
+                verdict = self.core.may_update(step)
+                if verdict is Verdict.STOP:
                     raise ForceStop(f"rank {self.rank} stopped by the controller before "
                                     f"update {step}")
-                if not self._paused:
+                if verdict is Verdict.PASS:
                     return
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -173,7 +168,7 @@ class Gate:
                     self._cond.notify_all()
                 self._cond.wait(min(remaining, 5.0))
                 waiting.tick()
-                if self._watching:
+                if self.core.watching:
                     self.watchdog.resume()
         finally:
             self._held = False
@@ -187,8 +182,8 @@ class Gate:
         with self._cond:
             while not self._held:
                 remaining = deadline - time.monotonic()
-                if (remaining <= 0 or not self._paused or self._parked()
-                        or not self._training):
+                core = self.core
+                if remaining <= 0 or not core.paused or core.parked or not core.training:
                     return False
                 self._cond.wait(min(remaining, 0.5))
             return True
@@ -196,39 +191,30 @@ class Gate:
     def report_update_end(self, step: int) -> None:
         """Optimizer update `step` completed: the data is Updated at `step`."""
         with self._cond:
-            self._step = step
-            self._status = "updated"
-            self._updating_step = None
+            self.core.update_end(step)
             self._cond.notify_all()
 
     def report_progress(self, step: int) -> None:
         """The training thread completed `step` (feeds the hang watchdog)."""
-        self._progress = step
-        if not self._watching and not self._stopped:
-            self._watching = True
-            self.watchdog.resume()
-        self.watchdog.progress(step)
+        with self._cond:
+            self.core.progress(step, time.monotonic())
 
     def mark_training(self, active: bool) -> None:
         """The handler says whether the training thread is inside the training function."""
         with self._cond:
-            self._training = active
+            self.core.set_training(active)
             if active:
                 self._training_thread_id = threading.get_ident()
             self._cond.notify_all()
 
     # -- errors and decisions -------------------------------------------------------------
     def record_error(self, kind: FaultKind, message: str,
-                     detail: dict[str, Any] | None) -> dict[str, Any]:
+                     detail: dict[str, Any] | None) -> ReportMessage:
         """The training thread failed: remember the report (it is what holds the rank)."""
-        self.watchdog.pause()
         with self._cond:
-            report: dict[str, Any] = {"kind": kind.value, "message": message[:4000],
-                                      "step": self._step, "status": self._status}
-            if detail:
-                report["detail"] = dict(detail)
-            self._last_report = report
+            report = self.core.error(kind, message, detail).message
             self._cond.notify_all()
+        assert isinstance(report, ReportMessage)
         return report
 
     def wait_decision(self, timeout: float | None = None) -> Decision:
@@ -237,10 +223,10 @@ class Gate:
         deadline = time.monotonic() + limit
         waiting = WaitLog(self.rank, "the controller's decision after an error", limit)
         with self._cond:
-            self._in_handler = True
+            self.core.enter_handler(True)
             self._cond.notify_all()
             try:
-                while self._pending is None:
+                while (decision := self.core.take_decision()) is None:
                     if self._tasks:
                         self._run_task_locked()
                         continue
@@ -250,13 +236,9 @@ class Gate:
                                         reason=f"no decision from the controller within {limit:g}s")
                     self._cond.wait(min(remaining, 1.0))
                     waiting.tick()
-                decision = self._pending
-                if decision.action == "resume":
-                    self._pending = None
-                    self._last_report = None
                 return decision
             finally:
-                self._in_handler = False
+                self.core.enter_handler(False)
 
     def serve_training_thread(self, until: Callable[[], bool], timeout: float) -> None:
         """Run handed-over work in the calling (training) thread until `until()` is true."""
@@ -269,9 +251,10 @@ class Gate:
                 if self._tasks:
                     self._run_task_locked()
                     continue
-                if self._pending is not None and self._pending.action == "exit":
+                pending = self.core.pending
+                if pending is not None and pending.action == "exit":
                     raise ProcessorError(f"rank {self.rank}: ordered to exit while joining: "
-                                         f"{self._pending.reason}")
+                                         f"{pending.reason}")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise ProcessorError(f"rank {self.rank}: the repair did not arrive within "
@@ -306,117 +289,41 @@ class Gate:
             task.done.set()
 
     # -- orders ---------------------------------------------------------------------------
-    def hold(self) -> dict[str, Any]:
-        """The first round of a stop: hold the rank before its next update and say at once
-        where it is. Nothing is abandoned and nothing raises, and nothing is waited for: a
-        rank `updated` at step s stays there, one `updating` at s ends its update at s + 1
-        (the controller counts it so), until the stop lets it catch up to the lock step that
-        all the ranks' answers give. Not waiting matters for a rank hung inside its update."""
+    def run_order(self, received: Received, call: Callback,
+                  arm_exit: Callable[[int, float], None]) -> Send:
+        """Run one order as the core says (on an order thread): its callbacks through
+        `call`, its waits on the condition, bounded; returns the result to send.
+        `arm_exit(code, deadline)`: an exit order's hard exit, armed before its callback."""
         with self._cond:
-            self._paused = True
+            run, step = self.core.begin(received, time.monotonic())
             self._cond.notify_all()
-            return {"step": self._step, "status": self._status}
-
-    def stop(self, lock_step: int | None, callback: Callback) -> dict[str, Any]:
-        """Stop the rank: hold, run the stop callback, wait for the training thread to park;
-        the result always carries `step`, `status` and `parked`."""
-        self._hold(stop=True, lock_step=lock_step)
-        result = callback() or {}
-        parked = self._wait_parked()
-        with self._cond:
-            return {**result, "step": self._step, "status": self._status, "parked": parked}
-
-    def pause(self, callback: Callback | None) -> dict[str, Any]:
-        """Hold the rank before its next update (operator pause)."""
-        # the whole job is held: a rank blocked in a collective behind a held peer makes no
-        # progress either, and is not hung (`resume` watches again)
-        self.watchdog.pause()
-        held = self._hold(stop=False)
-        if callback is not None:
-            return {**(callback() or {}), **held}
-        return held
-
-    def resume(self, decision: Decision, *, owed: bool = False) -> None:
-        """Clear the stop or pause; a held training thread gets `decision`. `owed`: the
-        training thread gets it even if it does not wait yet (a restarted process joining a
-        recovery: its first resume is for it)."""
-        with self._cond:
-            was_held = (owed or self._stopped or self._in_handler
-                        or self._last_report is not None)
-            self._stopped = False
-            self._paused = False
-            if was_held:
-                self._pending = decision
-            self._cond.notify_all()
-        if self._watching:
-            self.watchdog.resume()
-
-    def halt(self) -> None:
-        """An exit is coming: no further update, no hang watching."""
-        self.watchdog.pause()
-        with self._cond:
-            self._stopped = True
-            self._cond.notify_all()
-
-    def decide(self, decision: Decision) -> None:
-        """Hand `decision` to the training thread (an exit)."""
-        with self._cond:
-            self._pending = decision
-            self._cond.notify_all()
-
-    def _hold(self, *, stop: bool, lock_step: int | None = None) -> dict[str, Any]:
-        """Hold the training thread before its next update (SPEC 3).
-
-        An update in progress finishes. With a lock step, a rank behind it may still run the
-        updates up to it (it already has their gradients): we wait, bounded, until it is
-        there, parked in the handler, or out of the training function.
-        """
-        wait = min(self.config.park_timeout, self.config.action_time_limit / 2)
-        deadline = time.monotonic() + wait
-        # the watchdog keeps watching: a training thread that never comes back is hung
-        with self._cond:
-            if stop:  # a stop ends a hold or pause: a rank behind the lock step catches up
-                self._stopped = True
-                self._catch_up = lock_step
-                self._paused = False
+        while True:
+            if isinstance(step, Done):
+                if step.unparked:
+                    self._log_training_stack("did not come back to the fault handler when "
+                                             "stopped")
+                return step.result
+            if isinstance(step, Call):
+                if step.hard_exit is not None:
+                    arm_exit(*step.hard_exit)
+                result, error = None, None
+                try:
+                    result = call(step.order)
+                except BaseException as e:  # reported as the order's failure
+                    log.exception("action %s failed on rank %d", received.name, self.rank)
+                    error = e
+                with self._cond:
+                    step = self.core.called(run, time.monotonic(), result, error)
+                    self._cond.notify_all()
             else:
-                self._paused = True
-            self._cond.notify_all()
-            while (remaining := deadline - time.monotonic()) > 0:
-                parked = self._parked()
-                behind = (lock_step is not None and self._step < lock_step and self._training
-                          and not parked)
-                # a parked rank's update failed half-way: it will not finish
-                if (self._status != "updating" or parked) and not behind:
-                    break
-                self._cond.wait(min(remaining, 0.5))
-            self._catch_up = None
-            return {"step": self._step, "status": self._status}
+                step = self._wait(run, step)
 
-    def _parked(self) -> bool:
-        return self._in_handler or self._last_report is not None
-
-    def _wait_parked(self) -> bool | None:
-        """After a stop: wait (bounded) until the training thread is held in the handler.
-
-        True: it came back, so it is not hung (even if its watchdog fired while it was
-        blocked in a collective with a rank that really hung). False: it is inside the
-        training function and did not come back: it is hung. None: no training function
-        runs under `run_with_fault_tolerance`, so nothing can be said.
-        """
-        limit = min(self.config.park_timeout, self.config.action_time_limit / 2)
-        deadline = time.monotonic() + limit
+    def _wait(self, run: OrderRun, step: Wait) -> Call | Wait | Done:
         with self._cond:
-            while not self._parked():
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or not self._training:
-                    break
+            remaining = step.deadline - time.monotonic()
+            if remaining > 0:
                 self._cond.wait(min(remaining, 0.5))
-            if self._parked():
-                return True
-            if self._training:
-                self._log_training_stack("did not come back to the fault handler when stopped")
-            return False if self._training else None
+            return self.core.advance(run, time.monotonic())
 
     def _log_training_stack(self, why: str) -> None:
         """Where the training thread is stuck (for the operator; logged, not sent)."""

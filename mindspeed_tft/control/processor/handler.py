@@ -73,11 +73,11 @@ def run_with_fault_tolerance(train_fn: Callable[[], T], processor: Processor, *,
         except (KeyboardInterrupt, SystemExit, GeneratorExit):
             raise
         except BaseException as e:
-            kind = classify_error(e)
-            if processor.stopped and kind is not FaultKind.NORMAL:
+            classified = classify_error(e)
+            kind = processor.reported_kind(classified)
+            if kind is not classified:
                 log.info("rank %d: %s after the controller's stop: reported as normal",
                          processor.rank, type(e).__name__)
-                kind = FaultKind.NORMAL
             detail = getattr(e, "tft_detail", None)
             # the report first: formatting and writing a traceback takes milliseconds
             processor.report_error(kind, f"{type(e).__name__}: {e}",

@@ -13,8 +13,8 @@ thread:
   thread to park, or while a callback is stuck, is handled at once. That is why a single
   worker is not enough, and why the second lane is only for these two.
 
-One order runs on no lane: `hold`, the first round of a stop, runs at once in the thread
-that received it (the I/O thread). It sets a flag under the gate's lock (which the I/O
+One order runs on no lane: `hold`, the first round of a stop, is answered at once by the
+core (`core.ProcessorCore.on_action`) in the thread that received it (the I/O thread). It sets a flag under the gate's lock (which the I/O
 thread takes for every heartbeat anyway) and returns where the rank is; it never waits.
 Handing it to a lane worker cost that worker's wake-up: a worker runs in the normal
 scheduling class (below), and on a loaded 2-core machine the hold round took 0.13-0.61 s
@@ -37,32 +37,15 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..wire.priority import leave_realtime
+from .core import Received, Run
 
 log = logging.getLogger("mindspeed_tft.control.processor")
 
-#: orders that end a hold (see the module docstring)
-RELEASE_ORDERS = frozenset({"exit", "resume"})
-#: orders run at once by the thread that submits them (see the module docstring)
-INLINE_ORDERS = frozenset({"hold"})
-
-
-@dataclass(frozen=True)
-class Order:
-    """One order from the controller."""
-
-    id: int
-    name: str
-    payload: dict[str, Any]
-    #: `time.monotonic()` after which the controller no longer waits for the result
-    deadline: float
-
-
 @dataclass(eq=False)
 class _Worker:
-    current: Order | None = None
+    current: Received | None = None
     thread: threading.Thread | None = field(default=None, repr=False)
 
     def overdue(self, now: float) -> bool:
@@ -72,17 +55,17 @@ class _Worker:
 class Lane:
     """A FIFO of orders served by one long-lived worker (replaced only when stuck)."""
 
-    def __init__(self, name: str, run: Callable[[Order], None]) -> None:
+    def __init__(self, name: str, run: Callable[[Received], None]) -> None:
         self.name = name
         self._run = run
         self._cond = threading.Condition()
-        self._queue: deque[Order] = deque()
+        self._queue: deque[Received] = deque()
         self._worker: _Worker | None = None
         self._closed = False
         #: workers left behind in an order past its time limit
         self.abandoned = 0
 
-    def submit(self, order: Order, now: float) -> None:
+    def submit(self, order: Received, now: float) -> None:
         with self._cond:
             self._queue.append(order)
             self._staff(now)
@@ -136,17 +119,15 @@ class Lane:
 class Orders:
     """The two lanes of one processor (see the module docstring)."""
 
-    def __init__(self, rank: int, run: Callable[[Order], None]) -> None:
+    def __init__(self, rank: int, run: Callable[[Received], None]) -> None:
         self._run = run
         self.work = Lane(f"tft-orders-{rank}", run)
         self.release = Lane(f"tft-release-{rank}", run)
 
-    def submit(self, order: Order, now: float | None = None) -> None:
-        if order.name in INLINE_ORDERS:
-            self._run(order)
-            return
-        lane = self.release if order.name in RELEASE_ORDERS else self.work
-        lane.submit(order, time.monotonic() if now is None else now)
+    def submit(self, run: Run, now: float | None = None) -> None:
+        """Queue `run.order` on the lane the core chose for it."""
+        lane = self.release if run.lane == "release" else self.work
+        lane.submit(run.order, time.monotonic() if now is None else now)
 
     def check(self, now: float) -> None:
         self.work.check(now)

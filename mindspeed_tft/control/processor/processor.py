@@ -24,21 +24,15 @@ Trainer hooks (all cheap, none talks to the network on the calling thread):
 (`iteration + 1` before it is incremented). `report_update_start` is the same as
 `before_update`.
 
-Actions and callbacks: `register_callback(name, fn)` for stop, clean, repair, rollback,
-dump, rename, exit (and optionally pause, resume). `fn(payload) -> dict | None` runs on an
-order worker thread; its return value (plain data) goes back as the result, an exception as
-a failure. `payload` is the typed order (`order_types`: `StopOrder`, `RepairOrder`,
-`RollbackOrder`, `DumpOrder`, `ExitOrder`) for those five, the plain map for the others; an
-order whose payload does not match its type fails without running (its error names the
-field), but an exit is obeyed even then, with the failure exit code. Built in: `hold` (no
-callback) holds the rank before its next update and answers its `step` and `status` at
-once; `stop` first marks the rank stopped, lets it catch up to the payload's lock step and
-waits (bounded) for an update in progress to finish, then calls the callback (which should
-make a stuck training thread raise, e.g. by aborting communicators); its result always
-carries `step` and `status`. `resume` clears the stop and hands a `Decision` to the training
-thread waiting in `wait_decision`. `exit` hands an exit `Decision` over and, if the process
-is still alive after `exit_grace` seconds (a hung training thread), ends it with
-`os._exit(code)`.
+Actions and callbacks: `set_callbacks(host)` with the host's `callbacks.RecoveryCallbacks`
+(default `NoRecovery`: nothing to do). Each method runs on an order worker thread with the
+typed order (`order_types`) and returns the typed result (`results`), which goes back to
+the controller; an exception goes back as a failure. What the processor does around the
+callbacks (hold, stop, pause, resume, exit; an order whose payload does not match its type)
+is decided by its core, `core.ProcessorCore`, which has no I/O: this class is its shell of
+sockets (`channel`), threads (`orders`, `gate`) and the real clock. An exit hands an exit
+`Decision` to the training thread and, if the process is still alive after `exit_grace`
+seconds (a hung training thread), ends it with `os._exit(code)`.
 
 If the controller goes silent for interval x (misses + 1), the processor fails over to the next
 controller address (backups from `TTP_BACKUP_ADDRS` and from the registration reply).
@@ -59,22 +53,22 @@ from collections.abc import Callable
 from typing import Any
 
 from ..wire import local
+from ..wire.callbacks import NoRecovery, RecoveryCallbacks, run_callback
 from ..wire.classify import FaultKind
 from ..wire.config import ControlConfig, setup_logging
-from ..wire.order_types import ExitOrder, OrderError, Payload, StopOrder, from_wire
-from ..wire.protocol import ACTIONS, DropCounter, MsgType
+from ..wire.fields import WireError
+from ..wire.order_types import ExitOrder, TypedOrder
+from ..wire.protocol import DropCounter, MsgType
+from ..wire.results import ActionResult, ResultMessage
 from .channel import Channel
-from .gate import Callback, Decision, Gate, ProcessorError, WaitLog
-from .orders import Order, Orders
+from .core import Decision, Received, Run
+from .gate import Gate, ProcessorError, WaitLog
+from .orders import Orders
 from .watchdog import ProgressWatchdog
 
-__all__ = ["ActionCallback", "Decision", "Processor", "ProcessorError"]
+__all__ = ["Decision", "Processor", "ProcessorError"]
 
 log = logging.getLogger("mindspeed_tft.control.processor")
-
-#: a callback gets the typed order (`order_types`) or, for the other orders, the plain map
-ActionCallback = Callable[[Any], "dict[str, Any] | None"]
-
 
 class Processor:
     """The control plane's agent in one training process (see the module docstring).
@@ -99,7 +93,7 @@ class Processor:
         self.replica = replica
         self.host = host or socket.gethostname()
         self.hard_exit = hard_exit
-        self._callbacks: dict[str, ActionCallback] = {}
+        self._callbacks: RecoveryCallbacks = NoRecovery()
         self._gate = Gate(rank, self.config)
         self.watchdog: ProgressWatchdog = self._gate.watchdog
         self._orders = Orders(rank, self._run_order)
@@ -108,17 +102,11 @@ class Processor:
             addresses=list(controllers or [(self.config.processor_addr, self.config.port)]),
             replica=replica, host=self.host, on_controller_lost=self._controller_lost)
         self._exit_timer: threading.Timer | None = None
-        #: the code of the exit ordered (None: none yet)
-        self._exit_ordered: int | None = None
-        #: a restarted process joining a recovery: whether the resume that ends it came yet
-        self._join_resumed = False
 
     # -- lifecycle --------------------------------------------------------------------
-    def register_callback(self, action: str, fn: ActionCallback) -> None:
-        """Run `fn(payload)` for every `action` order (see the module docstring)."""
-        if action not in ACTIONS:
-            raise ValueError(f"unknown action {action!r} (allowed: {', '.join(ACTIONS)})")
-        self._callbacks[action] = fn
+    def set_callbacks(self, callbacks: RecoveryCallbacks) -> None:
+        """What this rank does for each order (see the module docstring)."""
+        self._callbacks = callbacks
 
     def start(self, timeout: float | None = None) -> None:
         """Connect, register (waits for the controller's answer) and start heartbeating."""
@@ -258,6 +246,11 @@ class Processor:
         self._gate.mark_training(active)
 
     # -- errors and decisions -------------------------------------------------------------
+    def reported_kind(self, kind: FaultKind) -> FaultKind:
+        """What a failure of the training thread classified `kind` is reported as (the
+        core decides: after the controller's stop, normal)."""
+        return self._gate.core.reported_kind(kind)
+
     def report_error(self, kind: FaultKind | str, message: str,
                      detail: dict[str, Any] | None = None) -> None:
         """Tell the controller what went wrong in the training thread.
@@ -268,7 +261,8 @@ class Processor:
         kind = FaultKind(kind)
         if kind is FaultKind.LOST:
             raise ValueError("a process cannot report itself lost")
-        self._channel.post(MsgType.REPORT, self._gate.record_error(kind, message, detail))
+        self._channel.post(MsgType.REPORT,
+                           self._gate.record_error(kind, message, detail).to_wire())
 
     def wait_decision(self, timeout: float | None = None) -> Decision:
         """Wait for the controller's decision (resume or exit); exit on timeout.
@@ -292,100 +286,46 @@ class Processor:
         return self._gate.run_in_training_thread(fn, timeout)
 
     # -- orders ---------------------------------------------------------------------------
-    def _run_order(self, order: Order) -> None:
+    def _run_order(self, order: Received) -> None:
         """Run one order (on an order worker thread) and send its result back."""
-        name = order.name
+        self._gate.core.rejoining = self.rejoining
+        send = self._gate.run_order(order, self._call, self._arm_exit)
+        if order.id < 0:  # the processor's own exit (no active controller): nobody to answer
+            return
         try:
-            payload = self._payload(order)
-            builtin = getattr(self, f"_do_{name}", None)
-            result = builtin(payload) if builtin is not None else self._call(name, payload)
-            if result is None:
-                result = {}
-            if not isinstance(result, dict) or not all(isinstance(k, str) for k in result):
-                raise TypeError(f"the {name} callback returned {type(result).__name__}, not a dict")
-            self._channel.post(MsgType.RESULT,
-                               {"id": order.id, "action": name, "ok": True, "result": result})
-        except BaseException as e:
-            log.exception("action %s failed on rank %d", name, self.rank)
-            self._channel.post(MsgType.RESULT, {
-                "id": order.id, "action": name, "ok": False, "result": {},
-                "error": f"{type(e).__name__}: {e}"[:4000]})
+            wire = send.message.to_wire()
+        except WireError as e:  # a host's result that does not match its type
+            log.error("rank %d: the %s result does not match its type: %s", self.rank,
+                      order.name, e)
+            wire = ResultMessage(order.id, order.name, error=f"ResultError: {e}").to_wire()
+        self._channel.post(send.mtype, wire)
 
-    def _payload(self, order: Order) -> Payload:
-        """The order's payload as its callback gets it (see the module docstring)."""
-        try:
-            return from_wire(order.name, order.payload)
-        except OrderError as e:
-            if order.name != "exit":
-                raise
-            log.error("rank %d: %s; exiting with the failure code", self.rank, e)
-            return ExitOrder(self.config.failure_exit_code, f"a bad exit order ({e})")
-
-    def _call(self, name: str, payload: Payload) -> dict[str, Any] | None:
-        fn = self._callbacks.get(name)
-        if fn is None:
-            log.info("rank %d: no %s callback registered; nothing to do", self.rank, name)
-            return {"skipped": True}
-        return fn(payload)
-
-    def _callback(self, name: str, payload: Payload) -> Callback | None:
-        """The registered callback for `name` bound to `payload`; None if there is none."""
-        if name not in self._callbacks:
-            return None
-        return lambda: self._call(name, payload)
-
-    def _do_hold(self, payload: dict[str, Any]) -> dict[str, Any]:
-        return self._gate.hold()
-
-    def _do_stop(self, payload: StopOrder) -> dict[str, Any]:
-        return self._gate.stop(payload.lock_step, lambda: self._call("stop", payload))
-
-    def _do_pause(self, payload: dict[str, Any]) -> dict[str, Any]:
-        return self._gate.pause(self._callback("pause", payload))
-
-    def _do_resume(self, payload: dict[str, Any]) -> dict[str, Any]:
-        callback = self._callback("resume", payload)
-        result = callback() if callback is not None else {}
-        step = payload.get("step")
-        # the first resume after joining a recovery is the one the training thread waits
-        # for, even if it comes before that thread asked (the repair needed nothing of it)
-        owed = self.rejoining and not self._join_resumed
-        self._join_resumed = self._join_resumed or owed
-        self._gate.resume(Decision(
-            "resume", step=step if isinstance(step, int) and step >= 0 else None,
-            strategy=str(payload.get("strategy", "")), payload=payload), owed=owed)
-        return result or {}
+    def _call(self, order: TypedOrder) -> ActionResult | None:
+        return run_callback(self._callbacks, order)
 
     def _controller_lost(self, silent: float) -> None:
         """No active controller for `controller_lost_timeout` (I/O thread): exit with 77 as
         an exit order would, unless an exit was ordered already."""
-        if self._exit_ordered is not None:
+        if self._gate.core.exit_ordered is not None:
             return
         code = self.config.controller_lost_exit_code
         reason = (f"no active controller for {silent:.0f}s (TTP_CONTROLLER_LOST_TIMEOUT="
                   f"{self.config.controller_lost_timeout:g})")
         print(f"[mindspeed-tft] rank {self.rank}: {reason}; exiting with {code}", flush=True)
         now = time.monotonic()
-        self._orders.submit(Order(-1, "exit", ExitOrder(code, reason).to_wire(),
-                                  now + self.config.action_time_limit), now)
+        for out in self._gate.receive(-1, "exit", ExitOrder(code, reason).to_wire(),
+                                      now + self.config.action_time_limit):
+            if isinstance(out, Run):
+                self._orders.submit(out, now)
 
-    def _do_exit(self, payload: ExitOrder) -> dict[str, Any]:
-        code = payload.code
-        if self._exit_ordered is None:
-            self._exit_ordered = code
-        reason = payload.reason
-        log.warning("rank %d ordered to exit with code %d: %s", self.rank, code, reason)
-        self._gate.halt()
+    def _arm_exit(self, code: int, deadline: float) -> None:
+        """An exit order: end the process at `deadline` if it still lives (a hung training
+        thread)."""
         if self.hard_exit and self._exit_timer is None:
-            self._exit_timer = threading.Timer(self.config.exit_grace, self._hard_exit, (code,))
+            self._exit_timer = threading.Timer(max(0.0, deadline - time.monotonic()),
+                                               self._hard_exit, (code,))
             self._exit_timer.daemon = True
             self._exit_timer.start()
-        try:  # the callback runs before the training thread is let go
-            callback = self._callback("exit", payload)
-            result = callback() if callback is not None else {}
-        finally:
-            self._gate.decide(Decision("exit", code, reason=reason, payload=payload.to_wire()))
-        return result or {}
 
     def _hard_exit(self, code: int) -> None:
         log.error("rank %d: training thread did not exit within %gs; ending the process",

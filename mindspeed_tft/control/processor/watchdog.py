@@ -53,9 +53,9 @@ class ProgressWatchdog:
             return max(self.initial, self.floor)
         return max(self.floor, self.factor * max(self._durations))
 
-    def progress(self, step: int) -> None:
-        """The training thread completed `step`."""
-        now = time.monotonic()
+    def progress(self, step: int, now: float | None = None) -> None:
+        """The training thread completed `step` (at `now`, default the monotonic clock)."""
+        now = time.monotonic() if now is None else now
         with self._lock:
             if self._last_step is not None and step == self._last_step:
                 return
@@ -71,13 +71,14 @@ class ProgressWatchdog:
         with self._lock:
             self._armed = False
 
-    def resume(self) -> None:
-        """Watch again from now, with the initial timeout until the next step."""
+    def resume(self, now: float | None = None) -> None:
+        """Watch again from `now` (default the monotonic clock), with the initial timeout
+        until the next step."""
         with self._lock:
             self._armed = True
             self._fresh = True
             self._fired = False
-            self._last_time = time.monotonic()
+            self._last_time = time.monotonic() if now is None else now
 
     def check(self, now: float | None = None) -> tuple[float, float] | None:
         """(idle seconds, timeout) the first time the limit is exceeded, else None."""

@@ -1,4 +1,4 @@
-"""Typed orders: the payloads of the stop, repair, rollback, dump and exit orders.
+"""Typed orders: the payload of every order a controller sends (`protocol.ACTIONS`).
 
 The controller's planner (`strategy.StrategyPlanner`) and incident flow build these frozen
 dataclasses; the controller sends `to_wire()` as the `payload` of an `action` message
@@ -12,18 +12,24 @@ same), lists of ranks as lists, entries as maps. Both directions check every fie
 `from_wire` raises `OrderError` naming the order, the field, the value and what is
 allowed (a processor answers such an order with a failure instead of running it);
 `to_wire` raises it too, so a planner bug fails at the sender, as `protocol.encode` does.
-Orders outside this module (hold, clean, rename, resume, pause, scale_in, scale_out) keep
-travelling as plain maps.
+Every order of `protocol.ACTIONS` has its class here (`ORDER_TYPES`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 from .classify import FaultKind
-from .protocol import MAX_RANK, MAX_STEP
+from .fields import RANK as _RANK
+from .fields import Reader as _Reader
+from .fields import Wire, WireError
+from .fields import is_rank as _is_rank
+from .fields import is_records as _is_records
+from .fields import is_step as _is_step
+from .fields import show as _show
+from .protocol import MAX_RANK
 
 #: the strategies an order can name (`strategy.Strategy` values; `none`: a false alarm)
 STRATEGY_NAMES = ("dump", "retry", "recover", "load_checkpoint", "exit", "none")
@@ -33,126 +39,22 @@ FAULT_NAMES = tuple(k.value for k in FaultKind)
 #: exit codes a process can end with
 MAX_EXIT_CODE = 255
 MAX_NAME = 64
+MAX_PATH = 4096
 
 
-class OrderError(ValueError):
+class OrderError(WireError):
     """An order payload that does not match its type (the message names the field)."""
 
 
-T = TypeVar("T")
-OrderT = TypeVar("OrderT", bound="_Order")
-
-
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 64 else text[:61] + "..."
-
-
-def _is_rank(v: Any) -> bool:
-    return type(v) is int and 0 <= v <= MAX_RANK
-
-
-def _is_step(v: Any) -> bool:
-    return type(v) is int and 0 <= v <= MAX_STEP
-
-
-def _is_ranks(v: Any) -> bool:
-    # min/max over the list run in C: a world-sized list costs little (dump writers)
-    return (type(v) in (list, tuple) and all(type(x) is int for x in v)
-            and (not v or (min(v) >= 0 and max(v) <= MAX_RANK)))
-
-
-_RANK = f"a rank: an integer in [0, {MAX_RANK}]"
-_STEP = "a step: an integer in [0, 2**62]"
-_RANKS = f"a list of ranks (integers in [0, {MAX_RANK}])"
-
-
-class _Reader:
-    """Reads the fields of one order's wire map; every failure names order and field."""
-
-    def __init__(self, kind: str, payload: Any) -> None:
-        if type(payload) is not dict:
-            raise OrderError(f"{kind} order: the payload is {type(payload).__name__}, not a map")
-        self.kind = kind
-        self.payload: dict[Any, Any] = payload
-        self.seen: set[str] = set()
-
-    def _fail(self, key: str, value: Any, allowed: str) -> OrderError:
-        return OrderError(f"{self.kind} order: bad {key!r}: {_show(value)} (allowed: {allowed})")
-
-    def get(self, key: str, check: Callable[[Any], bool], allowed: str,
-            required: bool = True) -> Any:
-        self.seen.add(key)
-        if key not in self.payload:
-            if required:
-                raise OrderError(f"{self.kind} order: missing {key!r} ({allowed})")
-            return None
-        value = self.payload[key]
-        if not check(value):
-            raise self._fail(key, value, allowed)
-        return value
-
-    def rank(self, key: str) -> int:
-        return int(self.get(key, _is_rank, _RANK))
-
-    def step(self, key: str) -> int:
-        return int(self.get(key, _is_step, _STEP))
-
-    def ranks(self, key: str, required: bool = True) -> tuple[int, ...] | None:
-        value = self.get(key, _is_ranks, _RANKS, required)
-        return None if value is None else tuple(value)
-
-    def choice(self, key: str, allowed: Iterable[str]) -> str:
-        names = tuple(allowed)
-        return str(self.get(key, lambda v: type(v) is str and v in names,
-                            "one of " + ", ".join(names)))
-
-    def text(self, key: str) -> str:
-        return str(self.get(key, lambda v: type(v) is str, "a string"))
-
-    def entries(self, key: str, parse: Callable[[_Reader], T], required: bool = True
-                ) -> tuple[T, ...]:
-        value = self.get(key, lambda v: type(v) in (list, tuple), "a list of maps", required)
-        out = []
-        for i, item in enumerate(value or ()):
-            entry = _Reader(f"{self.kind} order's {key}[{i}]", item)
-            out.append(parse(entry))
-            entry.done()
-        return tuple(out)
-
-    def done(self) -> None:
-        """Refuse keys that no field reads (as the protocol refuses unknown keys)."""
-        for key in self.payload:
-            if key not in self.seen:
-                raise OrderError(f"{self.kind} order: unknown key {_show(key)} (allowed: "
-                                 f"{', '.join(sorted(self.seen))})")
-
-
-class _Order:
+class _Order(Wire):
     """What the typed orders share: the wire form, checked both ways."""
 
     KIND: ClassVar[str]
+    ERROR: ClassVar[type[WireError]] = OrderError
 
-    def _wire(self) -> dict[str, Any]:
-        raise NotImplementedError
-
-    @classmethod
-    def _read(cls: type[OrderT], r: _Reader) -> OrderT:
-        raise NotImplementedError
-
-    def to_wire(self) -> dict[str, Any]:
-        """The map sent as the action's payload (checked as `from_wire` checks it)."""
-        wire = self._wire()
-        type(self).from_wire(wire)
-        return wire
-
-    @classmethod
-    def from_wire(cls: type[OrderT], payload: Any) -> OrderT:
-        """The order a wire map holds; `OrderError` names the first field that is wrong."""
-        reader = _Reader(cls.KIND, payload)
-        order = cls._read(reader)
-        reader.done()
-        return order
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.WHAT = f"{cls.KIND} order"
 
 
 @dataclass(frozen=True)
@@ -349,29 +251,185 @@ class ExitOrder(_Order):
                    logger)
 
 
-def _is_records(v: Any) -> bool:
-    return type(v) in (list, tuple) and all(
-        type(x) is dict and all(type(k) is str for k in x) for x in v)
+
+@dataclass(frozen=True)
+class HoldOrder(_Order):
+    """The first round of a stop: hold the rank before its next update, say where it is."""
+
+    KIND: ClassVar[str] = "hold"
+    incident: int
+
+    def _wire(self) -> dict[str, Any]:
+        return {"incident": self.incident}
+
+    @classmethod
+    def _read(cls, r: _Reader) -> HoldOrder:
+        return cls(r.step("incident"))
 
 
-#: a typed order
-TypedOrder = StopOrder | RepairOrder | RollbackOrder | DumpOrder | ExitOrder
-#: what the controller's send functions take: a typed order or a plain map (other orders)
-Payload = TypedOrder | dict[str, Any]
-#: order name -> how its payload is read
-ORDER_TYPES: dict[str, Callable[[Any], TypedOrder]] = {
-    "stop": StopOrder.from_wire, "repair": RepairOrder.from_wire,
-    "rollback": RollbackOrder.from_wire, "dump": DumpOrder.from_wire,
-    "exit": ExitOrder.from_wire}
+@dataclass(frozen=True)
+class CleanOrder(_Order):
+    """Clean the rank's device state before a repair (`faulty`: the incident's faulty
+    ranks)."""
+
+    KIND: ClassVar[str] = "clean"
+    incident: int
+    strategy: str
+    lock_step: int
+    faulty: tuple[int, ...]
+
+    def _wire(self) -> dict[str, Any]:
+        return {"incident": self.incident, "strategy": self.strategy,
+                "lock_step": self.lock_step, "faulty": list(self.faulty)}
+
+    @classmethod
+    def _read(cls, r: _Reader) -> CleanOrder:
+        return cls(r.step("incident"), r.choice("strategy", STRATEGY_NAMES),
+                   r.step("lock_step"), r.ranks("faulty") or ())
+
+
+@dataclass(frozen=True)
+class RenameOrder(_Order):
+    """Publish the dump of `lock_step` (stage 3 of the dying-gasp checkpoint)."""
+
+    KIND: ClassVar[str] = "rename"
+    incident: int
+    lock_step: int
+
+    def _wire(self) -> dict[str, Any]:
+        return {"incident": self.incident, "lock_step": self.lock_step}
+
+    @classmethod
+    def _read(cls, r: _Reader) -> RenameOrder:
+        return cls(r.step("incident"), r.step("lock_step"))
+
+
+@dataclass(frozen=True)
+class PauseOrder(_Order):
+    """Hold the rank before its next update until a resume (an operator pause)."""
+
+    KIND: ClassVar[str] = "pause"
+    reason: str
+
+    def _wire(self) -> dict[str, Any]:
+        return {"reason": self.reason}
+
+    @classmethod
+    def _read(cls, r: _Reader) -> PauseOrder:
+        return cls(r.text("reason"))
+
+
+@dataclass(frozen=True)
+class ResumeOrder(_Order):
+    """Train on: at `step` after a repair (None: where the rank is; -1 on the wire);
+    `iterations`: the records the stop cut off (the logging rank logs them)."""
+
+    KIND: ClassVar[str] = "resume"
+    incident: int
+    step: int | None
+    strategy: str
+    false_alarm: bool
+    iterations: tuple[dict[str, Any], ...] | None = None
+
+    def _wire(self) -> dict[str, Any]:
+        wire: dict[str, Any] = {"incident": self.incident,
+                                "step": -1 if self.step is None else self.step,
+                                "strategy": self.strategy, "false_alarm": self.false_alarm}
+        if self.iterations is not None:
+            wire["iterations"] = list(self.iterations)
+        return wire
+
+    @classmethod
+    def _read(cls, r: _Reader) -> ResumeOrder:
+        incident = r.step("incident")
+        step = r.get("step", lambda v: (type(v) is int and v == -1) or _is_step(v),
+                     "a step, or -1: where the rank is")
+        strategy = r.choice("strategy", STRATEGY_NAMES)
+        false_alarm = r.get("false_alarm", lambda v: type(v) is bool, "true or false")
+        iterations = r.get("iterations", _is_records, "a list of maps (iteration records)",
+                           required=False)
+        return cls(incident, None if step == -1 else step, strategy, false_alarm,
+                   None if iterations is None else tuple(iterations))
+
+
+@dataclass(frozen=True)
+class ScaleInOrder(_Order):
+    """Elastic training: continue from the dump at `path` in the world of the DP replicas
+    of `ranks` that split the global batch evenly."""
+
+    KIND: ClassVar[str] = "scale_in"
+    incident: int
+    lock_step: int
+    path: str
+    ranks: tuple[int, ...]
+
+    def _wire(self) -> dict[str, Any]:
+        return {"incident": self.incident, "lock_step": self.lock_step, "path": self.path,
+                "ranks": list(self.ranks)}
+
+    @classmethod
+    def _read(cls, r: _Reader) -> ScaleInOrder:
+        return cls(r.step("incident"), r.step("lock_step"), _path(r), r.ranks("ranks") or ())
+
+
+@dataclass(frozen=True)
+class ScaleOutOrder(_Order):
+    """Elastic training: continue from the dump at `path` in the larger world `ranks` at
+    DP `dp_size`; `joining` are the ranks that come back into it."""
+
+    KIND: ClassVar[str] = "scale_out"
+    incident: int
+    lock_step: int
+    path: str
+    ranks: tuple[int, ...]
+    dp_size: int
+    joining: tuple[int, ...] = ()
+
+    def _wire(self) -> dict[str, Any]:
+        wire: dict[str, Any] = {"incident": self.incident, "lock_step": self.lock_step,
+                                "path": self.path, "ranks": list(self.ranks),
+                                "dp_size": self.dp_size}
+        if self.joining:  # the SDK's grow calls its handlers with them
+            wire["joining"] = list(self.joining)
+        return wire
+
+    @classmethod
+    def _read(cls, r: _Reader) -> ScaleOutOrder:
+        incident, lock_step, path = r.step("incident"), r.step("lock_step"), _path(r)
+        ranks = r.ranks("ranks") or ()
+        dp_size = r.get("dp_size", lambda v: type(v) is int and 1 <= v <= MAX_RANK + 1,
+                        f"a DP size: an integer in [1, {MAX_RANK + 1}]")
+        return cls(incident, lock_step, path, ranks, dp_size,
+                   r.ranks("joining", required=False) or ())
+
+
+def _path(r: _Reader) -> str:
+    return str(r.get("path", lambda v: type(v) is str and 0 < len(v) <= MAX_PATH,
+                     f"a path of 1 to {MAX_PATH} characters"))
+
+
+#: a typed order: what every `action` message carries
+TypedOrder = (HoldOrder | StopOrder | CleanOrder | RepairOrder | RollbackOrder | DumpOrder
+              | RenameOrder | ExitOrder | PauseOrder | ResumeOrder | ScaleInOrder
+              | ScaleOutOrder)
+#: what the controller's send functions take
+Payload = TypedOrder
+#: order name -> its type (every name of `protocol.ACTIONS`)
+ORDER_TYPES: dict[str, type[TypedOrder]] = {
+    t.KIND: t for t in (HoldOrder, StopOrder, CleanOrder, RepairOrder, RollbackOrder,
+                        DumpOrder, RenameOrder, ExitOrder, PauseOrder, ResumeOrder,
+                        ScaleInOrder, ScaleOutOrder)}
 
 
 def to_wire(payload: Payload) -> dict[str, Any]:
-    """The wire map of `payload` (a typed order's `to_wire()`; a plain map as it is)."""
-    return payload if isinstance(payload, dict) else payload.to_wire()
+    """The wire map of `payload` (checked)."""
+    return payload.to_wire()
 
 
-def from_wire(name: str, payload: dict[str, Any]) -> Payload:
-    """The payload a callback of order `name` receives: the typed order for the orders of
-    this module, the map itself for the others. Raises `OrderError`."""
-    read = ORDER_TYPES.get(name)
-    return payload if read is None else read(payload)
+def from_wire(name: str, payload: Any) -> TypedOrder:
+    """The typed order of an `action` message named `name`. Raises `OrderError` (an
+    unknown name too)."""
+    kind = ORDER_TYPES.get(name)
+    if kind is None:
+        raise OrderError(f"unknown order {_show(name)} (allowed: {', '.join(ORDER_TYPES)})")
+    return kind.from_wire(payload)

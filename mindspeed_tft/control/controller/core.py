@@ -1,0 +1,367 @@
+"""The controller's decisions, without I/O: a state machine from inputs to outputs.
+
+`ControllerCore` is everything a controller decides: registrations and the INIT roll call
+(`registration`), silent and ended ranks (`liveness`), what each message means (`inbox`),
+the incident under way and its phases (`incidents`, `incident`, `scaling`, `strategy`),
+backups kept in sync and a backup taking charge (`backup`). It holds no socket, thread,
+clock or random source. Its inputs, each stamped with the time its feeder read it (`at`):
+
+- `on_frame`: a frame from a processor or backup connection (its routing id, the frame's
+  bytes and the `inbox.Link` it came by);
+- `on_upstream`: a frame from the active controller (a backup's link);
+- `command`: an operator's or a launcher's typed command (`Pause`, `Resume`, `ProcessExit`,
+  `NoReplacement`), `process_gone` (a process seen ended);
+- `tick`: time passed (deadlines of phases, silences, INIT, syncs).
+
+Its outputs (`take`): frames to send to routing ids, event records to write, frames for the
+active controller; and `next_deadline`, when the next tick is due. The running controller
+(`controller.Controller`) is the shell around it: a ROUTER, its loop thread, the real clock,
+admission of connections, /proc watching and the metrics endpoint. The simulator
+(`control.sim`) feeds the same core from its virtual network and clock.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ...events import CONTROLLER_RANK
+from ...features import Features
+from ..wire.classify import FaultKind
+from ..wire.config import ControlConfig
+from ..wire.order_types import ExitOrder, PauseOrder, Payload, ResumeOrder
+from ..wire.protocol import CONTROLLER, DropCounter, Limits, MsgType, encode
+from .backup import BackupSync
+from .elasticity import Elasticity
+from .inbox import Inbox, Link
+from .incident import IncidentFlow
+from .incidents import Incidents
+from .liveness import Liveness
+from .outbox import Outbox, Outputs
+from .ranktable import RankInfo, RankTable
+from .registration import ProcessWatch, Registration
+from .states import State, StateMachine
+from .strategy import StrategyPlanner
+
+log = logging.getLogger("mindspeed_tft.control.controller")
+
+#: action ids an epoch of the active controller may use (ids of epoch e start at e << 40)
+ACTION_ID_BITS = 40
+
+
+# -- commands (from an operator or a launcher, through the shell's command queue) ------------
+@dataclass(frozen=True)
+class Pause:
+    """Operator pause: NORMAL -> PAUSE, ranks hold before their next update."""
+
+
+@dataclass(frozen=True)
+class Resume:
+    """End an operator pause: PAUSE -> NORMAL."""
+
+
+@dataclass(frozen=True)
+class ProcessExit:
+    """A launcher saw `rank`'s process end with `returncode`."""
+
+    rank: int
+    returncode: int
+
+
+@dataclass(frozen=True)
+class NoReplacement:
+    """A launcher will not restart lost `rank`."""
+
+    rank: int
+    why: str
+
+
+Command = Pause | Resume | ProcessExit | NoReplacement
+
+
+class _NoWatch:
+    """No process is watched (the simulator; a launcher reports its workers' deaths)."""
+
+    def watch(self, row: RankInfo, proc: Any) -> None:
+        return None
+
+
+class ControllerCore:
+    """A controller's decision logic (see the module docstring)."""
+
+    def __init__(self, world_size: int, config: ControlConfig, *, features: Features,
+                 planner: StrategyPlanner | None = None, role: str = "active",
+                 backup_index: int = 0, endpoint: str = "",
+                 watch: ProcessWatch | None = None) -> None:
+        self.config = config
+        self.world_size = world_size
+        self.features = features
+        self.planner = planner or StrategyPlanner(features)
+        self.role = role
+        self.backup_index = backup_index
+        #: `ip:port` of the controller this core decides for (a backup names it upstream)
+        self.endpoint = endpoint
+        self.out = Outbox()
+        self.table = RankTable(world_size)
+        self.sm = StateMachine(State.INIT, emit_events=False, sink=self.out.emit)
+        self.sm.listeners.append(self._on_transition)
+        self.drops = DropCounter(log)
+        #: per-type frame caps and msgpack limits for this world size (protocol.Limits)
+        self.limits = Limits.for_world(world_size, config.max_message_bytes)
+        self.epoch = 0
+        #: elastic training: home replicas, the global batch in micro-batches (scale-out)
+        self.elasticity = Elasticity()
+        self.exit_code: int | None = None
+        #: something a snapshot shows changed since the shell last wrote one
+        self.dirty = True
+        self.started = 0.0
+        self._seq = 0
+        self._ack_frame: bytes | None = None
+        self.backups = BackupSync(self, config=config, table=self.table, sm=self.sm,
+                                  drops=self.drops, world_size=world_size,
+                                  backup_index=backup_index)
+        #: silent ranks and ended processes (`liveness.Liveness`, through `LivenessHost`)
+        self.liveness = Liveness(self, config=config, table=self.table, sm=self.sm)
+        #: registrations and the INIT roll call (`registration.Registration`)
+        self.registration = Registration(
+            self, config=config, world_size=world_size, table=self.table, sm=self.sm,
+            drops=self.drops, elasticity=self.elasticity, watch=watch or _NoWatch())
+        #: the incident under way, the orders it sends, its counters (`incidents.Incidents`)
+        self.incidents = Incidents(self, config=config, table=self.table, sm=self.sm,
+                                   planner=self.planner, elasticity=self.elasticity)
+        #: what processors and backups send (`inbox.Inbox`)
+        self.inbox = Inbox(self, config=config, table=self.table, sm=self.sm,
+                           drops=self.drops, limits=self.limits,
+                           registration=self.registration, backups=self.backups)
+
+    # -- reading ------------------------------------------------------------------------
+    @property
+    def state(self) -> State:
+        return self.sm.state
+
+    @property
+    def flow(self) -> IncidentFlow | None:
+        """The incident under way (`Incidents.flow`)."""
+        return self.incidents.flow
+
+    @property
+    def now(self) -> float:
+        """The time of the input being handled (loop clock)."""
+        return self.out.now
+
+    def role_name(self) -> str:
+        return "active" if self.role == "active" else "standby"
+
+    def emit(self, event: str, rank: int, **fields: Any) -> dict[str, Any]:
+        """An event (into the outbox: the shell writes it, the simulator checks it)."""
+        return self.out.emit(event, rank, **fields)
+
+    # -- inputs -------------------------------------------------------------------------
+    def at(self, now: float, wall: float) -> None:
+        """The time of the next input (loop clock, events clock)."""
+        self.out.at(now, wall)
+
+    def start(self) -> None:
+        """The controller listens (at the time set by `at`)."""
+        self.started = self.now
+        if self.role == "backup":
+            self.backups.linked(self.now)
+        else:
+            self.sm.emit_events = True
+            self.sm.announce("controller started")
+
+    def on_frame(self, identity: bytes, frame: bytes, link: Link, extra: int = 0) -> None:
+        """A frame from a processor or backup connection (`extra`: frames more it had)."""
+        self.inbox.on_frame(identity, frame, link, extra)
+
+    def on_upstream(self, frames: list[bytes]) -> None:
+        """A frame from the active controller (a backup's link)."""
+        self.backups.on_upstream(frames, self.now)
+
+    def command(self, cmd: Command) -> None:
+        """An operator's or a launcher's command."""
+        state = self.sm.state
+        if isinstance(cmd, Pause):
+            if state is State.NORMAL and self.role == "active":
+                self.sm.to(State.PAUSE, "operator pause")
+                self.broadcast("pause", PauseOrder("operator pause"))
+        elif isinstance(cmd, Resume):
+            if state is State.PAUSE:
+                self.sm.to(State.NORMAL, "operator resume")
+                self.broadcast("resume", ResumeOrder(0, None, "none", True))
+        elif isinstance(cmd, ProcessExit):
+            self.liveness.on_process_exit(cmd.rank, cmd.returncode)
+        elif isinstance(cmd, NoReplacement):
+            if self.flow is not None:
+                self.flow.no_replacement(cmd.rank, cmd.why)
+        else:  # pragma: no cover - a new command type without its case
+            raise TypeError(f"unknown controller command {cmd!r}")
+
+    def process_exit(self, rank: int, returncode: int, source: str) -> None:
+        """`rank`'s process ended with `returncode`, seen by the shell (`procwatch`)."""
+        self.liveness.on_process_exit(rank, returncode, source)
+
+    def process_gone(self, rank: int, how: str, source: str) -> None:
+        """`rank`'s process `how` ("ended": no code known), seen by the shell."""
+        self.liveness.process_gone(rank, how, source)
+
+    def overdue(self, now: float) -> bool:
+        """Would a tick at `now` find silent ranks? (The shell reads its input first.)"""
+        return self.role == "active" and bool(self.table.overdue(now, self.config.lost_after))
+
+    def tick(self) -> None:
+        """Time passed (to the time set by `at`): deadlines, silences, syncs."""
+        now = self.now
+        state = self.sm.state
+        if self.role == "active":
+            self.liveness.supervise(now)
+            if self.flow is not None:
+                self.flow.tick(now)
+            if state is State.INIT and (late := self.registration.overdue(now, self.started)):
+                self.fail_init(late)
+            if self.incidents.grow_check and self.flow is None and state is State.NORMAL:
+                self.incidents.grow_check = False
+                self.incidents.maybe_grow(now)
+            self.backups.tick_active(now)
+        else:
+            self.backups.standby_tick(now)
+
+    def next_deadline(self) -> float:
+        """When a tick next has something to decide (loop clock; inf: only on input)."""
+        cfg = self.config
+        if self.sm.state is State.FINAL:
+            return math.inf
+        times = [self.backups.next_deadline(self.now)]
+        if self.role == "active":
+            rows = self.table.connected()
+            if rows:
+                times.append(min(r.last_seen for r in rows) + cfg.lost_after + 1e-9)
+            flow = self.flow
+            if flow is not None and flow.phase is not None and flow.phase.pending:
+                times.append(flow.phase.deadline)
+            if self.sm.state is State.INIT:
+                times.append(self.started + cfg.register_timeout + 1e-9)
+            if self.incidents.grow_check:
+                times.append(self.now)
+        return min(times)
+
+    def take(self) -> Outputs:
+        """What the inputs since the last `take` decided."""
+        return self.out.take()
+
+    # -- InboxHost, RegistrationHost, LivenessHost, IncidentsHost, BackupHost ----------------
+    def rank_restarted(self, row: RankInfo) -> None:
+        self.incidents.rank_restarted(row)
+
+    def rank_returned(self, row: RankInfo, replica: dict[str, Any] | None) -> None:
+        self.incidents.rank_returned(row, replica)
+
+    def order(self, rank: int, name: str, payload: Payload) -> None:
+        self.incidents.order(rank, name, payload)
+
+    def ack_frame(self) -> bytes:
+        """The answer to a heartbeat (encoded once per state, epoch and role)."""
+        frame = self._ack_frame
+        if frame is None:
+            frame = self._ack_frame = encode(
+                MsgType.ACK, CONTROLLER, self.next_seq(),
+                {"state": self.sm.state.value, "epoch": self.epoch, "role": self.role_name()})
+        return frame
+
+    def training_finished(self) -> None:
+        """Every member said bye: the job ends with code 0."""
+        self.sm.to(State.EXIT, "training finished")
+        self.incidents.dismiss_returning("training finished before the job could grow by "
+                                         "this rank")
+        self.exit_code = 0
+        self.emit("exit", CONTROLLER_RANK, code=0, reason="training finished")
+        self.sm.to(State.FINAL, "training finished")
+
+    def rank_missing(self, rank: int) -> None:
+        """A rank was lost during INIT: the roll call waits for it again."""
+        self.registration.missing.add(rank)
+
+    def send_registered(self, row: RankInfo) -> None:
+        lock = self.incident_lock_step()
+        self.send(row.identity, MsgType.REGISTERED, {
+            "epoch": self.epoch, "state": self.sm.state.value,
+            "interval": self.config.heartbeat_interval, "misses": self.config.heartbeat_misses,
+            "backups": self.backups.addresses(), "rejoin": row.fresh,
+            "lock_step": lock, "role": self.role_name()})
+
+    def fault(self, rank: int, kind: FaultKind, message: str,
+              detail: dict[str, Any] | None = None) -> None:
+        """A fault on `rank`: starts an incident, joins the one under way, or ends INIT."""
+        state = self.sm.state
+        if detail and self.flow is not None:
+            self.flow.incident.details[rank] = detail
+        if state is State.INIT:
+            self.emit("fault_detected", CONTROLLER_RANK, ranks=[rank], kind=kind.value,
+                      message=message[:500])
+            self.fail_init(f"{kind} on rank {rank} before all ranks registered: {message[:200]}")
+        elif self.flow is None and state in (State.NORMAL, State.PAUSE):
+            self.incidents.open(rank, kind, message, detail, self.now)
+        elif self.flow is not None:
+            self.flow.add_fault(rank, kind, message)
+
+    def fail_init(self, reason: str) -> None:
+        log.error("initialisation failed: %s", reason)
+        code = self.config.failure_exit_code
+        self.exit_code = code
+        self.emit("exit", CONTROLLER_RANK, code=code, reason=reason)
+        self.broadcast("exit", ExitOrder(code, reason))
+        self.sm.to(State.FINAL, reason)
+
+    def incident_lock_step(self) -> int | None:
+        """The lock step of the incident under way; None when there is none."""
+        return self.incidents.lock_step()
+
+    def adopt(self, epoch: int, features: Features) -> None:
+        """A backup takes the active controller's epoch and features (sync)."""
+        self.epoch = epoch
+        self.features = features
+        self.planner.features = features
+
+    def become_active(self) -> None:
+        """A backup takes charge: a new epoch, and its transitions are events from now on."""
+        self.role = "active"
+        self.epoch += 1
+        # its action ids must not repeat ones the ranks saw from the controller before it
+        # (a processor drops an id it has seen as a repeat): each epoch numbers its own
+        # (found by the simulator: tft-sim --seed 480 --world 8)
+        self.incidents.number_actions_from(self.epoch << ACTION_ID_BITS)
+        self.sm.emit_events = True
+        self._ack_frame = None
+
+    def mark_dirty(self) -> None:
+        """Something a snapshot shows changed."""
+        self.dirty = True
+
+    # -- sending ----------------------------------------------------------------------------
+    def next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def send(self, identity: bytes, mtype: str, payload: dict[str, Any]) -> None:
+        self.raw_send(identity, encode(mtype, CONTROLLER, self.next_seq(), payload))
+
+    def raw_send(self, identity: bytes, frame: bytes) -> None:
+        self.out.send(identity, frame)
+
+    def send_upstream(self, frame: bytes) -> None:
+        self.out.send_upstream(frame)
+
+    def close_upstream(self) -> None:
+        self.out.close_upstream()
+
+    def broadcast(self, name: str, payload: Payload) -> None:
+        self.incidents.send_action_many([r.rank for r in self.table.connected()],
+                                        self.incidents.new_action_id(), name, payload,
+                                        self.config.action_time_limit)
+
+    def _on_transition(self, old: State, new: State, reason: str) -> None:
+        self._ack_frame = None
+        self.dirty = True
+        self.backups.sync_soon()

@@ -1,0 +1,70 @@
+"""What the controller's core decides in answer to one input: frames, events, the upstream.
+
+The core (`core.ControllerCore`) never writes to a socket or a file: each of its parts puts
+what it decided here, and whoever fed it the input takes it (`take`): the running
+`Controller` (its shell) writes the events to the events stream, then sends the frames over
+its ROUTER and its link to the active controller; the simulator (`control.sim`) delivers
+them over its virtual network and checks the events against the protocol's invariants.
+
+The input's times are set by whoever feeds it (`at`): `now` on the loop's clock (the shell's
+`time.monotonic()`, the simulator's virtual time), `wall` on the events clock (the shell's
+`time.time()`): an event is stamped with the time of the input it answers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Outputs:
+    """One input's outputs, in the order they were decided."""
+
+    #: (routing id of a processor or backup connection, encoded frame)
+    frames: list[tuple[bytes, bytes]] = field(default_factory=list)
+    #: event records, as `events.emit` makes them (`events.write_record` writes them)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    #: frames for the active controller (a backup's hellos)
+    upstream: list[bytes] = field(default_factory=list)
+    #: a backup took charge: its link to the active controller closes
+    close_upstream: bool = False
+
+
+class Outbox:
+    """Collects the core's outputs until they are taken (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.wall = 0.0
+        self._out = Outputs()
+
+    def at(self, now: float, wall: float) -> None:
+        """The time of the input about to be handled."""
+        self.now = now
+        self.wall = wall
+
+    def emit(self, event: str, rank: int, **fields: Any) -> dict[str, Any]:
+        """An event record (the signature and record of `events.emit`)."""
+        record: dict[str, Any] = {"time": self.wall, "event": event, "rank": rank, **fields}
+        self._out.events.append(record)
+        return record
+
+    def send(self, identity: bytes, frame: bytes) -> None:
+        self._out.frames.append((identity, frame))
+
+    def send_upstream(self, frame: bytes) -> None:
+        self._out.upstream.append(frame)
+
+    def close_upstream(self) -> None:
+        self._out.close_upstream = True
+
+    @property
+    def empty(self) -> bool:
+        out = self._out
+        return not (out.frames or out.events or out.upstream or out.close_upstream)
+
+    def take(self) -> Outputs:
+        """What was decided since the last `take`."""
+        out, self._out = self._out, Outputs()
+        return out

@@ -1,0 +1,283 @@
+"""The processor's link to its controllers without I/O: registration, heartbeats, failover.
+
+`LinkCore` decides what one rank says to its controller and which controller it talks to;
+it has no socket, thread or clock (every time is an argument `now`). `channel.Channel` is
+its shell: the DEALER socket, the I/O thread and the real clock. What it says about the
+training thread it reads from a `RankView` (the processor's core, behind the gate's lock in
+a real process); the orders it receives go to that view too (`on_action`).
+
+Inputs: `connected(now)` once the shell (re)connected to `address`, `on_message(msg, now)`
+for every checked message from a controller, `tick(now)` on every turn of the shell's
+loop. Outputs (`Out`): `Transmit` a message now, `Connect` to another address, `Run` an order
+on a lane, `Accepted` / `Refused` (the registration's answer), `GiveUp` (no active
+controller for `controller_lost_timeout`: the processor exits as an exit order would).
+
+- Until a controller registered it, the rank registers again every interval.
+- Registered, it heartbeats every interval with its step, data status and progress (asking
+  for an ack only every other time or so: enough to know the controller is there), and
+  reports a hang once the watchdog fires.
+- A controller silent for interval x (misses + 1) is left for the next address (a storm of
+  handshakes is allowed for before the first registration there); a backup that redirects
+  sends the rank back to the first address.
+- A new active controller is told the error report no decision answered yet.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ..wire.classify import FaultKind
+from ..wire.config import parse_hostport
+from ..wire.protocol import Message, MsgType
+from ..wire.results import ReportMessage
+from .core import Run, Send
+
+log = logging.getLogger("mindspeed_tft.control.processor")
+
+
+class RankView(Protocol):
+    """What the link reports about the training thread, and where orders go."""
+
+    def position(self) -> tuple[int, str, int]: ...
+    def hang(self, now: float) -> tuple[float, float] | None: ...
+    def unanswered_report(self) -> ReportMessage | None: ...
+    def on_action(self, payload: dict[str, Any], now: float) -> list[Send | Run]: ...
+
+
+@dataclass(frozen=True)
+class Transmit:
+    """Send `payload` as a `mtype` message to the controller now."""
+
+    mtype: str
+    payload: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Connect:
+    """Connect to `address` (index `index` of the addresses) instead."""
+
+    index: int
+    address: tuple[str, int]
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """An active controller accepted the registration (the first time)."""
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The registration was refused for good."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    """No active controller was heard for `silent` seconds."""
+
+    silent: float
+
+
+Out = Transmit | Connect | Run | Accepted | Refused | GiveUp
+#: what a controller sends a processor (anything else is dropped by the shell)
+TO_PROCESSOR = frozenset({MsgType.ACK, MsgType.ACTION, MsgType.REGISTERED, MsgType.REJECT,
+                          MsgType.REDIRECT})
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What a registration says about the process."""
+
+    world_size: int
+    pid: int
+    host: str
+    proc: str | None = None     # `procfs.identity()`
+    token: str | None = None    # the job's token, when it has one
+
+
+class LinkCore:
+    """The link state of one rank (see the module docstring)."""
+
+    def __init__(self, rank: int, identity: Identity, view: RankView, *,
+                 addresses: list[tuple[str, int]], interval: float, misses: int,
+                 controller_lost_timeout: float, storm_allowance: float,
+                 replica: dict[str, Any] | None = None) -> None:
+        self.rank = rank
+        self.identity = identity
+        self.view = view
+        self.addresses = list(addresses)
+        self.interval = interval
+        self.misses = misses
+        self.controller_lost_timeout = controller_lost_timeout
+        self.storm_allowance = storm_allowance
+        self.replica = replica
+        self.index = 0
+        self.registered_here = False
+        self.ever_registered = False
+        self.controller_state: str | None = None
+        self.controller_role: str | None = None
+        #: the first registration reply of the active controller
+        self.join_info: dict[str, Any] = {}
+        self.last_ack: float | None = None
+        self.failovers = 0
+        self.last_heard = 0.0
+        self.last_active = 0.0
+        self.next_register = 0.0
+        self.next_heartbeat = 0.0
+        self.switch_to: int | None = None
+        self.gave_up = False
+        self.refused: str | None = None
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.addresses[self.index]
+
+    def registration(self) -> dict[str, Any]:
+        """The payload of a registration (the rank's identity, layout and position)."""
+        step, status, _ = self.view.position()
+        who = self.identity
+        payload: dict[str, Any] = {
+            "world_size": who.world_size, "pid": who.pid, "host": who.host[:255],
+            "replica": self.replica, "failover": self.ever_registered, "step": step,
+            "status": status}
+        if who.token is not None:  # the job's secret (over CURVE: encrypted)
+            payload["token"] = who.token
+        if who.proc is not None:  # a controller in the same pid namespace watches /proc
+            payload["proc"] = who.proc
+        return payload
+
+    def update_replica(self, replica: dict[str, Any]) -> list[Out]:
+        """The rank's layout, learnt after it registered: a registered rank tells now."""
+        self.replica = replica
+        return [Transmit(MsgType.REGISTER, self.registration())] if self.ever_registered else []
+
+    # -- inputs ---------------------------------------------------------------------------
+    def connected(self, now: float) -> None:
+        """The shell connected to `address`: register there."""
+        self.last_heard = now
+        self.next_register = 0.0
+        self.controller_role = None
+        self.registered_here = False
+
+    def wait(self, now: float) -> float:
+        """How long the shell may wait for input before the next `tick`."""
+        if not self.registered_here and now >= self.next_register:
+            return 0.0  # the (next) registration is due: send it without a poll first
+        return min(self.interval / 4, 0.25)
+
+    def tick(self, now: float) -> list[Out]:
+        """A turn of the shell's loop at `now`."""
+        out: list[Out] = []
+        silent = now - self.last_active
+        if (not self.gave_up and self.ever_registered
+                and silent > self.controller_lost_timeout):
+            self.gave_up = True
+            out.append(GiveUp(silent))
+        switch_to = self._failover_target(now)
+        if switch_to is not None:
+            self.switch_to = None
+            self.index = switch_to
+            self.failovers += 1
+            out.append(Connect(switch_to, self.address))
+            return out
+        if self.registered_here:
+            out.extend(self._talk(now))
+        elif now >= self.next_register:
+            self.next_register = now + self.interval
+            out.append(Transmit(MsgType.REGISTER, self.registration()))
+        return out
+
+    def _failover_target(self, now: float) -> int | None:
+        """The address to switch to: asked for (redirect), or the next after a silence."""
+        if self.switch_to is not None:
+            return self.switch_to
+        # one interval more than a rank gets: acks come every other heartbeat or so; until
+        # it is registered there, as long again as every rank's handshake at once may take
+        # (a registration storm: a reconnect would throw its handshake's work away)
+        patience = self.interval * (self.misses + 1)
+        if not self.registered_here:
+            patience += self.storm_allowance
+        if now - self.last_heard > patience:
+            log.warning("rank %d: controller %s:%d silent for %.1fs; failing over", self.rank,
+                        *self.address, now - self.last_heard)
+            return (self.index + 1) % len(self.addresses)
+        return None
+
+    def _talk(self, now: float) -> list[Out]:
+        """Registered here: a heartbeat when due, a hang report when the watchdog fires."""
+        out: list[Out] = []
+        if now >= self.next_heartbeat:
+            self.next_heartbeat = now + self.interval
+            step, status, progress = self.view.position()
+            # an ack only when needed to know the controller is there: with the default
+            # 3 misses, every other heartbeat (half the traffic)
+            out.append(Transmit(MsgType.HEARTBEAT, {
+                "step": step, "status": status, "progress": progress,
+                "ack": now - self.last_heard >= self.interval * self.misses / 2}))
+        hung = self.view.hang(now)
+        if hung is not None:
+            idle, limit = hung
+            step, status, progress = self.view.position()
+            out.append(Transmit(MsgType.REPORT, ReportMessage(
+                FaultKind.HANG.value,
+                f"rank {self.rank}: no training progress for {idle:.1f}s "
+                f"(timeout {limit:.1f}s) after step {progress}", step, status).to_wire()))
+        return out
+
+    def on_message(self, msg: Message, now: float) -> list[Out]:
+        """A checked message from a controller."""
+        self.last_heard = now
+        p, t = msg.payload, msg.type
+        if t == MsgType.ACTION or (t in (MsgType.ACK, MsgType.REGISTERED)
+                                   and p.get("role") == "active"):
+            self.last_active = now
+        if t == MsgType.ACK:
+            self.last_ack = now
+            self.controller_state, self.controller_role = p["state"], p["role"]
+        elif t == MsgType.ACTION:
+            if self.registered_here:
+                return [Transmit(o.mtype, o.message.to_wire()) if isinstance(o, Send) else o
+                        for o in self.view.on_action(p, now)]
+        elif t == MsgType.REGISTERED:
+            return self._on_registered(p)
+        elif t == MsgType.REJECT:
+            if p["retry"]:
+                log.warning("rank %d: controller says: %s", self.rank, p["reason"])
+            else:
+                self.refused = p["reason"]
+                return [Refused(p["reason"])]
+        elif t == MsgType.REDIRECT and self.index != 0:
+            log.info("rank %d: %s; going back", self.rank, p["reason"])
+            self.switch_to = 0
+        return []
+
+    def _on_registered(self, p: dict[str, Any]) -> list[Out]:
+        self.controller_state, self.controller_role = p["state"], p["role"]
+        self.interval = float(p["interval"])
+        self.misses = int(p["misses"])
+        for b in p["backups"]:
+            try:
+                hp = parse_hostport(b, "backup from controller")
+            except ValueError:
+                continue
+            if hp not in self.addresses:
+                self.addresses.append(hp)
+        if not self.registered_here:
+            log.info("rank %d registered with %s controller (state %s)", self.rank, p["role"],
+                     p["state"])
+        self.registered_here = True
+        if p["role"] != "active":
+            return []  # a standby backup: heartbeat here, wait for it to take charge
+        first = not self.ever_registered
+        self.ever_registered = True
+        out: list[Out] = []
+        if first:
+            self.join_info = dict(p)
+            out.append(Accepted())
+        report = self.view.unanswered_report()
+        if report is not None and not first:  # the new controller never saw our error
+            out.append(Transmit(MsgType.REPORT, report.to_wire()))
+        return out

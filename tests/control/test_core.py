@@ -1,0 +1,175 @@
+"""The controller's sans-I/O core (`control.controller.core`) and an `IncidentFlow` built by
+hand: inputs in, frames and events out, no socket, thread or clock."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+
+from mindspeed_tft.control.controller.core import ControllerCore, NoReplacement, Pause, Resume
+from mindspeed_tft.control.controller.incident import Incident, IncidentFlow
+from mindspeed_tft.control.controller.states import State
+from mindspeed_tft.control.sim.job import sim_config
+from mindspeed_tft.control.wire.classify import FaultKind
+from mindspeed_tft.control.wire.protocol import MsgType, decode, encode
+from mindspeed_tft.features import Features
+
+
+class _Link:
+    key = None
+
+    def admit(self) -> bool:
+        return True
+
+    def known(self) -> None:
+        return None
+
+
+class Harness:
+    """A core of `world` ranks, registered at step `step`, and what it sent."""
+
+    def __init__(self, world: int, features: Features, step: int = 1,
+                 copies: int = 1) -> None:
+        self.core = ControllerCore(world, sim_config(), features=features)
+        self.now = 0.0
+        self.seq = {r: 0 for r in range(world)}
+        self.sent: list[tuple[int, str, dict[str, Any]]] = []
+        self.events: list[dict[str, Any]] = []
+        self.feed(self.core.start)
+        for r in range(world):
+            chunk = world // copies  # `copies` replicas of the optimizer state
+            replica = {"dense": {"dp_index": r, "dp_size": world, "replica_num": copies,
+                                 "shard": r % chunk,
+                                 "holders": [r % chunk + k * chunk for k in range(copies)]}}
+            self.frame(r, MsgType.REGISTER, {"world_size": world, "pid": 100 + r, "host": "h",
+                                             "replica": replica, "step": step,
+                                             "status": "updated"})
+
+    def feed(self, fn: Any, *args: Any) -> None:
+        self.now += 0.01
+        self.core.at(self.now, self.now)
+        fn(*args)
+        out = self.core.take()
+        self.events += out.events
+        for identity, frame in out.frames:
+            msg = decode(frame)
+            self.sent.append((int(identity.decode()), msg.type, msg.payload))
+
+    def frame(self, rank: int, mtype: str, payload: dict[str, Any]) -> None:
+        self.seq[rank] += 1
+        self.feed(self.core.on_frame, str(rank).encode(), encode(mtype, rank, self.seq[rank],
+                                                                 payload), _Link())
+
+    def orders(self, name: str) -> list[tuple[int, dict[str, Any]]]:
+        return [(r, p) for r, t, p in self.sent if t == MsgType.ACTION and p["name"] == name]
+
+    def answer(self, name: str, result: dict[str, Any] | None = None,
+               fail: int | None = None) -> None:
+        for rank, order in self.orders(name):
+            ok = rank != fail
+            self.frame(rank, MsgType.RESULT, {"id": order["id"], "action": name, "ok": ok,
+                                              "result": dict(result or {}),
+                                              **({} if ok else {"error": "broken"})})
+
+    def named(self, event: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["event"] == event]
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    logging.disable(logging.CRITICAL)
+    yield
+    logging.disable(logging.NOTSET)
+
+
+def test_registration_and_operator_commands_are_inputs_and_outputs() -> None:
+    h = Harness(2, Features(high_availability=True))
+    assert h.core.state is State.NORMAL
+    assert [(r, t) for r, t, _ in h.sent] == [(0, MsgType.REGISTERED), (1, MsgType.REGISTERED)]
+    assert [e["state"] for e in h.named("state")] == ["INIT", "NORMAL"]
+    h.feed(h.core.command, Pause())
+    h.feed(h.core.command, Resume())
+    assert [r for r, _ in h.orders("pause")] == [0, 1] == [r for r, _ in h.orders("resume")]
+    assert h.core.state is State.NORMAL and h.core.next_deadline() > h.now
+
+
+def test_an_incident_flow_built_by_hand_repairs_a_uce() -> None:
+    """An IncidentFlow on the core's Incidents: hold, stop, strategy retry, clean, repair,
+    rollback, resume; every order goes to both ranks, the events name its phases."""
+    h = Harness(2, Features(high_availability=True, hbm_repair=True), copies=2)
+    flow = IncidentFlow(h.core.incidents, Incident(1, h.now))
+    h.core.incidents.flow = flow
+    h.feed(flow.begin, 1, FaultKind.UCE, "UCE ERROR")
+    h.answer("hold", {"step": 1, "status": "updated"})
+    h.answer("stop", {"step": 1, "status": "updated", "parked": True})
+    (strategy,) = h.named("strategy")
+    assert strategy["strategy"] == "retry" and strategy["lock_step"] == 1
+    h.answer("clean")
+    h.answer("repair")
+    h.answer("rollback", {"step": 1})
+    assert [e["action"] for e in h.named("action")] == ["hold", "stop", "clean", "repair",
+                                                       "rollback"]
+    assert h.named("repaired")[0]["step"] == 1 and flow.done
+    assert [r for r, _ in h.orders("resume")] == [0, 1] and h.core.state is State.NORMAL
+
+
+def test_a_failed_rollback_after_a_checkpoint_reload_dumps_nothing() -> None:
+    """tft-sim --seed 656 --world 8: without optimizer replicas a repair reloads the last
+    checkpoint; when the rollback then fails, the ranks no longer hold the lock step, so
+    the fallback must not write a dump of it (it did, from the checkpoint's state): the job
+    exits with the failure code and no dump order goes out."""
+    h = Harness(2, Features(high_availability=True, hbm_repair=True, no_replica=True), step=5)
+    h.frame(1, MsgType.REPORT, {"kind": "comm", "message": "HCCL", "step": 5,
+                                "status": "updated"})
+    h.answer("hold", {"step": 5, "status": "updated"})
+    h.answer("stop", {"step": 5, "status": "updated", "parked": True})
+    assert h.named("strategy")[0]["source"] == "checkpoint"
+    h.answer("clean")
+    h.answer("repair", {"step": 4})
+    h.answer("rollback", {"step": 4}, fail=1)
+    assert h.orders("dump") == [] and h.core.exit_code == 1
+    assert "no longer hold the lock step" in h.named("exit")[0]["reason"]
+
+
+def test_no_replacement_for_a_lost_rank_ends_its_rejoin_round() -> None:
+    h = Harness(2, Features(high_availability=True, worker_reboot=True))
+    h.feed(h.core.process_exit, 1, -9, "test")
+    h.answer("hold", {"step": 1, "status": "updated"})
+    h.answer("stop", {"step": 1, "status": "updated", "parked": True})
+    h.answer("clean")
+    assert h.core.flow is not None and h.core.flow.phase is not None
+    assert h.core.flow.phase.name == "rejoin"
+    h.feed(h.core.command, NoReplacement(1, "budget"))
+    assert h.core.state in (State.EXIT, State.FINAL, State.DUMP)
+
+
+def test_a_result_that_does_not_match_its_order_fails_the_order_naming_the_field() -> None:
+    """Results are read typed (`wire.results.ResultMessage`): a rollback result without its
+    `step` is a failed rollback, and the failure says which field was wrong."""
+    h = Harness(2, Features(high_availability=True, hbm_repair=True), copies=2)
+    h.frame(1, MsgType.REPORT, {"kind": "uce", "message": "UCE ERROR", "step": 1,
+                                "status": "updated", "detail": {"target": "params"}})
+    h.answer("hold", {"step": 1, "status": "updated"})
+    h.answer("stop", {"step": 1, "status": "updated", "parked": True})
+    h.answer("clean")
+    h.answer("repair", {"received": 1})
+    h.answer("rollback", {"iteration": 1})
+    assert h.named("repaired") == []
+    (failed,) = h.named("repair_failed")
+    assert "rollback failed" in failed["reason"]
+    assert "ResultError: rollback result: unknown key 'iteration'" in failed["reason"] or (
+        "ResultError: rollback result: missing 'step'" in failed["reason"])
+
+
+def test_a_hold_result_carries_the_step_the_lock_step_is_taken_from() -> None:
+    """The typed hold and stop results set the rank's step and data status."""
+    h = Harness(2, Features(high_availability=True, hbm_repair=True), copies=2, step=3)
+    h.frame(0, MsgType.REPORT, {"kind": "uce", "message": "UCE ERROR", "step": 3,
+                                "status": "updated", "detail": {"target": "params"}})
+    h.answer("hold", {"step": 3, "status": "updating"})
+    h.answer("stop", {"step": 4, "status": "updated", "parked": True})
+    (strategy,) = h.named("strategy")
+    assert strategy["lock_step"] == 4
+    assert [h.core.table.get(r).step for r in (0, 1)] == [4, 4]
