@@ -86,6 +86,10 @@ def test_killed_worker_is_replaced_and_training_is_bit_exact(
     _assert_repaired(job, reference, {rank: 1})
     assert [e["strategy"] for e in job.named("strategy")] == ["recover"]
     _assert_shard_and_params(job, config, [(rank, step + behind, phase)])
+    if launcher == "tft-run":  # the controller runs in node 0's launcher, and ends the job
+        assert "[tft-run] controller for 4 ranks listening on" in job.output
+        assert job.named("state")[-1]["state"] == "FINAL"
+        assert [e["code"] for e in job.named("exit") if e["rank"] == -1] == [0]
 
 
 def _assert_shard_and_params(job, config: dict, kills: list[tuple[int, int, str]]) -> None:
@@ -227,34 +231,6 @@ def _end(proc, events) -> None:
         proc.communicate(timeout=30)
     except subprocess.TimeoutExpired:
         pass
-
-
-def test_kill_during_a_repair_ends_cleanly_never_hangs(tmp_path):
-    """Rank 1 is killed; while the job waits for its replacement to start (the repair is
-    under way), rank 3, the other holder of rank 1's shard, is killed too: the data of that
-    shard is gone, so the job ends with a clear message instead of hanging."""
-    run_dir = tmp_path / "job"
-    events = run_dir / "events.jsonl"
-    proc = start_tiny_job(tiny_job_env(
-        run_dir, **STANDARD, ha_args=ARF_ARGS, launcher="tft-run",
-        inject="kill:rank=1,step=7,phase=forward"))
-    try:
-        layout = wait_event(events, lambda e: e["event"] == "replica_layout" and e["rank"] == 3,
-                             120)
-        wait_event(events, lambda e: e["event"] == "worker_restarted", 120)
-        os.kill(layout["pid"], signal.SIGKILL)
-        started = time.monotonic()
-        output, _ = proc.communicate(timeout=240)
-        elapsed = time.monotonic() - started
-    finally:
-        _end(proc, events)
-    assert proc.returncode != 0
-    assert elapsed < 180  # within the action time limit, not a hang
-    (exit_event,) = [e for e in read_events_if_any(events) if e["event"] == "exit"]
-    assert exit_event["code"] == 1
-    assert "no healthy holder for dense shard 1" in exit_event["reason"], exit_event
-    assert not (run_dir / "ckpt" / "iter_0000007").exists()
-    assert "exits with code 1" in output or "exitcode" in output
 
 
 def _launch_node(run_dir, node_rank: int, master_port: int, ttp_port: int, extra: str = ""):

@@ -186,3 +186,26 @@ def test_backup_takes_charge_when_active_dies() -> None:
     assert [e["code"] for e in backup if e["event"] == "exit"] == [0]
     assert {r: p.step for r, p in job.procs.items()} == {r: 80 for r in range(4)}
     assert not job.of("fault_detected") and not job.of("strategy")
+
+
+# -- a second holder lost during a repair (was test_worker_reboot.py's
+# test_kill_during_a_repair_ends_cleanly_never_hangs, a tft-run job) -------------------------
+@pytest.mark.parametrize("replacement", ["restart", "late"])
+def test_kill_during_a_repair_ends_cleanly_never_hangs(replacement: str) -> None:
+    """DP4, 2 replicas, worker reboot: rank 1 is killed at step 7; while the job waits for
+    its replacement (the strategy is decided, the clean is under way), rank 3, the other
+    holder of rank 1's shard, is killed too: the data of that shard is gone, so the job ends
+    with code 1 and a clear message, within the bounded virtual time, and publishes no dump."""
+    job = RecordingJob(Schedule(1, Layout(dp=4, replicas=2), (
+        Fault("kill", 1, "start", 7), Fault("kill", 3, "clean", incident=1)),
+        (replacement,), steps=12))
+    outcome = job.run()
+    assert outcome.failure is None and outcome.state == "FINAL" and outcome.exit_code == 1
+    assert [e["strategy"] for e in job.of("strategy")] == ["recover"]
+    assert [(e["ranks"], e["kind"]) for e in job.of("fault_detected")] == [
+        ([1], "lost"), ([3], "lost")]
+    (exit_event,) = job.of("exit")
+    assert exit_event["code"] == 1
+    assert "no healthy holder for dense shard 1 at lock step 6" in exit_event["reason"]
+    assert not job.published_dumps and not job.of("repaired")
+    assert not [r for r, orders in job.orders.items() for n, _ in orders if n == "dump"]
