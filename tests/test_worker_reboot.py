@@ -62,14 +62,18 @@ def _assert_repaired(job, reference, restarted: dict[int, int]) -> None:
 # (layout, phase, the lock step minus the killed step, the rank killed, launcher, data-loader
 # workers): a kill inside the update of step s leaves the survivors' update done, so the lock
 # step is s + 1; there the killed rank is the logging rank (the last), which never logs
-# iteration s + 1: its replacement does. On dp4 the kills in the forward and the backward
-# pass are the two faults of `test_two_faults_...` below; Megatron-LM's loop repeats DP4 and
-# PP2xDP2 under tft-run (tests/test_megatron_lm.py); all within CI's time budget. The tp2dp2
-# case is a cell of the launch matrix (docs/design.md, "Launch matrix"): under torchrun with
-# the guide's hook (`scripts/patch_torchrun.sh`), with Megatron-LM's default data loader (2
-# worker processes per rank; the survivors' loaders are built again at the lock step).
-CASES = [("dp4", "optimizer", 1, 3, "tft-run", 0),
-         ("tp2dp2", "backward", 0, 1, "hooked torchrun", 2)]
+# iteration s + 1: its replacement does. The dp4 case (rank 3 killed in its update of step 7,
+# under tft-run) is the job of tests/test_flood.py's hostile-peer tests, which assert all of
+# this too (`assert_killed_worker_repaired`): one job for both. On dp4 the kills in the
+# forward and the backward pass are the two faults of `test_two_faults_...` below;
+# Megatron-LM's loop repeats DP4 and PP2xDP2 under tft-run (tests/test_megatron_lm.py); all
+# within CI's time budget. The tp2dp2 case is a cell of the launch matrix (docs/design.md,
+# "Launch matrix"): under torchrun with the guide's hook (`scripts/patch_torchrun.sh`), with
+# Megatron-LM's default data loader (2 worker processes per rank; the survivors' loaders are
+# built again at the lock step).
+CASES = [("tp2dp2", "backward", 0, 1, "hooked torchrun", 2)]
+#: the dp4 case, run by tests/test_flood.py: (rank, step, phase) of the kill, its lock step
+DP4_KILL = (3, 7, "optimizer", 8)
 
 
 @pytest.mark.parametrize(("layout", "phase", "behind", "rank", "launcher", "workers"), CASES)
@@ -83,10 +87,18 @@ def test_killed_worker_is_replaced_and_training_is_bit_exact(
                        ha_args=ARF_ARGS, env={"NUM_WORKERS": str(workers)},
                        launcher=hooked_torchrun if launcher == "hooked torchrun" else launcher,
                        **config)
+    assert_killed_worker_repaired(job, reference, config, rank, step + behind, phase, launcher)
+
+
+def assert_killed_worker_repaired(job, reference, config: dict, rank: int, lock_step: int,
+                                  phase: str, launcher: str) -> None:
+    """A job whose `rank` was killed once (in `phase`) and repaired at `lock_step` by worker
+    reboot: bit-exact, the new process got its shard, and under tft-run the controller ran
+    in node 0's launcher and ended the job."""
     _assert_repaired(job, reference, {rank: 1})
     assert [e["strategy"] for e in job.named("strategy")] == ["recover"]
-    _assert_shard_and_params(job, config, [(rank, step + behind, phase)])
-    if launcher == "tft-run":  # the controller runs in node 0's launcher, and ends the job
+    _assert_shard_and_params(job, config, [(rank, lock_step, phase)])
+    if launcher == "tft-run":
         assert "[tft-run] controller for 4 ranks listening on" in job.output
         assert job.named("state")[-1]["state"] == "FINAL"
         assert [e["code"] for e in job.named("exit") if e["rank"] == -1] == [0]

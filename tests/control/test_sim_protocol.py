@@ -209,3 +209,29 @@ def test_kill_during_a_repair_ends_cleanly_never_hangs(replacement: str) -> None
     assert "no healthy holder for dense shard 1 at lock step 6" in exit_event["reason"]
     assert not job.published_dumps and not job.of("repaired")
     assert not [r for r, orders in job.orders.items() for n, _ in orders if n == "dump"]
+
+
+# -- a fault before the first update (was test_uce.py's
+# test_uce_before_the_first_update_exits_with_a_clear_message, a 2-rank job, and
+# test_lockstep_pause.py's test_fault_before_the_first_update_exits_with_a_clear_reason) ------
+@pytest.mark.parametrize("features", ["dump", "dump,retry", "dump,retry,recover"])
+@pytest.mark.parametrize(("kind", "rank", "detail"), [
+    ("uce", 1, "params"), ("uce", 1, "optimizer"), ("raise", 1, ""), ("comm", 1, "")])
+def test_fault_before_the_first_update_exits_with_a_clear_reason(
+        features: str, kind: str, rank: int, detail: str) -> None:
+    """2 ranks; a fault in step 1, before its update (every rank registered): lock step 0,
+    nothing to repair or dump, whatever the features: the exit strategy, code 1."""
+    layout = Layout(dp=2, replicas=2, hbm_repair="retry" in features,
+                    worker_reboot="recover" in features)
+    job = RecordingJob(Schedule(1, layout, (Fault(kind, rank, "allreduce", 1, detail=detail),),
+                                ("restart",), steps=6))
+    outcome = job.run()
+    assert outcome.failure is None and outcome.exit_code == 1
+    assert job.states() == ["INIT", "NORMAL", "ABNORMAL", "DUMP", "EXIT", "FINAL"]
+    assert [(e["strategy"], e["lock_step"]) for e in job.of("strategy")] == [("exit", 0)]
+    (exit_event,) = job.of("exit")
+    assert exit_event["code"] == 1
+    assert "no optimizer update completed yet (lock step 0): there is nothing to repair or " \
+        "dump" in exit_event["reason"]
+    assert {r: job.callbacks(r) for r in (0, 1)} == {0: ["stop", "exit"], 1: ["stop", "exit"]}
+    assert not job.published_dumps
