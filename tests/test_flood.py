@@ -43,6 +43,7 @@ from tests.jobs import (
     tiny_job_env,
     wait_for,
 )
+from tests.test_worker_reboot import DP4_KILL, assert_killed_worker_repaired
 
 pytestmark = pytest.mark.multiproc
 
@@ -263,7 +264,8 @@ def test_hostile_connections_never_keep_a_restarted_worker_out(mode, reference_j
     `tft-run` from before its ranks register until it ends; rank 3 is killed in its update
     of step 7. Its restarted process registers, the repair completes within
     `REPAIR_BOUND_S` of the kill (from the events), and every loss equals the fault-free
-    run's."""
+    run's. This is also the reference trainer's kill x tft-run job (tests/README.md): every
+    check of test_worker_reboot.py's killed-worker test holds."""
     from mindspeed_tft.control.wire.keys import generate_keys
 
     config = {"layout": "dp4", **STANDARD}
@@ -271,7 +273,8 @@ def test_hostile_connections_never_keep_a_restarted_worker_out(mode, reference_j
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     env = {} if mode == "null" else generate_keys(str(tmp_path / "keys"))["controller+processor"]
-    job_env = tiny_job_env(run_dir, inject="kill:rank=3,step=7,phase=optimizer",
+    rank, step, phase, lock_step = DP4_KILL
+    job_env = tiny_job_env(run_dir, inject=f"kill:rank={rank},step={step},phase={phase}",
                            ha_args=f"{HA_ARGS} --enable-worker-reboot", launcher="tft-run",
                            env=env, **config)
     port = int(job_env["TTP_PORT"])
@@ -296,6 +299,8 @@ def test_hostile_connections_never_keep_a_restarted_worker_out(mode, reference_j
     result = JobResult(job.returncode, output, run_dir, events)
     assert job.returncode == 0, _crash_lines(output) + result.describe()
     assert result.losses() == reference.losses()
+    # the job of test_worker_reboot.py's dp4 case: all it checks holds here too
+    assert_killed_worker_repaired(result, reference, config, rank, lock_step, phase, "tft-run")
     (killed,) = result.named("fault_injected")
     (restart,) = result.named("worker_restarted")
     (repaired,) = result.named("repaired")

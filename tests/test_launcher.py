@@ -2,7 +2,8 @@
 
 The workers are `tests/programs/launcher_worker.py`: they record their environment and pid,
 then obey orders given through files (exit with a code, stop). Every wait has a deadline and
-every process a test starts is ended by the fixture that started it.
+every process a test starts is ended by the fixture that started it. The real trainer under
+`tft-run`, with the controller in the launcher: test_worker_reboot.py (tests/README.md).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from tests.jobs import free_port, run_tiny_job, wait_for
+from tests.jobs import free_port, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "tests" / "programs" / "launcher_worker.py"
@@ -569,14 +570,3 @@ def test_replacement_launcher_rejoins_a_running_job(job: Job) -> None:
     job.stop()
     assert node0.wait() == 0
     assert replacement.wait() == 0
-
-
-# -- the real trainer ---------------------------------------------------------------------------
-def test_tiny_job_under_tft_run_with_the_controller_in_the_launcher(tmp_path: Path) -> None:
-    result = run_tiny_job(tmp_path / "tiny", train_iters=4, save_interval=4,
-                          ha_args="--enable-high-availability", launcher="tft-run")
-    assert result.returncode == 0, result.describe()
-    assert "[tft-run] controller for 4 ranks listening on" in result.output
-    assert result.named("state")[-1]["state"] == "FINAL"
-    assert [e["code"] for e in result.named("exit") if e["rank"] == -1] == [0]
-    assert sorted(result.losses()) == [1, 2, 3, 4]

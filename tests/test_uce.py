@@ -165,13 +165,3 @@ def test_uce_with_no_replica_reloads_the_checkpoint_and_continues(reference_job,
     job.assert_logged_once(reference, STANDARD["train_iters"])
     assert [e["iteration"] for e in job.named("iteration_recomputed")] == [6, 7]  # not logged
     assert all(len(p) == 1 for p in job.pids().values())
-
-
-def test_uce_before_the_first_update_exits_with_a_clear_message(tmp_path):
-    # two ranks (d = N = 2): the job only has to stop, and start-up is most of its time
-    job = run_tiny_job(tmp_path, inject="uce:rank=0,step=0,phase=forward,target=param",
-                       ha_args=RETRY_ARGS, layout="dp2", **STANDARD)
-    assert job.returncode != 0
-    (exit_event,) = job.named("exit")
-    assert exit_event["code"] == 1
-    assert "no optimizer update completed yet (lock step 0)" in exit_event["reason"]

@@ -1,5 +1,5 @@
-"""Lock step 0 (no update ever completed) exits cleanly; the lock step is exact even where the
-heartbeats are stale; an operator pause holds every rank.
+"""The lock step is exact even where the heartbeats are stale; an operator pause holds every
+rank. (Lock step 0, no update ever completed, exits cleanly: test_sim_protocol.py.)
 
 The pause test also runs the controller the way rank 0 hosts it under plain torchrun: a
 background thread of another process (here, the test's), with the ranks in their own
@@ -22,28 +22,6 @@ from mindspeed_tft.control.wire.classify import ForceStop
 from mindspeed_tft.control.wire.order_types import ExitOrder, ResumeOrder, StopOrder, TypedOrder
 from mindspeed_tft.control.wire.results import HoldResult, ResultMessage, StopResult
 from tests.control.ctl_harness import Job, wait_for
-
-
-def test_fault_before_the_first_update_exits_with_a_clear_reason(tmp_path: Path) -> None:
-    job = Job(tmp_path, 2, features="dump,retry,recover", interval=0.2, misses=5)
-    try:
-        job.start_controller()
-        job.start_worker(0, steps=20)
-        # rank 1 fails at once: start it after rank 0 registered, or (on a loaded machine) its
-        # fault could arrive before every rank registered, which is an initialisation failure
-        wait_for(lambda: job.records(0), 20, what="rank 0 registered")
-        job.start_worker(1, steps=20, fault="uce@1")
-        assert job.controllers[0].wait(20) == 1
-        assert job.states() == ["INIT", "NORMAL", "ABNORMAL", "DUMP", "EXIT", "FINAL"]
-        strategy = [e for e in job.events() if e["event"] == "strategy"]
-        assert [(e["strategy"], e["lock_step"]) for e in strategy] == [("exit", 0)]
-        (exit_event,) = [e for e in job.events() if e["event"] == "exit"]
-        assert exit_event["code"] == 1
-        assert "no optimizer update completed yet (lock step 0)" in exit_event["reason"]
-        assert job.workers[0].wait(10) == 1 and job.workers[1].wait(10) == 1
-        assert not [r for r in job.records(0) if r["event"] == "callback" and r["name"] == "dump"]
-    finally:
-        job.cleanup()
 
 
 def test_the_stop_lets_a_lagging_replica_catch_up_to_where_its_peers_are(tmp_path: Path) -> None:

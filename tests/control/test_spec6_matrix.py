@@ -1,50 +1,26 @@
-"""Every row of SPEC 6 under every feature combination, with real processes.
+"""Every row of SPEC 6 with real processes, under the two feature combinations that reach every
+strategy (retry, recover and dump with replicas; load_checkpoint, recover from the checkpoint
+and dump without). All eight combinations are checked under simulation
+(test_sim_protocol.py::test_spec6_rows).
 
-For each combination of hbmfault-repair (retry), worker-reboot (recover) and no-replica,
-five jobs run side by side (controller + 2 ranks each, one job per SPEC 6 row); rank 1
-suffers the row's fault at iteration 5. We check the exact state sequence, the strategy,
-the callbacks each rank ran, and the exit codes.
+For each combination, five jobs run side by side (controller + 2 ranks each, one job per
+SPEC 6 row); rank 1 suffers the row's fault at iteration 5. We check the exact state
+sequence, the strategy, the callbacks each rank ran, and the exit codes (what each row must
+end in: `test_sim_protocol.expected`).
 """
 
 from __future__ import annotations
 
-import itertools
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from tests.control.ctl_harness import Job
+from tests.control.test_sim_protocol import ROWS, expected
 
-REPAIR_STATES = ["INIT", "NORMAL", "ABNORMAL", "ENV_CLEAR", "REPAIR", "NORMAL", "EXIT", "FINAL"]
-DUMP_STATES = ["INIT", "NORMAL", "ABNORMAL", "DUMP", "EXIT", "FINAL"]
-DUMP_CODE = 75  # exit code after a successful dying-gasp dump
-ROWS = ("uce", "comm", "normal", "kill", "unknown")
-COMBOS = [",".join(["dump", *[n for n, on in zip(("retry", "recover", "no_replica"), bits, strict=True) if on]])
-          for bits in itertools.product((False, True), repeat=3)]
-
-
-def expected(row: str, features: str) -> dict[str, Any]:
-    hbm, reboot, norep = ("retry" in features, "recover" in features, "no_replica" in features)
-    if row == "normal":
-        return {"strategy": None, "states": ["INIT", "NORMAL", "EXIT", "FINAL"], "code": 0,
-                "rank0": []}
-    if row in ("uce", "comm"):
-        strategy = ("load_checkpoint" if norep else "retry") if hbm else "dump"
-    elif row == "kill":
-        strategy = "recover" if reboot else "dump"
-    else:
-        strategy = "dump"
-    if strategy != "dump":
-        return {"strategy": strategy, "states": REPAIR_STATES, "code": 0,
-                "rank0": ["stop", "clean", "repair", "rollback"],
-                "source": "checkpoint" if norep else "replica"}
-    # rank 1's data is bad after uce/kill; without replicas its shard has no holder. After an
-    # exception (comm, unknown) its data is intact and it dumps its own shard.
-    possible = not norep or row in ("comm", "unknown")
-    return {"strategy": "dump", "states": DUMP_STATES, "code": DUMP_CODE if possible else 1,
-            "rank0": ["stop", "dump", "rename", "exit"] if possible else ["stop", "exit"]}
+#: the two feature combinations run here (all eight: test_sim_protocol.py)
+COMBOS = ["dump,retry,recover", "dump,retry,recover,no_replica"]
 
 
 def run_case(tmp: Path, row: str, features: str) -> str | None:
