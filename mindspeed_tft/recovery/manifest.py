@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mindspeed_tft.events import emit
+from mindspeed_tft.process_exit import exit_without_teardown
 from mindspeed_tft.recovery.layout import (
     TRACKER_FILENAME,
     CheckpointError,
@@ -430,7 +431,8 @@ def verify_for_load(root: str | None, rank_dir_name: str, verifier: bool, rank: 
         if not startup:
             raise ManifestMismatch(f"checkpoint {directory} is corrupt (another rank's folder "
                                    "differs from its manifest)")
-        sys.exit(CORRUPT_CHECKPOINT_EXIT_CODE)
+        # torch.distributed is up: no interpreter teardown (it can abort the process)
+        exit_without_teardown(CORRUPT_CHECKPOINT_EXIT_CODE)
     if rank == 0 and verifier and not verdict.verified:
         print(f"[mindspeed-tft] checkpoint {directory} has no {MANIFEST_FILENAME} in "
               f"{rank_dir_name} (not written by mindspeed-tft): loaded unverified", flush=True)

@@ -10,13 +10,12 @@ begin and otherwise exits with `SIGTERM_EXIT_CODE`.
 
 from __future__ import annotations
 
-import os
 import signal
-import sys
 import threading
 import time
-from typing import Any, NoReturn
+from typing import Any
 
+from ...process_exit import exit_without_teardown
 from ..wire.classify import ForceStop
 
 #: exit code of a process ended by SIGTERM when no fault is being handled
@@ -56,13 +55,3 @@ class Termination:
         exit_without_teardown(SIGTERM_EXIT_CODE)
 
 
-def exit_without_teardown(code: int) -> NoReturn:
-    """End this training process now with `code`, after flushing its output, without
-    interpreter teardown. Used for every decided exit (atexit handlers could block on
-    broken process groups) and by `pretrain_gpt.py` once training finished: the teardown
-    frees process groups and their C++ threads at whatever moment the interpreter gets to
-    them, and was seen (rarely) to abort a finished process with SIGABRT ("terminate called
-    without an active exception"), which turns a finished job into a failed one."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
