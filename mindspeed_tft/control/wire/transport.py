@@ -36,6 +36,7 @@ import hmac
 import ipaddress
 import logging
 import os
+import resource  # at import: a warm spare imports nothing once it takes a rank
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -93,8 +94,6 @@ def raise_fd_limit(needed: int = 0, warn_below: int | None = None) -> int:
     and their peers' connections share it: any local user can open connections to them);
     returns the soft limit now in force, and warns when it is below `warn_below` (default
     `needed`)."""
-    import resource
-
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     target = UNLIMITED_FILES if hard == resource.RLIM_INFINITY else hard
     if soft != resource.RLIM_INFINITY and soft < target:
