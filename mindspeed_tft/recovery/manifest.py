@@ -384,11 +384,18 @@ def refusal_line(root: str, iteration: int, problem: str) -> str:
                    f"into {os.path.join(root, TRACKER_FILENAME)}")
 
 
+def _distributed() -> bool:
+    """Whether torch.distributed's default group exists in this process."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
 def _collective_max(flag: int) -> int:
     import torch
     import torch.distributed as dist
 
-    if not dist.is_available() or not dist.is_initialized():
+    if not _distributed():
         return flag
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     value = torch.tensor([flag], dtype=torch.int32, device=device)
@@ -431,8 +438,9 @@ def verify_for_load(root: str | None, rank_dir_name: str, verifier: bool, rank: 
         if not startup:
             raise ManifestMismatch(f"checkpoint {directory} is corrupt (another rank's folder "
                                    "differs from its manifest)")
-        # torch.distributed is up: no interpreter teardown (it can abort the process)
-        exit_without_teardown(CORRUPT_CHECKPOINT_EXIT_CODE)
+        if _distributed():  # no interpreter teardown: it can abort the process (SIGABRT)
+            exit_without_teardown(CORRUPT_CHECKPOINT_EXIT_CODE)
+        sys.exit(CORRUPT_CHECKPOINT_EXIT_CODE)
     if rank == 0 and verifier and not verdict.verified:
         print(f"[mindspeed-tft] checkpoint {directory} has no {MANIFEST_FILENAME} in "
               f"{rank_dir_name} (not written by mindspeed-tft): loaded unverified", flush=True)
