@@ -121,30 +121,74 @@ def hooked_torchrun(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(copy)
 
 
-#: the extended tier: layout variants of a fault kind x host x launcher cell that another job
-#: already covers, and measurements beside the features' own jobs. `./scripts/test.sh` leaves
-#: them out (pyproject's `-m "not extended"`) to keep a clean-clone run within CI's budget;
-#: `./scripts/test.sh -m extended` runs them, `-m "extended or not extended"` everything.
+#: the extended tier: variants of a fault kind x host x launcher cell that another job of the
+#: default run already covers (another layout, replica count or fault point; the protocol's
+#: orderings are the simulator's), and measurements beside the features' own jobs.
+#: `./scripts/test.sh` leaves them out (pyproject's `-m "not extended"`) to keep a clean-clone
+#: run within CI's budget; `./scripts/test.sh -m extended` runs them, `-m "extended or not
+#: extended"` everything. tests/README.md says which default job covers each cell.
 EXTENDED = frozenset({
-    "tests/test_repair_work.py::test_an_outside_ranks_repair_work_is_the_same_at_8_and_16_ranks",
-    "tests/test_elastic.py::"
-    "test_a_fault_during_the_grow_ends_with_a_dump_that_resumes_at_the_launch_size",
+    # layouts: the same cell in tp2dp2, pp2dp2 or dp8
     "tests/test_dump.py::"
     "test_fault_produces_a_dump_that_resumes_bit_exact[tp2dp2-kill-1-7-backward-7-2]",
     "tests/test_megatron_lm.py::"
     "test_worker_reboot_under_tft_run_restarts_only_the_killed_rank[pp2dp2-3-extra1-0]",
     "tests/test_megatron_lm.py::"
     "test_killed_rank_dumps_in_megatron_lm_layout_and_load_resumes_bit_exact[tp2dp2]",
-    "tests/test_megatron_lm_016.py::test_reference_trainer_trains_on_megatron_core_016",
-    "tests/test_megatron_lm_016.py::test_worker_reboot_under_tft_run_016[warm spare]",
-    "tests/test_megatron_lm_016.py::test_elastic_training_shrinks_in_megatron_lm_016s_loop",
-    "tests/test_megatron_lm_016.py::test_replica_memory_formula_on_megatron_core_016",
+    "tests/test_megatron_lm.py::test_trains_in_megatron_lms_loop_and_the_loss_falls[tp2dp2]",
+    "tests/test_elastic.py::test_kill_without_replacement_shrinks_and_finishes_every_iteration"
+    "[tp2dp2-16-ranks0-1-left0]",
+    "tests/test_uce.py::test_repaired_in_place_and_bit_exact[tp2dp2-uce:optimizer+comm]",
+    "tests/test_uce.py::test_pipeline_uce_logs_every_iteration_once",
+    "tests/test_training.py::test_loss_goes_down_and_resume_is_bit_exact[pp2dp2]",
+    "tests/test_replicas.py::test_replicas_are_identical_after_every_step[dp8-4]",
+    "tests/test_replicas.py::test_ha_on_losses_match_ha_off[dp8-4]",
+    # fault points and configurations beside a covered cell
+    "tests/test_dump.py::test_fault_produces_a_dump_that_resumes_bit_exact[dp4-kill-3-7-optimizer-8-0]",
+    "tests/test_dump.py::test_kill_during_a_periodic_save_never_publishes_the_half_written_one",
+    "tests/test_elastic.py::test_a_fault_during_the_shrink_ends_with_the_dump",
+    "tests/test_elastic.py::"
+    "test_a_fault_during_the_grow_ends_with_a_dump_that_resumes_at_the_launch_size",
+    "tests/test_worker_reboot.py::test_two_faults_at_different_steps_are_both_repaired",
+    "tests/test_worker_reboot.py::test_no_replica_reloads_the_periodic_checkpoint",
+    "tests/test_full_replicas.py::test_killed_worker_is_replaced_from_the_other_full_replica",
+    "tests/test_flood.py::test_hostile_connections_never_keep_a_restarted_worker_out[curve]",
+    "tests/test_drill.py::test_drill_fails_a_configuration_that_cannot_recover",
+    "tests/test_megatron_lm.py::test_megatron_training_on_the_megatron_core_wheel",
+    # measurements
+    "tests/test_repair_work.py::test_an_outside_ranks_repair_work_is_the_same_at_8_and_16_ranks",
 })
 
 
+#: what puts a test in the `jobs` group: the session fixtures that run or prepare real jobs
+JOB_FIXTURES = frozenset({"reference_job", "megatron_lm", "megatron_reference", "megatron_lm_016",
+                          "megatron_reference_016", "hooked_torchrun"})
+#: files whose protocol timers are the subject (priority, admission under hostile load,
+#: accept timeouts, a ring gather): they run in the `jobs` group, never beside a real job
+TIMED_FILES = frozenset({"tests/control/test_priority.py", "tests/control/test_admission.py",
+                         "tests/test_lifetimes.py", "tests/test_gloo_collectives.py"})
+
+
+def xdist_group(item: pytest.Item) -> str:
+    """The group of `item` under `pytest -n N --dist loadgroup` (pyproject's addopts): `jobs`
+    for a real multi-process job (marked `multiproc`, or asking a fixture of `JOB_FIXTURES`)
+    and the timer-bound files of `TIMED_FILES`, which one worker runs one after the other, so
+    that two jobs never share this machine's cores and the session's fault-free references run
+    once; any other test is grouped by its file (its module fixtures run once), and those
+    groups go to whichever worker is free."""
+    path = item.nodeid.split("::")[0]
+    if (item.get_closest_marker("multiproc") or JOB_FIXTURES & set(getattr(item, "fixturenames", ()))
+            or path in TIMED_FILES):
+        return "jobs"
+    return path
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark the tests of the extended tier (`EXTENDED`) that this run collected."""
+    """Mark the tests of the extended tier (`EXTENDED`) that this run collected, and give every
+    test its xdist group (`xdist_group`)."""
     ids = {item.nodeid: item for item in items}
     for nodeid in EXTENDED:
         if nodeid in ids:
             ids[nodeid].add_marker(pytest.mark.extended)
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(xdist_group(item)))

@@ -129,12 +129,18 @@ _issued_ports: set[int] = set()
 
 def free_port() -> int:
     """A free TCP port below the ephemeral range (so connections the job opens cannot take
-    it before the job binds it), never handed out twice in this test session."""
+    it before the job binds it), never handed out twice in this test session; under pytest-xdist
+    each worker draws from its own slice of 20000..32000, so two workers never pick the same."""
     import random
     import socket
 
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(worker) if worker.isdigit() else 0
+    width = 12000 // max(workers, 1)
+    low = 20000 + index * width
     for _ in range(1000):
-        port = random.randrange(20000, 32000)
+        port = random.randrange(low, low + width)
         if port in _issued_ports:
             continue
         with socket.socket() as s:
@@ -144,7 +150,7 @@ def free_port() -> int:
                 continue
         _issued_ports.add(port)
         return port
-    raise RuntimeError("no free port in 20000..32000")
+    raise RuntimeError(f"no free port in {low}..{low + width - 1}")
 
 
 def run_rank_programs(program: Path, *args: str, ranks: int = 2,

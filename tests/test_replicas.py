@@ -95,6 +95,7 @@ def test_ha_on_losses_match_ha_off(layout, n, reference_job):
         assert on_losses[iteration] == pytest.approx(off_losses[iteration], rel=1e-5)
 
 
+@pytest.mark.multiproc
 def test_shard_copied_to_another_holder_equals_the_original(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env["PATH"]
