@@ -8,6 +8,7 @@ Tests that compare a faulty or resumed run against a run that never failed ask
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import stat
@@ -18,20 +19,50 @@ from pathlib import Path
 
 import pytest
 
+from mindspeed_tft.events import read_events_if_any
 from tests.clones import clone
 from tests.jobs import REPO, JobResult, run_megatron_job, run_tiny_job
 
 
+def _shared_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The directory that every pytest-xdist worker of this session shares (without xdist: the
+    session's own temporary directory)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def _run_once(tmp_path_factory: pytest.TempPathFactory, label: str, key: str,
+              run: Callable[[Path], JobResult]) -> JobResult:
+    """The job `run(run_dir)` of configuration `key`, run once per session by whichever worker
+    asks first (a file lock in the workers' shared directory, held for at most 30 minutes);
+    the others read its exit code, output and events back from its directory."""
+    from filelock import FileLock
+
+    root = _shared_root(tmp_path_factory) / "references"
+    root.mkdir(exist_ok=True)
+    name = f"{label}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+    run_dir, code = root / name, root / f"{name}.returncode"
+    with FileLock(str(root / f"{name}.lock"), timeout=1800):
+        if not code.exists():
+            shutil.rmtree(run_dir, ignore_errors=True)
+            run_dir.mkdir()
+            result = run(run_dir)
+            code.write_text(str(result.returncode))
+            return result
+    return JobResult(int(code.read_text()), (run_dir / "output.log").read_text(), run_dir,
+                     read_events_if_any(run_dir / "events.jsonl"))
+
+
 @pytest.fixture(scope="session")
 def reference_job(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., JobResult]:
-    cache: dict[tuple, JobResult] = {}
+    cache: dict[str, JobResult] = {}
 
     def get(layout: str, **config) -> JobResult:
-        key = (layout, tuple(sorted((k, tuple(sorted(v.items())) if isinstance(v, dict) else v)
-                                    for k, v in config.items())))
+        key = repr((layout, sorted((k, sorted(v.items()) if isinstance(v, dict) else v)
+                                   for k, v in config.items())))
         if key not in cache:
-            run_dir = tmp_path_factory.mktemp(f"reference-{layout}")
-            result = run_tiny_job(run_dir, layout=layout, **config)
+            result = _run_once(tmp_path_factory, f"reference-{layout}", key,
+                               lambda run_dir: run_tiny_job(run_dir, layout=layout, **config))
             assert result.returncode == 0, result.describe()
             cache[key] = result
         return cache[key]
@@ -60,15 +91,16 @@ def _writable_copy(version: str, tmp_path_factory: pytest.TempPathFactory) -> Pa
 
 def _reference_runs(megatron_lm: Path, tmp_path_factory: pytest.TempPathFactory,
                     label: str) -> Callable[..., JobResult]:
-    cache: dict[tuple, JobResult] = {}
+    cache: dict[str, JobResult] = {}
 
     def get(layout: str, **config) -> JobResult:
         # no extra arguments is one configuration, however it is spelled (None, [])
         config = {k: v for k, v in config.items() if not (k == "extra_args" and not v)}
-        key = (layout, repr(sorted(config.items())))
+        key = repr((layout, sorted(config.items())))
         if key not in cache:
-            run_dir = tmp_path_factory.mktemp(f"{label}-{layout}")
-            result = run_megatron_job(run_dir, megatron_lm, layout=layout, **config)
+            result = _run_once(tmp_path_factory, f"{label}-{layout}", key,
+                               lambda run_dir: run_megatron_job(run_dir, megatron_lm,
+                                                                layout=layout, **config))
             assert result.returncode == 0, result.describe()
             cache[key] = result
         return cache[key]
@@ -155,40 +187,37 @@ EXTENDED = frozenset({
     "tests/test_flood.py::test_hostile_connections_never_keep_a_restarted_worker_out[curve]",
     "tests/test_drill.py::test_drill_fails_a_configuration_that_cannot_recover",
     "tests/test_megatron_lm.py::test_megatron_training_on_the_megatron_core_wheel",
+    "tests/test_uce.py::test_uce_without_hbmfault_repair_dumps",
     # measurements
+    "tests/test_plan.py::test_plan_matches_bench_memory",
     "tests/test_repair_work.py::test_an_outside_ranks_repair_work_is_the_same_at_8_and_16_ranks",
 })
 
 
-#: what puts a test in the `jobs` group: the session fixtures that run or prepare real jobs
+#: the session fixtures that run or prepare real jobs (with `multiproc`: what makes a test heavy)
 JOB_FIXTURES = frozenset({"reference_job", "megatron_lm", "megatron_reference", "megatron_lm_016",
                           "megatron_reference_016", "hooked_torchrun"})
-#: files whose protocol timers are the subject (priority, admission under hostile load,
-#: accept timeouts, a ring gather): they run in the `jobs` group, never beside a real job
-TIMED_FILES = frozenset({"tests/control/test_priority.py", "tests/control/test_admission.py",
-                         "tests/test_lifetimes.py", "tests/test_gloo_collectives.py"})
 
 
-def xdist_group(item: pytest.Item) -> str:
-    """The group of `item` under `pytest -n N --dist loadgroup` (pyproject's addopts): `jobs`
-    for a real multi-process job (marked `multiproc`, or asking a fixture of `JOB_FIXTURES`)
-    and the timer-bound files of `TIMED_FILES`, which one worker runs one after the other, so
-    that two jobs never share this machine's cores and the session's fault-free references run
-    once; any other test is grouped by its file (its module fixtures run once), and those
-    groups go to whichever worker is free."""
-    path = item.nodeid.split("::")[0]
-    if (item.get_closest_marker("multiproc") or JOB_FIXTURES & set(getattr(item, "fixturenames", ()))
-            or path in TIMED_FILES):
-        return "jobs"
-    return path
+def heavy(item: pytest.Item) -> bool:
+    """Whether `item` runs a real multi-process job: marked `multiproc`, or asking a fixture of
+    `JOB_FIXTURES`."""
+    return bool(item.get_closest_marker("multiproc")
+                or JOB_FIXTURES & set(getattr(item, "fixturenames", ())))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark the tests of the extended tier (`EXTENDED`) that this run collected, and give every
-    test its xdist group (`xdist_group`)."""
+    """Mark the tests of the extended tier (`EXTENDED`) that this run collected, and order the
+    files by how many real jobs they run, most first: pyproject's addopts spread the files
+    over two pytest-xdist workers (`-n 2 --dist loadfile --no-loadscope-reorder`) in this
+    order, so the long files start first and the short ones fill the end."""
     ids = {item.nodeid: item for item in items}
     for nodeid in EXTENDED:
         if nodeid in ids:
             ids[nodeid].add_marker(pytest.mark.extended)
+    weight: dict[str, int] = {}
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
+        path = item.nodeid.split("::")[0]
+        weight[path] = weight.get(path, 0) + (heavy(item) and not item.get_closest_marker(
+            "extended"))
+    items.sort(key=lambda item: -weight[item.nodeid.split("::")[0]])

@@ -357,8 +357,11 @@ def test_controller_runs_in_node_0_launcher(job: Job) -> None:
     assert any(e["event"] == "state" and e["state"] == "FINAL" for e in read())
 
 
-def test_report_process_exit_declares_the_rank_lost_at_once(tmp_path: Path,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_report_process_exit_declares_the_rank_lost_at_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A launcher's report of a killed worker makes the rank lost at once (the incident comes
+    within 5 s; heartbeats, every 5 s with 3 misses, would take 15 s); a clean exit, a rank
+    that is not in the job and a second report of the same death add nothing."""
     from mindspeed_tft.control import ControlConfig, Controller, Features, Processor
 
     monkeypatch.setenv("TTP_LOG_PATH", str(tmp_path / "logs"))
@@ -373,14 +376,17 @@ def test_report_process_exit_declares_the_rank_lost_at_once(tmp_path: Path,
         ctrl.report_process_exit(1, 0)  # a clean exit is no fault
         ctrl.report_process_exit(5, -9)  # no such rank: ignored
         assert ctrl.snapshot()["incident"] is None
-        started = time.monotonic()
         ctrl.report_process_exit(1, -9)
         snap = wait_for(lambda: (s := ctrl.snapshot())["incident"] and s, 5, "an incident")
-        assert time.monotonic() - started < 1.0
         assert snap["incident"]["faults"] == {"1": "lost"}
         assert snap["ranks"]["1"]["health"] == "lost"
         ctrl.report_process_exit(1, -9)  # already lost: nothing more
-        assert ctrl.snapshot()["incident"]["faults"] == {"1": "lost"}
+        # no update was done (lock step 0): the incident ends the job
+        wait_for(lambda: ctrl.snapshot()["state"] == "FINAL", 10, "FINAL")
+        faults = [r.getMessage() for r in caplog.records
+                  if r.getMessage().startswith("fault on rank")]
+        assert faults == ["fault on rank 1: lost (process killed by signal 9 (reported by its "
+                          "launcher))"], faults
     finally:
         for p in processors:
             p.close()

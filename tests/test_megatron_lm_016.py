@@ -134,23 +134,35 @@ def test_worker_reboot_under_tft_run_016(spares, megatron_lm_016, megatron_refer
 
 
 @pytest.mark.multiproc
-def test_uce_on_optimizer_state_is_repaired_in_place_016(megatron_lm_016,
-                                                         megatron_reference_016, tmp_path):
-    """a UCE on rank 1's optimizer state in step 3 is repaired in place
-    from its replica, and so is a communication error of rank 2 in step 6 (the same job: one
-    run for both); no process restarts, every loss equal to the fault-free run's. The
-    adaptor comes in by the one-line import at the top of the user's script (the third
-    route: `pretrain_gpt_tft.py`, the fixture's copy of pretrain_gpt.py with that line)."""
+def test_uce_on_every_target_is_repaired_in_place_016(megatron_lm_016, megatron_reference_016,
+                                                      tmp_path):
+    """One job, five faults, each repaired in place: a UCE on rank 1's optimizer state in step
+    3, on rank 2's params in step 4, on rank 3's grads in step 5, on rank 0's working
+    activation in step 6 (the rank that hosts the controller), and a communication error of
+    rank 2 in step 7. The optimizer state and the params come back from their replica; no
+    process restarts; every loss equals the fault-free run's. The adaptor comes in by the
+    one-line import at the top of the user's script (the third route: `pretrain_gpt_tft.py`,
+    the fixture's copy of pretrain_gpt.py with that line)."""
     reference = megatron_reference_016(ha_args=HA, **DP4, **ITERS)
+    faults = [(1, 3, "uce", "optimizer"), (2, 4, "uce", "param"), (3, 5, "uce", "grad"),
+              (0, 6, "uce", "activation"), (2, 7, "comm", "")]
+    inject = ";".join(f"{kind}:rank={rank},step={step},phase=backward"
+                      + (f",target={target}" if target else "")
+                      for rank, step, kind, target in faults)
     job = run_megatron_job(tmp_path, megatron_lm_016, ha_args=f"{HA} --enable-hbmfault-repair",
-                           inject="uce:rank=1,step=3,phase=backward,target=optimizer;"
-                                  "comm:rank=2,step=6,phase=backward",
-                           entry="", script="pretrain_gpt_tft.py", **DP4, **ITERS)
+                           inject=inject, entry="", script="pretrain_gpt_tft.py", **DP4,
+                           **ITERS)
     assert job.returncode == 0, job.describe()
-    assert [e["strategy"] for e in job.named("strategy")] == ["retry", "retry"]
-    # the UCE's shard comes from its replica; the comm error corrupted nothing
-    assert [(e["rank"], e["iteration"]) for e in job.named("shard_received")] == [(1, 3)]
-    assert all(len(p) == 1 for p in job.pids().values())
+    assert [e["strategy"] for e in job.named("strategy")] == ["retry"] * len(faults)
+    detected = [(e["ranks"], e["kind"]) for e in job.named("fault_detected")]
+    assert all(([rank], kind) in detected for rank, _, kind, _ in faults), detected
+    # the optimizer state and the params come from their replica; grads, activations and the
+    # comm error leave nothing to copy (the step is recomputed)
+    assert [(e["rank"], e["iteration"]) for e in job.named("shard_received")] == [(1, 3), (2, 4)]
+    assert sorted(e["iteration"] for e in job.named("rolled_back")) == sorted(
+        [step for _, step, _, _ in faults] * 4)
+    pids = job.pids()
+    assert sorted(pids) == [0, 1, 2, 3] and all(len(p) == 1 for p in pids.values())
     assert job.losses() == reference.losses()
     assert all(e["match"] for e in job.named("replica_check"))
 
