@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-#: the figures each bench reports (recovery: per size, the first size of its JSON line)
+#: the figures each bench reports (recovery: each of them per size)
 FIGURES = {
     "recovery": ("arf_s", "arf_cold_s", "baseline_s", "ratio", "uce_s", "step_s",
                  "arf_lost_iterations", "bit_exact"),
@@ -55,8 +55,11 @@ def run_bench(bench: str, args: list[str], clone: Path, timeout: float) -> dict[
         raise SystemExit(f"{' '.join(cmd)} exited {done.returncode}:\n"
                          + (done.stdout + done.stderr)[-3000:])
     result = json.loads(lines[-1])
-    source = result["sizes"][0] if bench == "recovery" else result
-    return {name: source.get(name) for name in FIGURES[bench]}
+    if bench == "overhead":
+        return {name: result.get(name) for name in FIGURES[bench]}
+    # recovery: every size of the run (--sizes), its figures named "<size> <figure>"
+    return {f"{size['size']} {name}": size.get(name) for size in result["sizes"]
+            for name in FIGURES[bench]}
 
 
 def median(values: list[Any]) -> Any:
@@ -73,10 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=1, help="runs per clone")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per run")
     argv = sys.argv[1:] if argv is None else argv
-    if "--" not in argv:
-        parser.error("give the bench and its arguments after --, e.g. -- recovery --quick")
-    split = argv.index("--")
+    split = argv.index("--") if "--" in argv else len(argv)
     opts = parser.parse_args(argv[:split])
+    if split == len(argv):
+        parser.error("give the bench and its arguments after --, e.g. -- recovery --quick")
     bench, *args = argv[split + 1:] or [""]
     if bench not in FIGURES:
         parser.error(f"bench {bench!r} after --: expected one of {', '.join(FIGURES)}")
@@ -89,17 +92,18 @@ def main(argv: list[str] | None = None) -> int:
             figures = run_bench(bench, args, clone, opts.timeout)
             runs[clone].append(figures)
             print(f"round {rnd + 1} {clone_version(clone)}: {json.dumps(figures)}", flush=True)
+    names = list(runs[opts.clones[0]][0])
     clones = [{"dir": str(clone), "version": clone_version(clone), "runs": runs[clone],
-               "figures": {name: median([r[name] for r in runs[clone]])
-                           for name in FIGURES[bench]}} for clone in opts.clones]
+               "figures": {name: median([r.get(name) for r in runs[clone]]) for name in names}}
+              for clone in opts.clones]
     first, last = clones[0]["figures"], clones[-1]["figures"]
-    ratios = {name: round(last[name] / first[name], 4) for name in FIGURES[bench]
+    ratios = {name: round(last[name] / first[name], 4) for name in names
               if isinstance(first[name], int | float) and not isinstance(first[name], bool)
               and first[name] and isinstance(last[name], int | float)}
     print(f"\n{bench} {' '.join(args)}: median of {opts.rounds} round(s)")
     print("| figure | " + " | ".join(c["version"] for c in clones) + " |")
     print("|---|" + "---|" * len(clones))
-    for name in FIGURES[bench]:
+    for name in names:
         print(f"| {name} | " + " | ".join(str(c["figures"][name]) for c in clones) + " |")
     print(json.dumps({"bench": bench, "args": args, "rounds": opts.rounds, "clones": clones,
                       "ratios": ratios}))

@@ -223,23 +223,31 @@ def test_megatrons_own_fault_tolerance_switches_are_decided_at_start_016(
 
 
 @pytest.mark.multiproc
-def test_elastic_training_shrinks_in_megatron_lm_016s_loop(megatron_lm_016,
-                                                          megatron_reference_016, tmp_path):
-    """A killed rank that gets no replacement: core_v0.16.1's own loop continues at DP2 from the
-    dump (its setup_model_and_optimizer and load_checkpoint) and finishes every iteration with
+def test_elastic_training_shrinks_and_grows_in_megatron_lm_016s_loop(megatron_lm_016,
+                                                                     megatron_reference_016,
+                                                                     tmp_path):
+    """Rank 1 killed in backward of step 4 under tft-run, its cold restart late (the incident
+    waits TFT_REPLACEMENT_WAIT = 1 s for it): core_v0.16.1's own loop shrinks to DP3 from the
+    dump (its setup_model_and_optimizer and load_checkpoint), grows back to DP4 when the
+    restarted rank registers (from a dump of the lock step), and finishes every iteration with
     the fault-free samples and learning rate, losses within tests/test_elastic.py's tolerance
-    (exact before the shrink), as on core_v0.12.1."""
+    (exact before the shrink), as on core_v0.12.1. 24 samples a step: 12 micro-batches, which
+    DP3 divides."""
     from tests.test_elastic import LOSS_TOLERANCE
 
-    reference = megatron_reference_016(ha_args=HA, **DP4, **ITERS)
+    config = {**DP4, "train_iters": 30, "save_interval": 10, "precision": "fp32"}
+    reference = megatron_reference_016(ha_args=HA, env={"GBS": "24"}, **config)
     job = run_megatron_job(tmp_path, megatron_lm_016, entry="", launcher="tft-run",
                            ha_args=f"{HA} --enable-worker-reboot --enable-elastic-training",
                            inject="kill:rank=1,step=4,phase=backward",
-                           env={"TFT_MAX_WORKER_RESTARTS": "0"}, **DP4, **ITERS)
+                           env={"GBS": "24", "TFT_REPLACEMENT_WAIT": "1"}, **config)
     assert job.returncode == 0, job.describe()
     (shrink,) = job.named("scale_in")
     assert (shrink["ranks"], shrink["dp_size"], shrink["left"], shrink["step"]) == (
-        [0, 2], 2, [1, 3], 4)
+        [0, 2, 3], 3, [1], 4)
+    (grow,) = job.named("scale_out")
+    assert (grow["ranks"], grow["dp_size"], grow["joined"]) == ([0, 1, 2, 3], 4, [1])
+    assert 4 <= grow["step"] < config["train_iters"], grow
     expected = {e["iteration"]: e for e in reference.named("iteration")}
     logged = job.named("iteration")
     assert [e["iteration"] for e in logged] == sorted(expected)
@@ -249,8 +257,10 @@ def test_elastic_training_shrinks_in_megatron_lm_016s_loop(megatron_lm_016,
         assert abs(event["loss"] - want["loss"]) <= LOSS_TOLERANCE, event
         if event["iteration"] <= 4:
             assert event["loss"] == want["loss"], event
-    checks = [e for e in job.named("replica_check") if e["iteration"] > 4]
+    # after the grow: the four ranks hold the replicas again, identical
+    checks = [e for e in job.named("replica_check") if e["iteration"] > grow["step"]]
     assert checks and all(e["match"] for e in checks)
+    assert {e["rank"] for e in checks} == {0, 1, 2, 3}
 
 
 @pytest.mark.multiproc
