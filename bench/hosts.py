@@ -33,7 +33,7 @@ HERE = Path(__file__).resolve().parent
 FIGURES = {
     "recovery": ("arf_s", "arf_cold_s", "baseline_s", "ratio", "uce_s", "step_s",
                  "arf_lost_iterations", "bit_exact"),
-    "overhead": ("step_ms_off", "step_ms_on", "ratio"),
+    "overhead": ("step_ms_off", "step_ms_on", "ratio", "ratio_interval_90"),
 }
 
 
@@ -63,9 +63,12 @@ def run_bench(bench: str, args: list[str], clone: Path, timeout: float) -> dict[
 
 
 def median(values: list[Any]) -> Any:
-    """The median of numbers; for flags, whether every run had it."""
+    """The median of numbers; for flags, whether every run had it; for intervals, the median
+    of each end."""
     if all(isinstance(v, bool) for v in values):
         return all(values)
+    if values and all(isinstance(v, list) for v in values):
+        return [median(list(ends)) for ends in zip(*values, strict=True)]
     numbers = [v for v in values if isinstance(v, int | float)]
     return round(statistics.median(numbers), 4) if numbers else None
 

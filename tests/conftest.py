@@ -75,17 +75,31 @@ ADAPTOR_LINE = "import mindspeed_tft.megatron_adaptor  # noqa: F401\n"
 
 
 def _writable_copy(version: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A writable copy of the Megatron-LM clone of megatron-core `version` for this session
-    (it compiles its dataset helpers into its own tree), with `pretrain_gpt_tft.py`: its
-    pretrain_gpt.py plus the one-line import."""
+    """A writable copy of the Megatron-LM clone of megatron-core `version`, one per session
+    for every pytest-xdist worker (made under a file lock in their shared directory), with its
+    dataset helpers compiled (Megatron-LM's rank 0 runs `make` in its own tree at start-up: on
+    a built tree that is a no-op, so two workers' jobs can share it) and
+    `pretrain_gpt_tft.py`: its pretrain_gpt.py plus the one-line import."""
+    from filelock import FileLock
+
     source = clone(version)
     assert not isinstance(source, str), source
-    copy = tmp_path_factory.mktemp(f"megatron-lm-{version}") / "Megatron-LM"
-    shutil.copytree(source, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    for path in copy.rglob("*"):
-        path.chmod(path.stat().st_mode | stat.S_IWUSR)
-    script = (copy / "pretrain_gpt.py").read_text()
-    (copy / "pretrain_gpt_tft.py").write_text(ADAPTOR_LINE + script)
+    root = _shared_root(tmp_path_factory)
+    copy, ready = root / f"megatron-lm-{version}" / "Megatron-LM", root / f"megatron-lm-{version}.ready"
+    with FileLock(str(root / f"megatron-lm-{version}.lock"), timeout=1800):
+        if not ready.exists():
+            shutil.rmtree(copy.parent, ignore_errors=True)
+            shutil.copytree(source, copy, ignore=shutil.ignore_patterns("__pycache__"))
+            for path in copy.rglob("*"):
+                path.chmod(path.stat().st_mode | stat.S_IWUSR)
+            script = (copy / "pretrain_gpt.py").read_text()
+            (copy / "pretrain_gpt_tft.py").write_text(ADAPTOR_LINE + script)
+            path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+            done = subprocess.run(["make", "-C", str(copy / "megatron" / "core" / "datasets")],
+                                  env={**os.environ, "PATH": path}, capture_output=True,
+                                  text=True, timeout=600)
+            assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+            ready.write_text(version)
     return copy
 
 

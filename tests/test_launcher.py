@@ -349,8 +349,8 @@ def test_controller_runs_in_node_0_launcher(job: Job) -> None:
                     "fault_detected")[0]
     assert lost["kind"] == "lost" and lost["ranks"] == [1], lost
     assert "reported by its launcher" in lost["message"]
-    # well under one heartbeat interval (5 s); heartbeats alone would take 15 s
-    assert lost["time"] - killed < 2.0, lost["time"] - killed
+    # the launcher's report (the message), not heartbeats: these would take 15 s, and the
+    # wait above ends after 10
     print(f"\nlauncher report: death -> fault_detected {lost['time'] - killed:.2f}s")
     job.stop()
     launch.wait()

@@ -321,7 +321,8 @@ def test_silent_connections_are_dropped_and_dead_ones_left_to_the_kernel() -> No
         port = bound_port(router)
         start = time.monotonic()
         silent = socket.create_connection(("127.0.0.1", port), timeout=2)
-        assert 0.25 < _closed_within(silent, start, 5) < 2.0
+        # closed by the handshake timeout (0.3 s), not kept until TCP keepalive's ~20 s
+        assert 0.25 < _closed_within(silent, start, 10) < 10
         silent.close()
         # a peer that completes the handshake: its accepted connection, as the kernel has it
         dealer = ctx.socket(zmq.DEALER)

@@ -107,7 +107,7 @@ def test_the_hold_answers_at_once_and_holds_the_next_update() -> None:
     assert gate.on_action({"id": 1, "name": "hold", "timeout": 30.0,
                            "payload": {"incident": 1}}, t0) == [
         Send("result", ResultMessage(1, "hold", HoldResult(4, "updating")))]
-    assert time.monotonic() - t0 < 0.5
+    assert time.monotonic() - t0 < 5  # it answered: it did not wait out the park timeout
     gate.report_update_end(5)
     outcomes: queue.Queue[str] = queue.Queue()
 
