@@ -57,8 +57,8 @@ def test_a_launchers_stop_is_the_training_processs_not_its_data_loaders(mode, tm
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    result = json.loads((tmp_path / "result.json").read_text())
     assert proc.returncode == 0, err
+    result = json.loads((tmp_path / "result.json").read_text())
     assert result["sigterm"], "the training process saw the stop"
     if mode == "torch":  # torch's SIGCHLD handler, or its next batch if that ran first
         error = result["error"]

@@ -46,14 +46,20 @@ def main() -> int:
     batches, error = [], None
     iterator = iter(loader)
     try:
-        batches.append(next(iterator).tolist())
-        workers = [w.pid for w in iterator._workers]  # type: ignore[attr-defined]
-        (out / "ready.json").write_text(json.dumps({"pid": os.getpid(), "workers": workers}))
-        for batch in iterator:
-            time.sleep(0.2)
-            batches.append(batch.tolist())
-    except RuntimeError as e:
-        error = str(e)
+        try:
+            batches.append(next(iterator).tolist())
+            workers = [w.pid for w in iterator._workers]  # type: ignore[attr-defined]
+            (out / "ready.json").write_text(json.dumps({"pid": os.getpid(), "workers": workers}))
+            for batch in iterator:
+                time.sleep(0.2)
+                batches.append(batch.tolist())
+        except RuntimeError as e:
+            error = str(e)
+            # torch's SIGCHLD handler raises again when the second worker's death is seen
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    except RuntimeError as e:  # that second raise, inside the handler above
+        error = error or str(e)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     (out / "result.json").write_text(json.dumps(
         {"batches": batches, "error": error, "sigterm": bool(stopped)}))
     return 0
