@@ -223,6 +223,37 @@ def test_megatrons_own_fault_tolerance_switches_are_decided_at_start_016(
 
 
 @pytest.mark.multiproc
+def test_elastic_training_shrinks_in_megatron_lm_016s_loop(megatron_lm_016,
+                                                          megatron_reference_016, tmp_path):
+    """A killed rank that gets no replacement: core_v0.16.1's own loop continues at DP2 from the
+    dump (its setup_model_and_optimizer and load_checkpoint) and finishes every iteration with
+    the fault-free samples and learning rate, losses within tests/test_elastic.py's tolerance
+    (exact before the shrink), as on core_v0.12.1."""
+    from tests.test_elastic import LOSS_TOLERANCE
+
+    reference = megatron_reference_016(ha_args=HA, **DP4, **ITERS)
+    job = run_megatron_job(tmp_path, megatron_lm_016, entry="", launcher="tft-run",
+                           ha_args=f"{HA} --enable-worker-reboot --enable-elastic-training",
+                           inject="kill:rank=1,step=4,phase=backward",
+                           env={"TFT_MAX_WORKER_RESTARTS": "0"}, **DP4, **ITERS)
+    assert job.returncode == 0, job.describe()
+    (shrink,) = job.named("scale_in")
+    assert (shrink["ranks"], shrink["dp_size"], shrink["left"], shrink["step"]) == (
+        [0, 2], 2, [1, 3], 4)
+    expected = {e["iteration"]: e for e in reference.named("iteration")}
+    logged = job.named("iteration")
+    assert [e["iteration"] for e in logged] == sorted(expected)
+    for event in logged:
+        want = expected[event["iteration"]]
+        assert (event["consumed_samples"], event["lr"]) == (want["consumed_samples"], want["lr"])
+        assert abs(event["loss"] - want["loss"]) <= LOSS_TOLERANCE, event
+        if event["iteration"] <= 4:
+            assert event["loss"] == want["loss"], event
+    checks = [e for e in job.named("replica_check") if e["iteration"] > 4]
+    assert checks and all(e["match"] for e in checks)
+
+
+@pytest.mark.multiproc
 def test_elastic_training_shrinks_and_grows_in_megatron_lm_016s_loop(megatron_lm_016,
                                                                      megatron_reference_016,
                                                                      tmp_path):
