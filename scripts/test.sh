@@ -10,4 +10,12 @@ source scripts/setup_env.sh
 ruff check .
 mypy
 ./scripts/docs.sh
-python -m pytest "$@"
+if [ "$#" -gt 0 ]; then
+    exec python -m pytest "$@"
+fi
+# the tests with short protocol timers (marked `timed`) alone in one process, then the rest
+# on pyproject's two xdist workers (tests/README.md)
+status=0
+python -m pytest -n 0 -m "timed and not extended" || status=$?
+python -m pytest -m "not timed and not extended" || status=$?
+exit "$status"

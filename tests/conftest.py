@@ -204,8 +204,7 @@ EXTENDED = frozenset({
     # the grow through a replacement launcher is the SDK's ZIT job's (two launchers) and
     # core_v0.16.1's (Megatron-LM's loop); this one adds a second shrink before it
     "tests/test_elastic.py::test_two_shrinks_then_the_node_comes_back_and_the_job_grows",
-    # the grow in core_v0.16.1's loop by a late cold restart (passes alone; beside another
-    # job once the restarted rank was never answered before training ended: left open)
+    # the grow in core_v0.16.1's loop by a late cold restart: 60 steps of a longer reference
     "tests/test_megatron_lm_016.py::"
     "test_elastic_training_shrinks_and_grows_in_megatron_lm_016s_loop",
     "tests/test_megatron_lm.py::test_megatron_training_on_the_megatron_core_wheel",
@@ -222,7 +221,8 @@ JOB_FIXTURES = frozenset({"reference_job", "megatron_lm", "megatron_reference", 
 
 
 #: files whose protocol timers are short (a 1 s admission deadline, heartbeats of 0.2 s) or
-#: that time a process's end: they start first, on both workers, before any real job
+#: that time a process's end: marked `timed`; `./scripts/test.sh` runs them first, in one
+#: process with nothing beside them, then the rest on two workers
 TIMED_FILES = frozenset({"tests/control/test_admission.py", "tests/control/test_priority.py",
                          "tests/test_lifetimes.py", "tests/test_data_workers.py"})
 
@@ -244,6 +244,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for nodeid in EXTENDED:
         if nodeid in ids:
             ids[nodeid].add_marker(pytest.mark.extended)
+    for item in items:
+        if item.nodeid.split("::")[0] in TIMED_FILES:
+            item.add_marker(pytest.mark.timed)
     weight: dict[str, int] = {}
     for item in items:
         path = item.nodeid.split("::")[0]

@@ -266,7 +266,9 @@ def test_elastic_training_shrinks_and_grows_in_megatron_lm_016s_loop(megatron_lm
     DP3 divides."""
     from tests.test_elastic import LOSS_TOLERANCE
 
-    config = {**DP4, "train_iters": 30, "save_interval": 10, "precision": "fp32"}
+    # 60 steps: the restarted rank's start-up (imports) must end before training does; beside
+    # another job it took 9 s once, longer than 26 steps
+    config = {**DP4, "train_iters": 60, "save_interval": 20, "precision": "fp32"}
     reference = megatron_reference_016(ha_args=HA, env={"GBS": "24"}, **config)
     job = run_megatron_job(tmp_path, megatron_lm_016, entry="", launcher="tft-run",
                            ha_args=f"{HA} --enable-worker-reboot --enable-elastic-training",
