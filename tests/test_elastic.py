@@ -47,7 +47,7 @@ RESUMED_STEPS = 6
 LOSS_TOLERANCE = 4 * 2.0**-20  # four fp32 ulps at a loss of 8
 
 
-def _assert_the_fault_free_stream(job, reference, fault_step: int, since: int = 0,
+def assert_the_fault_free_stream(job, reference, fault_step: int, since: int = 0,
                                   until: int | None = None) -> None:
     """Every iteration after `since` (up to `until`, default the last) logged once, with the
     fault-free run's samples and learning rate; its loss bit-identical before the fault,
@@ -89,7 +89,7 @@ def test_kill_without_replacement_shrinks_and_finishes_every_iteration(
     assert [e["iteration"] for e in job.named("dump_saved")] == [7]
     assert not job.named("worker_restarted")
     assert "rank 1 (exit code -9) left the job: elastic training continues" in job.output
-    _assert_the_fault_free_stream(job, reference, fault_step=7)
+    assert_the_fault_free_stream(job, reference, fault_step=7)
     # replicas re-formed where N = 2 still divides the DP size (DP2), else one copy (DP3)
     checks = [e for e in job.named("replica_check") if e["iteration"] > 7]
     assert checks and all(e["match"] for e in checks)
@@ -120,7 +120,7 @@ def test_a_shrunk_job_repairs_a_uce_in_place(reference_job, tmp_path):
     assert [(e["ranks"], e["dp_size"]) for e in job.named("scale_in")] == [([0, 1], 2)]
     assert not job.named("repair_failed")
     assert [e["iteration"] for e in job.named("dump_saved")] == [3]
-    _assert_the_fault_free_stream(job, reference, fault_step=3)
+    assert_the_fault_free_stream(job, reference, fault_step=3)
 
 
 def _start_node(run_dir, node_rank: int, ports: tuple[int, int], config: dict, inject: str,
@@ -206,7 +206,7 @@ def test_two_shrinks_then_the_node_comes_back_and_the_job_grows(reference_job, t
     # node 0's launcher, which hosts the controller, logs each scale change
     assert "controller DUMP -> REPAIR: scale-in without ranks [2]" in output0
     assert "controller DUMP -> REPAIR: scale-out to DP 4 with ranks" in output0
-    _assert_the_fault_free_stream(job, reference, fault_step=3)
+    assert_the_fault_free_stream(job, reference, fault_step=3)
     # after the grow: N = 4 again, the one shard on all four ranks, identical
     checks = [e for e in job.named("replica_check") if e["iteration"] > grow["step"]]
     assert checks and all(e["match"] for e in checks)
@@ -274,7 +274,7 @@ def test_a_fault_during_the_grow_ends_with_a_dump_that_resumes_at_the_launch_siz
                            ha_args=HA_ARGS, extra_args=["--exit-interval", str(until)], **config)
     assert resumed.returncode == 0, resumed.describe()
     assert f"at iteration {grow}" in resumed.output
-    _assert_the_fault_free_stream(resumed, reference, fault_step=0, since=grow,
+    assert_the_fault_free_stream(resumed, reference, fault_step=0, since=grow,
                                   until=min(until, GROW["train_iters"]))
 
 

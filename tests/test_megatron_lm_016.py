@@ -229,7 +229,7 @@ def test_elastic_training_shrinks_in_megatron_lm_016s_loop(megatron_lm_016,
     dump (its setup_model_and_optimizer and load_checkpoint) and finishes every iteration with
     the fault-free samples and learning rate, losses within tests/test_elastic.py's tolerance
     (exact before the shrink), as on core_v0.12.1."""
-    from tests.test_elastic import LOSS_TOLERANCE
+    from tests.test_elastic import assert_the_fault_free_stream
 
     reference = megatron_reference_016(ha_args=HA, **DP4, **ITERS)
     job = run_megatron_job(tmp_path, megatron_lm_016, entry="", launcher="tft-run",
@@ -240,15 +240,7 @@ def test_elastic_training_shrinks_in_megatron_lm_016s_loop(megatron_lm_016,
     (shrink,) = job.named("scale_in")
     assert (shrink["ranks"], shrink["dp_size"], shrink["left"], shrink["step"]) == (
         [0, 2], 2, [1, 3], 4)
-    expected = {e["iteration"]: e for e in reference.named("iteration")}
-    logged = job.named("iteration")
-    assert [e["iteration"] for e in logged] == sorted(expected)
-    for event in logged:
-        want = expected[event["iteration"]]
-        assert (event["consumed_samples"], event["lr"]) == (want["consumed_samples"], want["lr"])
-        assert abs(event["loss"] - want["loss"]) <= LOSS_TOLERANCE, event
-        if event["iteration"] <= 4:
-            assert event["loss"] == want["loss"], event
+    assert_the_fault_free_stream(job, reference, fault_step=4)
     checks = [e for e in job.named("replica_check") if e["iteration"] > 4]
     assert checks and all(e["match"] for e in checks)
 
@@ -264,7 +256,7 @@ def test_elastic_training_shrinks_and_grows_in_megatron_lm_016s_loop(megatron_lm
     the fault-free samples and learning rate, losses within tests/test_elastic.py's tolerance
     (exact before the shrink), as on core_v0.12.1. 24 samples a step: 12 micro-batches, which
     DP3 divides."""
-    from tests.test_elastic import LOSS_TOLERANCE
+    from tests.test_elastic import assert_the_fault_free_stream
 
     # 60 steps: the restarted rank's start-up (imports) must end before training does; beside
     # another job it took 9 s once, longer than 26 steps
@@ -281,15 +273,7 @@ def test_elastic_training_shrinks_and_grows_in_megatron_lm_016s_loop(megatron_lm
     (grow,) = job.named("scale_out")
     assert (grow["ranks"], grow["dp_size"], grow["joined"]) == ([0, 1, 2, 3], 4, [1])
     assert 4 <= grow["step"] < config["train_iters"], grow
-    expected = {e["iteration"]: e for e in reference.named("iteration")}
-    logged = job.named("iteration")
-    assert [e["iteration"] for e in logged] == sorted(expected)
-    for event in logged:
-        want = expected[event["iteration"]]
-        assert (event["consumed_samples"], event["lr"]) == (want["consumed_samples"], want["lr"])
-        assert abs(event["loss"] - want["loss"]) <= LOSS_TOLERANCE, event
-        if event["iteration"] <= 4:
-            assert event["loss"] == want["loss"], event
+    assert_the_fault_free_stream(job, reference, fault_step=4)
     # after the grow: the four ranks hold the replicas again, identical
     checks = [e for e in job.named("replica_check") if e["iteration"] > grow["step"]]
     assert checks and all(e["match"] for e in checks)
