@@ -32,7 +32,6 @@ from pathlib import Path
 import pytest
 
 from mindspeed_tft import procfs
-from mindspeed_tft.control.wire.config import ControlConfig
 from tests.jobs import (
     BF16,
     HA_ARGS,
@@ -255,19 +254,17 @@ def test_flood_of_hostile_frames_changes_nothing(reference_job, tmp_path):
 #: greeters (keyless peers never get past the CURVE handshake)
 HOSTILE = {"null": {"dealers": 300, "greeters": 300}, "curve": {"greeters": 300}}
 #: before the admission rework 300 such peers kept the restarted worker out until a pending
-#: connection's deadline (`ControlConfig.admit_deadline`) closed it: the repair took 60 s, or
-#: timed out into a dump. The kill-to-`repaired` time is therefore checked against that
-#: deadline, the protocol's own timer, not against this machine's speed (about 2 s here).
-ADMIT_DEADLINE_S = ControlConfig().admit_deadline
+#: connection's deadline (`ControlConfig.admit_deadline`, 10 s) closed it: its processor,
+#: unanswered past its patience (8 s), would fail over; the repair took 60 s or timed out
+#: into a dump. The test checks the processor's side, not the time the repair took.
 
 
 @pytest.mark.parametrize("mode", ["null", "curve"])
 def test_hostile_connections_never_keep_a_restarted_worker_out(mode, reference_job, tmp_path):
     """Hostile peers hold hundreds of connections to the controller of a 4-rank job under
     `tft-run` from before its ranks register until it ends; rank 3 is killed in its update
-    of step 7. Its restarted process registers, the repair completes before a pending
-    connection's admission deadline could have passed (from the events), and every loss equals the fault-free
-    run's. This is also the reference trainer's kill x tft-run job (tests/README.md): every
+    of step 7. Its restarted process registers at its first try (never refused for now, never
+    silent past its patience), and every loss equals the fault-free run's. This is also the reference trainer's kill x tft-run job (tests/README.md): every
     check of test_worker_reboot.py's killed-worker test holds."""
     from mindspeed_tft.control.wire.keys import generate_keys
 
@@ -318,7 +315,11 @@ def test_hostile_connections_never_keep_a_restarted_worker_out(mode, reference_j
     # deadline come back within a tenth of a second (a cohort that connected together is
     # closed together, so a sample may catch a dip)
     assert held and sorted(held)[len(held) // 2] >= 0.9 * hostile_n, held
-    assert seconds < ADMIT_DEADLINE_S, seconds
+    # kept out, the restarted rank would have been refused for now, or gone unanswered past
+    # its processor's patience (the protocol's timers) and failed over: neither happened
+    kept_out = [line for line in output.splitlines()
+                if "controller says:" in line or "failing over" in line]
+    assert not kept_out, kept_out
 
 
 def _accepts(port: int) -> bool:
