@@ -20,7 +20,7 @@ import pytest
 import zmq
 
 from mindspeed_tft.control import ControlConfig, Controller
-from mindspeed_tft.control.controller.admission import Admission
+from mindspeed_tft.control.controller.admission import FD_RESERVE, Admission
 from mindspeed_tft.control.wire.keys import generate_keys
 from mindspeed_tft.control.wire.protocol import MsgType, decode, encode
 from mindspeed_tft.control.wire.transport import load_cert
@@ -110,6 +110,25 @@ def test_beyond_its_room_the_biggest_source_makes_room(conns: Conns) -> None:
     assert adm.view()["closed_for_room"] == 3 and not adm.crowded()
 
 
+def test_young_connections_get_their_grace(conns: Conns) -> None:
+    """Beyond the room, a connection younger than its grace (1 s) is not pushed out, so
+    peers connecting again the moment they are dropped cannot rotate a rank's connection
+    out before its handshake; beyond the open files' limit the oldest goes all the same."""
+    adm = Admission(rank_cap=8, pending_cap=4, deadline=60.0)
+    for i in range(6):
+        adm.on_event(zmq.EVENT_ACCEPTED, conns.open(f"x{i}"), now=10.0 + i / 4)
+    assert adm.crowded() and adm.grace == 1.0
+    assert adm.enforce(10.9) == 0  # the oldest came at 10.0: 0.9 s ago
+    assert adm.enforce(11.3) == 2  # 6 pending, room 4: x0 and x1, both past their grace
+    assert [n for n in conns.clients if conns.closed(n)] == ["x0", "x1"]
+    adm.files = FD_RESERVE + 5  # room for 5 pending connections in all
+    for i in range(6, 9):
+        adm.on_event(zmq.EVENT_ACCEPTED, conns.open(f"x{i}"), now=11.5)
+    assert len(adm.pending) == 7 and adm.limit() == 5
+    assert adm.enforce(11.6) == 2  # x2 past its grace; beyond the limit x3, young
+    assert [n for n in conns.clients if conns.closed(n)] == ["x0", "x1", "x2", "x3"]
+
+
 def test_a_reused_descriptor_is_never_shut_down(conns: Conns) -> None:
     adm = Admission(rank_cap=8, pending_cap=8, deadline=1.0)
     fd = conns.open("old")
@@ -175,9 +194,10 @@ def test_hostile_connections_never_keep_a_rank_out(curve: bool, tmp_path: Path) 
     Hostile peers hold 50 connections (NULL: 25 idle DEALERs and 25 raw greeters; CURVE: 50
     greeters), and a burst of 150 more greeters overflows the room while the ranks register:
     both register on their first connection, which is never dropped (the room is made by
-    pushing out the unregistered, never the rank: its connection's monitor sees no
-    disconnect); the burst is pushed out, the others are closed at their deadline, and all of
-    them come back. (The time to register is printed, not bounded: it is this machine's.)"""
+    pushing out the unregistered past their 0.5 s grace once the queued frames are read,
+    never the rank: its connection's monitor sees no disconnect); the burst is pushed out,
+    the others are closed at their deadline, and all of them come back. (The time to
+    register is printed, not bounded: it is this machine's.)"""
     cfg, keys = _config(tmp_path, curve)
     ctrl = Controller(2, cfg)
     ctrl.admission.pending_cap = 64

@@ -17,10 +17,17 @@ connection class:
   `transport.STORM_ALLOWANCE_S` (1 ms) for every connection pending when it was (in a
   registration storm every rank's handshake is queued at once, and a CURVE handshake costs
   ~0.5 ms of the I/O thread here, so 16,000 of them take seconds); and beyond `pending_cap`
-  the controller closes at once the oldest pending connection of the source address
-  holding the most. A newcomer is never refused, so a rank's (replacement)
-  process connecting while hostile peers hold the pending room is admitted as soon as its
-  REGISTER is read (within milliseconds), which pushes only the hostile peers out.
+  the controller closes the oldest pending connections of the source address holding the
+  most, once the frames already queued are read: a REGISTER among them admits its
+  connection first, however many accepts were counted before it (closing while counting
+  them once pushed out a rank whose REGISTER was being read, and its REGISTERED reply was
+  lost). A connection younger than its grace (`GRACE_S`, at most half the deadline) is not
+  pushed out while the open files last: peers that connect again the moment they are
+  dropped cannot rotate the room faster than a rank's handshake (under CURVE on a loaded
+  machine, tens of milliseconds) and its REGISTER. A newcomer is never refused, so a
+  rank's (replacement) process connecting while hostile peers hold the pending room is
+  admitted as soon as its REGISTER is read (within milliseconds), which pushes only the
+  hostile peers out.
 
 The controller's loop feeds this the ROUTER's monitor events (`on_event`: accepted and
 disconnected carry the connection's file descriptor) and, for every frame that admits,
@@ -49,6 +56,9 @@ log = logging.getLogger("mindspeed_tft.control.admission")
 PENDING_MARGIN = 1024
 #: open files a controller keeps for itself (sockets, logs, ZeroMQ mailboxes)
 FD_RESERVE = 256
+#: seconds a new connection is never pushed out to make room (at most half the deadline):
+#: time for its handshake and first frame, however fast newer connections come
+GRACE_S = 1.0
 
 
 class Peer(NamedTuple):
@@ -112,6 +122,7 @@ class Admission:
         self.rank_cap = rank_cap
         self.pending_cap = pending_cap
         self.deadline = deadline
+        self.grace = min(GRACE_S, deadline / 2)
         #: the open-files limit the connections live within (None: not known)
         self.files: int | None = None
         #: fd -> peer, oldest first
@@ -134,6 +145,13 @@ class Admission:
         if self.files is None:
             return self.pending_cap
         return min(self.pending_cap, max(64, self.files - FD_RESERVE - len(self.admitted)))
+
+    def limit(self) -> int:
+        """The most pending connections, young ones included: what the admitted ones and
+        the reserve leave of the open files (four times the room if that is not known)."""
+        if self.files is None:
+            return 4 * self.room()
+        return max(self.room(), self.files - FD_RESERVE - len(self.admitted))
 
     def crowded(self) -> bool:
         """More pending connections than there is room for?"""
@@ -211,7 +229,8 @@ class Admission:
     # -- bounds --------------------------------------------------------------------------
     def enforce(self, now: float) -> int:
         """Close the pending connections past their deadline, then the oldest of the
-        biggest sources beyond `pending_cap`; returns how many were closed."""
+        biggest sources beyond the room: those past their grace, and beyond the open files'
+        limit the young ones too; returns how many were closed."""
         closed = 0
         while (soonest := self._next_expiry()) is not None and soonest[0] <= now:
             fd = heapq.heappop(self._expiry)[2]
@@ -222,23 +241,34 @@ class Admission:
         over = len(self.pending) - room
         if over > 0:
             over += room // 32  # some room, so a flood is not handled per accept
-            heap = [(-len(fds), src) for src, fds in self._by_source.items()]
-            heapq.heapify(heap)
-            while over > 0 and heap:
-                count, src = heapq.heappop(heap)
-                fds = self._by_source[src]
-                fd = next(iter(fds))
-                self._close(fd, self.pending[fd])
-                self.pushed_out += 1
-                closed += 1
-                over -= 1
-                if count + 1 < 0:
-                    heapq.heappush(heap, (count + 1, src))
+            closed += self._push_out(over, now - self.grace)
+        over = len(self.pending) - self.limit()
+        if over > 0:
+            closed += self._push_out(over, now)
         total = self.expired + self.pushed_out
         if closed and (total - closed < 10 or total // 1000 > (total - closed) // 1000):
             log.warning("closed %d pending connections (%d at their %gs deadline, %d to make "
                         "room; %d pending, at most %d)", self.expired + self.pushed_out,
                         self.expired, self.deadline, self.pushed_out, len(self.pending), room)
+        return closed
+
+    def _push_out(self, over: int, accepted_by: float) -> int:
+        """Close up to `over` pending connections accepted by `accepted_by`, the oldest of
+        the source holding the most first; returns how many."""
+        heap = [(-len(fds), src) for src, fds in self._by_source.items()]
+        heapq.heapify(heap)
+        closed = 0
+        while closed < over and heap:
+            count, src = heapq.heappop(heap)
+            fd = next(iter(self._by_source[src]))
+            peer = self.pending[fd]
+            if peer.since > accepted_by:
+                continue  # its oldest is too young: so are the others of its source
+            self._close(fd, peer)
+            self.pushed_out += 1
+            closed += 1
+            if count + 1 < 0:
+                heapq.heappush(heap, (count + 1, src))
         return closed
 
     def _close(self, fd: int, peer: Peer) -> None:

@@ -376,6 +376,8 @@ class Controller:
             drained = 0
             if socks.router in events:
                 drained = self.drain_router()
+            if self.admission.crowded():
+                self.make_room(self.sockets.now)
             if self.upstream is not None and self.upstream in events:
                 socks.drain(self.upstream, self._on_upstream)
             if self._now >= next_tick:
@@ -457,15 +459,21 @@ class Controller:
             self.sockets.now = now
         self._feed(self.core.tick)
         if self.sockets.router is not None and self.admission.due(now):
-            self.drain_router(LOST_DRAIN)  # a REGISTER already queued admits its connection
-            self.admission.enforce(now)
+            self.make_room(now)
         self._write_snapshot()
+
+    def make_room(self, now: float) -> None:
+        """Close the pending connections past their deadline, and the oldest beyond the
+        room (`Admission.enforce`), once the frames queued are read: a REGISTER among them
+        admits its connection before it could be picked."""
+        self.drain_router(LOST_DRAIN)
+        self.admission.enforce(now)
 
     def admit(self, part: zmq.Frame) -> bool:
         """The connection `part` came by showed the job's token: admit it (False: the rank
         cap is reached)."""
         if self.sockets.monitor is not None:  # its accept was announced before the frame came
-            self.sockets.drain(self.sockets.monitor, self._on_monitor)
+            self.sockets.drain(self.sockets.monitor, self._on_monitor)  # counts, closes none
         return self.admission.admit(part.get(zmq.SRCFD))
 
     def _on_monitor(self, frames: list[bytes]) -> None:

@@ -213,8 +213,9 @@ class ControllerSockets:
                 self._backoff = OUT_OF_FILES_BACKOFF
         if name not in ("disconnected", "accepted") and (n <= 10 or n % 1000 == 0):
             log.warning("connection event #%d: %s", n, name)
-        if event == zmq.EVENT_ACCEPTED and self.admission.crowded():
-            self.admission.enforce(self.now)  # the oldest pending make room for the newest
+        # no connection is closed here: the room is made by the loop once the frames queued
+        # are read (`Controller.make_room`), so that a rank whose REGISTER is among them is
+        # admitted first, never pushed out by the accepts counted before its frame
         return True
 
     def _out_of_files(self, code: int) -> None:
