@@ -99,8 +99,30 @@ def _writable_copy(version: str, tmp_path_factory: pytest.TempPathFactory) -> Pa
                                   env={**os.environ, "PATH": path}, capture_output=True,
                                   text=True, timeout=600)
             assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+            byte_compile(copy / "megatron")
             ready.write_text(version)
     return copy
+
+
+def byte_compile(*trees: Path) -> None:
+    """Write the bytecode of every module under `trees` now, once, so that no process of a
+    job compiles it again (each rank imports hundreds of modules, 0.8 s of CPU for
+    Megatron-LM's alone; with PYTHONDONTWRITEBYTECODE set, as CI machines often have it,
+    Python would compile them in every process and keep nothing)."""
+    import compileall
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Megatron-LM's legacy code has SyntaxWarnings
+        for tree in trees:
+            compileall.compile_dir(str(tree), quiet=2)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Before any test (in the main process only, not in each xdist worker): the bytecode of
+    this checkout's modules that jobs import."""
+    if not hasattr(session.config, "workerinput"):
+        byte_compile(REPO / "mindspeed_tft", REPO / "sdk", REPO / "tests")
 
 
 def _reference_runs(megatron_lm: Path, tmp_path_factory: pytest.TempPathFactory,
@@ -209,6 +231,20 @@ EXTENDED = frozenset({
     "test_elastic_training_shrinks_and_grows_in_megatron_lm_016s_loop",
     "tests/test_megatron_lm.py::test_megatron_training_on_the_megatron_core_wheel",
     "tests/test_uce.py::test_uce_without_hbmfault_repair_dumps",
+    # TFT_INJECT's kill, raise and comm with high availability off (each fires at its rank,
+    # step and phase in the default run's fault jobs too; hang and a kill during a save stay)
+    "tests/test_injection.py::test_kill_at_backward",
+    "tests/test_injection.py::test_raise_at_optimizer",
+    "tests/test_injection.py::test_comm_at_forward",
+    # start-up refusals whose check test_arguments.py runs in-process; each host keeps a real
+    # refusal of a flag (high availability without --save) and of its port (in use)
+    "tests/test_refusals.py::test_high_availability_without_save_is_refused[elastic-reference]",
+    "tests/test_refusals.py::"
+    "test_high_availability_without_save_is_refused[elastic-megatron-lm]",
+    "tests/test_refusals.py::test_an_unwritable_save_is_refused[reference]",
+    "tests/test_refusals.py::test_an_unwritable_save_is_refused[megatron-lm]",
+    "tests/test_refusals.py::test_worker_reboot_under_plain_torchrun_is_refused[reference]",
+    "tests/test_refusals.py::test_worker_reboot_under_plain_torchrun_is_refused[megatron-lm]",
     # measurements
     "tests/test_plan.py::test_plan_matches_bench_memory",
     "tests/test_repair_work.py::test_an_outside_ranks_repair_work_is_the_same_at_8_and_16_ranks",
