@@ -155,6 +155,30 @@ def _end_all(procs, events) -> None:
                 pass
 
 
+def test_a_replacement_that_comes_after_the_end_is_stopped_and_the_job_succeeds(
+        reference_job, tmp_path):
+    """DP4 under `tft-run`, elastic, 1 s of replacement wait: rank 3 is killed in the forward
+    pass of step 12 of 14. Its launcher restarts it at once, but its start-up (imports) takes
+    longer than the wait and the two steps left: the job shrinks, trains to the end, and the
+    controller is final before the new process registers. That late process is stopped by
+    its launcher, which is no failure of the job: `tft-run` exits 0."""
+    config = {"layout": "dp4", **STANDARD}
+    reference = reference_job(ha_args=HA_ARGS, **config)
+    job = run_tiny_job(tmp_path, inject="kill:rank=3,step=12,phase=forward",
+                       ha_args=ELASTIC_ARGS, launcher="tft-run",
+                       **{**config, "env": {"TFT_REPLACEMENT_WAIT": "1"}})
+    assert job.returncode == 0, job.describe()
+    assert [(e["ranks"], e["step"]) for e in job.named("scale_in")] == [([0, 1], 12)]
+    (restart,) = job.named("worker_restarted")
+    assert restart["rank"] == 3
+    assert job.named("state")[-1]["state"] == "FINAL"
+    assert [e["code"] for e in job.named("exit") if e["rank"] == -1] == [0]
+    assert "still run after the job ended" in job.output
+    assert "rank 3 (exit code -15) left the job: the job trained to its end without it" in (
+        job.output)
+    assert_the_fault_free_stream(job, reference, fault_step=12)
+
+
 def test_two_shrinks_then_the_node_comes_back_and_the_job_grows(reference_job, tmp_path):
     """DP4 over two launchers, 24 micro-batches per step, full optimizer replicas (N = 4,
     re-formed as N = 3 at DP3 and N = 2 at DP2: a second shrink needs a surviving copy).

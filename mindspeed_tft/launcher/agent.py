@@ -270,6 +270,9 @@ class TFTSubprocessContext(SubprocessContext):
             self.close()
             self._capture_process_failures(set())
             self._running_local_ranks.clear()
+            # a rank's restarted process that came after the job shrank without it (and
+            # trained to its end) is no failure of the job
+            self._forgive_left_ranks()
         if self._running_local_ranks:
             return None
         result = RunProcsResult(failures=dict(self._failures), stdouts=self.stdouts,
@@ -286,12 +289,14 @@ class TFTSubprocessContext(SubprocessContext):
         acting = agent.acting_controller()
         if acting is None or not agent.options.elastic or not self._failures:
             return
+        ended = acting.state.value == "FINAL" and acting.exit_code == 0
         for local_rank, failure in list(self._failures.items()):
             rank = agent._worker_group.workers[local_rank].global_rank
             if acting.has_left(rank):
                 del self._failures[local_rank]
-                say(f"rank {rank} (exit code {failure.exitcode}) left the job: elastic "
-                    "training continues without it")
+                say(f"rank {rank} (exit code {failure.exitcode}) left the job: " + (
+                    "the job trained to its end without it" if ended
+                    else "elastic training continues without it"))
         if not self._failures:
             self._first_final_failure = None
 
