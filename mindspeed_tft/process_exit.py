@@ -14,6 +14,14 @@ import sys
 from typing import NoReturn
 
 
+def print_error(message: str) -> None:
+    """`[mindspeed-tft] error: <message>` on stderr in one write: the ranks of a job share
+    their launcher's pipe, and `print` writes the text and its newline apart (with
+    PYTHONUNBUFFERED), so another rank's output could end up inside the line."""
+    sys.stderr.write(f"[mindspeed-tft] error: {message}\n")
+    sys.stderr.flush()
+
+
 def exit_without_teardown(code: int) -> NoReturn:
     """End this process now with `code`, after flushing its output, without interpreter
     teardown (atexit handlers could block on broken process groups).

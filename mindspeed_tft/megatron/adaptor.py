@@ -68,6 +68,7 @@ from mindspeed_tft.plugin.hooks import (
     set_update_listener,
 )
 from mindspeed_tft.plugin.state import TrainingState
+from mindspeed_tft.process_exit import print_error
 
 log = logging.getLogger("mindspeed_tft.megatron")
 
@@ -295,8 +296,7 @@ def refuse_inprocess_restart(args: argparse.Namespace) -> None:
             args, "enable_high_availability", False):
         flag, _, fix = next(r for r in HOST_REFUSALS if r[0] == "--inprocess-restart")
         if launcher_value("RANK") in (None, "0"):
-            print(f"[mindspeed-tft] error: {flag} cannot be combined with "
-                  f"--enable-high-availability: {fix}", file=sys.stderr, flush=True)
+            print_error(f"{flag} cannot be combined with --enable-high-availability: {fix}")
         raise SystemExit(2)
 
 
@@ -312,13 +312,13 @@ def wrap_validate_args(original: Callable[..., Any]) -> Callable[..., Any]:
             check_host_args(args, optimizer_instances)
         except TFTArgumentError as error:
             if args.rank == 0:
-                print(f"[mindspeed-tft] error: {error}", file=sys.stderr, flush=True)
+                print_error(str(error))
             raise SystemExit(2) from None
         if args.rank == 0:
             # rank 0 builds Megatron-LM's dataset helpers: what it lacks, before it tries
             problem = build_problem()
             if problem is not None:
-                print(f"[mindspeed-tft] error: {problem}", file=sys.stderr, flush=True)
+                print_error(problem)
                 raise SystemExit(2)
             print(f"[mindspeed-tft] {args.tft_features.describe()}", flush=True)
         return result

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING
 
 from packaging.version import InvalidVersion, Version
 
+from mindspeed_tft.process_exit import print_error
+
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
@@ -115,7 +117,7 @@ def check() -> Version:
         return version()
     except UnsupportedVersion as error:
         if launcher_value("RANK") in (None, "0"):
-            print(f"[mindspeed-tft] error: {error}", file=sys.stderr, flush=True)
+            print_error(str(error))
         raise SystemExit(2) from None
 
 

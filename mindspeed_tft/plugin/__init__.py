@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -49,6 +48,7 @@ from mindspeed_tft.faults import FaultInjector
 from mindspeed_tft.features import Features
 from mindspeed_tft.plugin.hooks import HookList, TrainerHooks
 from mindspeed_tft.plugin.state import TrainingState
+from mindspeed_tft.process_exit import print_error
 from mindspeed_tft.recovery.snapshot import StepSnapshots
 from mindspeed_tft.replica.check import ReplicaConsistencyCheck
 from mindspeed_tft.replica.groups import ReplicaGroups, ReplicaLayout
@@ -274,7 +274,7 @@ class TFTPlugin:
             try:
                 self.controller.start()
             except ControlConfigError as error:  # its port taken since the start-up check
-                print(f"[mindspeed-tft] error: {error}", file=sys.stderr, flush=True)
+                print_error(str(error))
                 exit_without_teardown(2)
         dense_map = ReplicaLayout(self.features).dense_map()
         keep_ports = [config.port, *(port for _, port in config.backups)]

@@ -433,7 +433,8 @@ def verify_for_load(root: str | None, rank_dir_name: str, verifier: bool, rank: 
         line = refusal_line(root, iteration, verdict.problem)
         if not startup:
             raise ManifestMismatch(line)
-        print(line, file=sys.stderr, flush=True)
+        sys.stderr.write(line + "\n")  # one write: another rank's output cannot tear it
+        sys.stderr.flush()
     if failed:
         if not startup:
             raise ManifestMismatch(f"checkpoint {directory} is corrupt (another rank's folder "

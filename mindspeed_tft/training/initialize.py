@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
@@ -26,6 +25,7 @@ from mindspeed_tft.platform import (
     detect_platform,
     distributed_backend,
 )
+from mindspeed_tft.process_exit import print_error
 from mindspeed_tft.training.arguments import parse_args, validate_args
 from mindspeed_tft.training.global_vars import set_args, set_tokenizer
 
@@ -122,7 +122,7 @@ def _validated(validator: Callable[[argparse.Namespace], argparse.Namespace],
         return validator(args)
     except TFTArgumentError as error:
         if args.rank == 0:
-            print(f"[mindspeed-tft] error: {error}", file=sys.stderr, flush=True)
+            print_error(str(error))
         raise SystemExit(2) from None
 
 
