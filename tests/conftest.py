@@ -245,6 +245,17 @@ EXTENDED = frozenset({
     "tests/test_refusals.py::test_an_unwritable_save_is_refused[megatron-lm]",
     "tests/test_refusals.py::test_worker_reboot_under_plain_torchrun_is_refused[reference]",
     "tests/test_refusals.py::test_worker_reboot_under_plain_torchrun_is_refused[megatron-lm]",
+    # variants whose path a default job takes too: a fault inside the update (the params
+    # all-gathered: the tft-run kill of the hostile-peer job), a hang injected with high
+    # availability off (the hung-worker job), a warm spare (Megatron-LM's tft-run jobs, both
+    # versions), a replacement launcher (the lost-node job), and the trainer's indexed-data
+    # path and rank 0's dataset cache across real ranks (in-process in test_data.py)
+    "tests/test_uce.py::test_a_fault_inside_the_update_rolls_back_with_the_params_all_gathered",
+    "tests/test_injection.py::test_hang_after_step_blocks_the_rank",
+    "tests/test_launcher.py::test_spare_takes_over_a_failed_worker",
+    "tests/test_launcher.py::test_replacement_launcher_rejoins_a_running_job",
+    "tests/test_training.py::test_trains_on_indexed_data_with_llama2_tokenizer",
+    "tests/test_data.py::test_torch_distributed_rank0_builds_the_cache_first",
     # measurements
     "tests/test_plan.py::test_plan_matches_bench_memory",
     "tests/test_repair_work.py::test_an_outside_ranks_repair_work_is_the_same_at_8_and_16_ranks",
