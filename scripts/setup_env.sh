@@ -25,8 +25,10 @@ source "${_tft_venv}/bin/activate"
 # (parallel downloads and bytecode compilation); pip does it where uv cannot
 _tft_uv_install() {
     python -m pip install -q --disable-pip-version-check uv >/dev/null 2>&1 || return 1
-    local links=()
-    [ -n "${PIP_FIND_LINKS:-}" ] && links=(--find-links "${PIP_FIND_LINKS}")
+    local links=()  # where pip is told to look, uv looks too (uv reads no PIP_* variable)
+    [ -n "${PIP_FIND_LINKS:-}" ] && links+=(--find-links "${PIP_FIND_LINKS}")
+    [ -n "${PIP_INDEX_URL:-}" ] && links+=(--index-url "${PIP_INDEX_URL}")
+    [ -n "${PIP_EXTRA_INDEX_URL:-}" ] && links+=(--extra-index-url "${PIP_EXTRA_INDEX_URL}")
     python -m uv pip install -q --python "$(command -v python)" --compile-bytecode ${links[@]+"${links[@]}"} \
         "torch==${TFT_TORCH_VERSION}" -e "${_tft_root}[test]" || return 1
     python -m uv pip install -q --python "$(command -v python)" --no-deps -e "${_tft_root}/sdk"

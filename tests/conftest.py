@@ -256,6 +256,10 @@ EXTENDED = frozenset({
     "tests/test_launcher.py::test_replacement_launcher_rejoins_a_running_job",
     "tests/test_training.py::test_trains_on_indexed_data_with_llama2_tokenizer",
     "tests/test_data.py::test_torch_distributed_rank0_builds_the_cache_first",
+    # elastic x reference trainer x tft-run is the shrunk job's UCE (test_elastic.py); this
+    # one waits out the exit grace for a replacement that comes after the end
+    "tests/test_elastic.py::"
+    "test_a_replacement_that_comes_after_the_end_is_stopped_and_the_job_succeeds",
     # measurements
     "tests/test_plan.py::test_plan_matches_bench_memory",
     "tests/test_repair_work.py::test_an_outside_ranks_repair_work_is_the_same_at_8_and_16_ranks",
