@@ -10,6 +10,7 @@ Usage: ring_gather.py RANK PORT.
 
 import json
 import sys
+import time
 from types import SimpleNamespace
 
 import torch
@@ -22,8 +23,8 @@ from mindspeed_tft.recovery.rollback import _ring_gather
 rank, port = int(sys.argv[1]), int(sys.argv[2])
 size = 4
 gloo_device.share()
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                        world_size=size)
+store = dist.TCPStore("127.0.0.1", port, size, rank == 0)
+dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
 group = dist.new_group(list(range(size)))
 buckets = []
 for numel in (size * 1000, size * 37):
@@ -45,4 +46,12 @@ _ring_gather(SimpleNamespace(buckets=buckets, intra_distributed_optimizer_instan
 opened = collectives.count_connections([port])
 exact = all(torch.equal(b.param_data, e) for b, e in zip(buckets, expected, strict=True))
 print(json.dumps({"exact": exact, "connections": opened}))
+# every rank counted before any goes on: a rank's barrier below connects it to others (lazily),
+# and rank 0 once counted the connection a faster rank opened for it (the store's port is
+# not counted)
+store.add("counted", 1)
+deadline = time.monotonic() + 60
+while store.add("counted", 0) < size:
+    assert time.monotonic() < deadline, "the other ranks never counted"
+    time.sleep(0.01)
 dist.barrier()
