@@ -311,8 +311,7 @@ def wrap_validate_args(original: Callable[..., Any]) -> Callable[..., Any]:
             validate_tft_args(args)
             check_host_args(args, optimizer_instances)
         except TFTArgumentError as error:
-            if args.rank == 0:
-                print_error(str(error))
+            print_error(str(error))  # every rank: the launcher may stop rank 0 before it
             raise SystemExit(2) from None
         if args.rank == 0:
             # rank 0 builds Megatron-LM's dataset helpers: what it lacks, before it tries

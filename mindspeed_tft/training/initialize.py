@@ -115,14 +115,15 @@ def initialize_megatron(
 def _validated(validator: Callable[[argparse.Namespace], argparse.Namespace],
                args: argparse.Namespace) -> argparse.Namespace:
     """The extra validator's result; a refused flag or environment value ends the process
-    with exit code 2 and one line naming it (rank 0 prints it), no traceback."""
+    with exit code 2 and one line naming it, no traceback. Every rank prints it: the first
+    rank to exit makes the launcher stop the others, and rank 0, slower to get here, was
+    stopped before it printed."""
     from mindspeed_tft.arguments import TFTArgumentError
 
     try:
         return validator(args)
     except TFTArgumentError as error:
-        if args.rank == 0:
-            print_error(str(error))
+        print_error(str(error))
         raise SystemExit(2) from None
 
 
