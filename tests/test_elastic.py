@@ -64,6 +64,19 @@ def assert_the_fault_free_stream(job, reference, fault_step: int, since: int = 0
         assert abs(event["loss"] - want["loss"]) <= LOSS_TOLERANCE, event
 
 
+def assert_shrank_dp4_to_dp2(job: JobResult, reference: JobResult) -> None:
+    """A DP4 job whose rank 1 was killed in step 4 with no replacement: it shrank to ranks 0
+    and 2 (DP2; rank 3 left with it), trained every iteration as the fault-free run did, and
+    its replicas agree after the shrink. Both Megatron-LM versions' elastic jobs check this."""
+    assert job.returncode == 0, job.describe()
+    (shrink,) = job.named("scale_in")
+    assert (shrink["ranks"], shrink["dp_size"], shrink["left"], shrink["step"]) == (
+        [0, 2], 2, [1, 3], 4)
+    assert_the_fault_free_stream(job, reference, fault_step=4)
+    checks = [e for e in job.named("replica_check") if e["iteration"] > 4]
+    assert checks and all(e["match"] for e in checks)
+
+
 # DP4 -> DP3 (one copy at DP3) and DP2 (a healthy replica stands down too) are in the
 # two-shrink test below and in Megatron-LM's loop (tests/test_megatron_lm.py)
 @pytest.mark.parametrize(("layout", "gbs", "ranks", "dp_size", "left"), [

@@ -229,20 +229,14 @@ def test_elastic_training_shrinks_in_megatron_lm_016s_loop(megatron_lm_016,
     dump (its setup_model_and_optimizer and load_checkpoint) and finishes every iteration with
     the fault-free samples and learning rate, losses within tests/test_elastic.py's tolerance
     (exact before the shrink), as on core_v0.12.1."""
-    from tests.test_elastic import assert_the_fault_free_stream
+    from tests.test_elastic import assert_shrank_dp4_to_dp2
 
     reference = megatron_reference_016(ha_args=HA, **DP4, **ITERS)
     job = run_megatron_job(tmp_path, megatron_lm_016, entry="", launcher="tft-run",
                            ha_args=f"{HA} --enable-worker-reboot --enable-elastic-training",
                            inject="kill:rank=1,step=4,phase=backward",
                            env={"TFT_MAX_WORKER_RESTARTS": "0"}, **DP4, **ITERS)
-    assert job.returncode == 0, job.describe()
-    (shrink,) = job.named("scale_in")
-    assert (shrink["ranks"], shrink["dp_size"], shrink["left"], shrink["step"]) == (
-        [0, 2], 2, [1, 3], 4)
-    assert_the_fault_free_stream(job, reference, fault_step=4)
-    checks = [e for e in job.named("replica_check") if e["iteration"] > 4]
-    assert checks and all(e["match"] for e in checks)
+    assert_shrank_dp4_to_dp2(job, reference)
 
 
 @pytest.mark.multiproc
