@@ -1,11 +1,12 @@
 """End to end: a trainer whose fault tolerance goes through the `mindio_ttp` API only, in
 MindSpeed-LLM's shape (`tests/sdk_compat/trainer.py`: its handlers do the work on CPU gloo),
 runs on this project's `mindio_ttp` under `tft-run` and under plain torchrun with the usage
-guide's line (`import mindio_ttp.framework_ttp` in the torchrun script). A SIGKILLed rank is
-restarted alone and repaired from its replica (ARF), a UCE report is repaired in place from
-the replica, and an unknown error ends the job with a dying-gasp checkpoint that a new job
-resumes from; every loss equals the fault-free run's, bit for bit. With elastic training a
-DP4 job that loses a rank shrinks to DP2 and grows back through the SDK's ZIT handlers.
+guide's line (`import mindio_ttp.framework_ttp` in the torchrun script). In one job per
+launcher, a UCE report is repaired in place from the replica, then a SIGKILLed rank is
+restarted alone and repaired from its replica (ARF), then an unknown error ends the job with
+a dying-gasp checkpoint that a new job resumes from; every loss equals the fault-free run's,
+bit for bit. With elastic training a DP4 job that loses a rank shrinks to DP2 and grows back
+through the SDK's ZIT handlers.
 """
 
 from __future__ import annotations
@@ -108,64 +109,72 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
 LAUNCHERS = ["tft-run", "guide"]
 
 
-@pytest.mark.multiproc
-@pytest.mark.parametrize("launcher", LAUNCHERS)
-def test_killed_rank_is_rebooted(tmp_path, reference, launcher):
-    """Rank 1 SIGKILLed at iteration 5: its launcher restarts it alone, the restarted worker
-    raises "ARF FINISH", every rank's rebuild handler makes new groups with it (fault ranks
-    [1]), rank 0 sends its replica (RT_SEND) and rank 1 receives it (RT_RECV_REPAIR), both
-    roll back to 5 and the job ends normally with every loss bit-identical."""
-    result = run_trainer(tmp_path / "job", launcher, *HA, "--fault", "kill:1:5")
-    assert result["code"] == 0, result["output"][-6000:]
-    assert result["losses"] == reference["losses"]
-    restarted = [c for c in named(result, 1, "started") if c["reboot"]]
-    assert len(restarted) == 1 and not restarted[0]["reboot_again"], result["calls"]
-    assert [c["fault_ranks"] for c in named(result, 0, "rebuild_group")] == [[1]]
-    assert [c["fault_ranks"] for c in named(result, 1, "rebuild_group")] == [[1]]
-    [send] = named(result, 0, "repair")
-    [receive] = named(result, 1, "repair")
-    assert (send["repair_type"], send["dst"], send["step"]) == ("RT_SEND", [1], 5)
-    assert (receive["repair_type"], receive["src"], receive["need_rebuild"]) == \
-        ("RT_RECV_REPAIR", [0], False)
-    assert [c["step"] for c in named(result, 1, "rollback")] == [5]
+def split_at(result: dict, rank: int, t: float) -> tuple[list[dict], list[dict]]:
+    """`rank`'s handler calls before time `t` and from it on."""
+    calls = result["calls"].get(rank, [])
+    return [c for c in calls if c["t"] < t], [c for c in calls if c["t"] >= t]
+
+
+def only(calls: list[dict], name: str) -> list[dict]:
+    return [c for c in calls if c["call"] == name]
 
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("launcher", LAUNCHERS)
-def test_uce_is_repaired_in_place(tmp_path, reference, launcher):
-    """Rank 1's parameters and Adam state are overwritten with NaN and it raises "UCE ERROR"
-    at iteration 4: stop (rank 0 leaves its collective), clean (a retry: new groups), rank 1
-    repaired from rank 0 (RT_UCE_HIGHLEVEL, rebuild), rollback to 4, the same processes train
-    on, every loss bit-identical."""
-    result = run_trainer(tmp_path / "job", launcher, *HA, "--fault", "uce:1:4")
-    assert result["code"] == 0, result["output"][-6000:]
-    assert result["losses"] == reference["losses"]
-    assert all(len(named(result, r, "started")) == 1 for r in range(NPROC))
-    assert [(c["is_uce_error"], c["repair_type"]) for c in named(result, 1, "clean")] == \
+def test_a_uce_and_a_kill_are_repaired_then_an_error_dumps_and_resumes(tmp_path, reference,
+                                                                      launcher):
+    """Three faults in one job, each handled as the SDK's user expects, every loss
+    bit-identical to the fault-free run's:
+    - a UCE of rank 1 at iteration 4: its parameters and Adam state are overwritten with NaN
+      and it raises "UCE ERROR": stop (rank 0 leaves its collective), clean (a retry: new
+      groups), rank 1 repaired from rank 0 (RT_UCE_HIGHLEVEL, rebuild), rollback to 4; the
+      same processes train on.
+    - a SIGKILL of rank 1 at iteration 7: its launcher restarts it alone, the restarted
+      worker raises "ARF FINISH", every rank's rebuild handler makes new groups with it
+      (fault ranks [1]), rank 0 sends its replica (RT_SEND) and rank 1 receives it
+      (RT_RECV_REPAIR), both roll back to 7.
+    - an unknown error of rank 0 at iteration 9: the dump of iteration 9 is saved by one
+      writer and renamed, the launcher exits with 75, and a new job loading it trains
+      iteration 10 with the fault-free run's loss."""
+    save = tmp_path / "ckpt"
+    result = run_trainer(tmp_path / "job", launcher, *HA, "--save", str(save), "--fault",
+                         "uce:1:4", "--fault", "kill:1:7", "--fault", "unknown:0:9")
+    assert result["code"] == 75, result["output"][-6000:]
+    assert result["losses"] == {i: reference["losses"][i] for i in range(1, 10)}
+    [uce, kill] = named(result, 1, "fault")
+    assert (uce["kind"], uce["iteration"], kill["kind"], kill["iteration"]) == \
+        ("uce", 4, "kill", 7)
+    (uce0, kill0), (uce1, kill1) = (split_at(result, r, kill["t"]) for r in (0, 1))
+    # the UCE: the same processes, repaired in place
+    assert len(only(uce0, "started")) == len(only(uce1, "started")) == 1
+    assert [(c["is_uce_error"], c["repair_type"]) for c in only(uce1, "clean")] == \
         [(True, "retry")]
-    [receive] = named(result, 1, "repair")
+    [receive] = only(uce1, "repair")
     assert (receive["repair_type"], receive["src"], receive["need_rebuild"], receive["step"]) == \
         ("RT_UCE_HIGHLEVEL", [0], True, 4)
-    assert [c["step"] for c in named(result, 0, "rollback")] == [4]
-
-
-@pytest.mark.multiproc
-@pytest.mark.parametrize("launcher", LAUNCHERS)
-def test_dump_resumes(tmp_path, reference, launcher):
-    """An unknown error on rank 1 at iteration 6: the dump of iteration 6 is saved by one
-    writer and renamed, the launcher exits with 75, and a new job loading it trains
-    iterations 7..10 with the fault-free run's losses."""
-    save = tmp_path / "ckpt"
-    result = run_trainer(tmp_path / "job", launcher, *HA, "--save", str(save),
-                         "--fault", "unknown:1:6")
-    assert result["code"] == 75, result["output"][-6000:]
-    assert (save / "latest_checkpointed_iteration.txt").read_text() == "6"
-    assert (save / "iter_0000006" / "model_optim_rng.pt").is_file()
+    assert [c["step"] for c in only(uce0, "rollback")] == [4]
+    # the kill: rank 1 restarted alone, from rank 0's replica
+    assert not only(kill0, "started")
+    [restarted] = only(kill1, "started")
+    assert restarted["reboot"] and not restarted["reboot_again"], result["calls"]
+    assert [c["fault_ranks"] for c in only(kill0, "rebuild_group")] == [[1]]
+    assert [c["fault_ranks"] for c in only(kill1, "rebuild_group")] == [[1]]
+    [send] = only(kill0, "repair")
+    [receive] = only(kill1, "repair")
+    assert (send["repair_type"], send["dst"], send["step"]) == ("RT_SEND", [1], 7)
+    assert (receive["repair_type"], receive["src"], receive["need_rebuild"]) == \
+        ("RT_RECV_REPAIR", [0], False)
+    assert [c["step"] for c in only(kill1, "rollback")] == [7]
+    # the unknown error: one dump, of iteration 9, and a new job resumes from it
+    [error] = named(result, 0, "fault")
+    assert (error["kind"], error["iteration"]) == ("unknown", 9)
+    assert (save / "latest_checkpointed_iteration.txt").read_text() == "9"
+    assert (save / "iter_0000009" / "model_optim_rng.pt").is_file()
     saves = [c for r in range(NPROC) for c in named(result, r, "save_ckpt")]
-    assert [c["step"] for c in saves] == [6], result["calls"]
+    assert [c["step"] for c in saves] == [9], result["calls"]
     resumed = run_trainer(tmp_path / "resume", launcher, *HA, "--load", str(save))
     assert resumed["code"] == 0, resumed["output"][-6000:]
-    assert resumed["losses"] == {i: reference["losses"][i] for i in range(7, ITERATIONS + 1)}
+    assert resumed["losses"] == {10: reference["losses"][10]}
 
 
 # -- elastic training through the ZIT handlers ------------------------------------------------

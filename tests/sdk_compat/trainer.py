@@ -31,10 +31,11 @@ The data of iteration i is a function of i, so a rollback needs no data state. E
 writes `OUT/losses.<rank>.jsonl` (iteration, loss as float.hex, learning rate, the world and
 the samples of the global batch it trained on) and `OUT/calls.<rank>.jsonl` (the handler
 calls). `--gate ITERATION:FILE`: every rank waits before that iteration, bounded and at the
-SDK's hold point (`tft_pause_train`), until FILE exists. Faults: `--fault KIND:RANK:ITERATION` with KIND kill (SIGKILL), uce
-(the rank's parameters and Adam state are overwritten with NaN, then "UCE ERROR" is raised)
-or unknown (a RuntimeError no pattern names: a dying-gasp checkpoint); a restarted process
-does not fault again.
+SDK's hold point (`tft_pause_train`), until FILE exists. Faults: `--fault KIND:RANK:ITERATION`,
+once or more, with KIND kill (SIGKILL), uce (the rank's parameters and Adam state are
+overwritten with NaN, then "UCE ERROR" is raised) or unknown (a RuntimeError no pattern
+names: a dying-gasp checkpoint); each fires once, and a restarted process does not fault
+again.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", required=True)
     p.add_argument("--save", default=None)
     p.add_argument("--load", default=None)
-    p.add_argument("--fault", default=None, help="KIND:RANK:ITERATION")
+    p.add_argument("--fault", action="append", default=[],
+                   help="KIND:RANK:ITERATION (repeatable)")
     p.add_argument("--enable-high-availability", action="store_true")
     p.add_argument("--enable-hbmfault-repair", action="store_true")
     p.add_argument("--enable-worker-reboot", action="store_true")
@@ -299,12 +301,19 @@ def load_checkpoint(train_args, root: str) -> int:
 
 # -- training ------------------------------------------------------------------------------------
 def inject(iteration: int, train_args) -> None:
-    if not ARGS.fault or ARF_REBOOT_AT_START:
+    if ARF_REBOOT_AT_START:
         return
-    kind, rank, at = ARGS.fault.split(":")
-    if int(rank) != RANK or int(at) != iteration or getattr(inject, "done", False):
-        return
-    inject.done = True  # type: ignore[attr-defined]
+    for fault in ARGS.fault:
+        kind, rank, at = fault.split(":")
+        if int(rank) == RANK and int(at) == iteration and fault not in FIRED:
+            FIRED.add(fault)
+            fire(kind, iteration, train_args)
+
+
+FIRED: set[str] = set()  # the `--fault`s this process fired (a rollback repeats iterations)
+
+
+def fire(kind: str, iteration: int, train_args) -> None:
     record("fault", kind=kind, iteration=iteration)
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
