@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mindspeed_tft.events import emit
-from mindspeed_tft.process_exit import exit_without_teardown
+from mindspeed_tft.process_exit import exit_without_teardown, print_error
 from mindspeed_tft.recovery.layout import (
     TRACKER_FILENAME,
     CheckpointError,
@@ -372,10 +372,11 @@ def previous_checkpoint(root: str, iteration: int) -> str | None:
     return os.path.join(root, older[-1][1]) if older else None
 
 
-def refusal_line(root: str, iteration: int, problem: str) -> str:
-    """The one line a refused checkpoint prints."""
+def refusal(root: str, iteration: int, problem: str) -> str:
+    """What a refused checkpoint is told with: the error line at start-up (`print_error`),
+    the `ManifestMismatch` in a repair."""
     checkpoint = os.path.join(root, iteration_dir_name(iteration))
-    line = (f"[mindspeed-tft] error: checkpoint {checkpoint} is corrupt, not loaded: {problem}; ")
+    line = f"checkpoint {checkpoint} is corrupt, not loaded: {problem}; "
     previous = previous_checkpoint(root, iteration)
     if previous is None:
         return line + "there is no earlier checkpoint under " + root
@@ -430,11 +431,10 @@ def verify_for_load(root: str | None, rank_dir_name: str, verifier: bool, rank: 
              seconds=round(time.perf_counter() - started, 6))
     failed = _collective_max(int(verdict.problem is not None))
     if verdict.problem is not None:
-        line = refusal_line(root, iteration, verdict.problem)
+        message = refusal(root, iteration, verdict.problem)
         if not startup:
-            raise ManifestMismatch(line)
-        sys.stderr.write(line + "\n")  # one write: another rank's output cannot tear it
-        sys.stderr.flush()
+            raise ManifestMismatch(message)
+        print_error(message)
     if failed:
         if not startup:
             raise ManifestMismatch(f"checkpoint {directory} is corrupt (another rank's folder "
