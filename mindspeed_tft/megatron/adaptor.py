@@ -289,14 +289,12 @@ def refuse_inprocess_restart(args: argparse.Namespace) -> None:
     """core_v0.16.1's `pretrain_gpt.py` wraps `pretrain` for in-process restart at import,
     right after parsing the arguments (`maybe_wrap_for_inprocess_restart`), before
     `validate_args`: with high availability, --inprocess-restart is refused here (the rest of
-    `HOST_REFUSALS` after Megatron-LM's validation)."""
-    from mindspeed_tft.envvars import launcher_value
-
+    `HOST_REFUSALS` after Megatron-LM's validation). Every rank prints the line, as every
+    refusal at start: the first to exit makes the launcher stop the others."""
     if getattr(args, "inprocess_restart", False) and getattr(
             args, "enable_high_availability", False):
         flag, _, fix = next(r for r in HOST_REFUSALS if r[0] == "--inprocess-restart")
-        if launcher_value("RANK") in (None, "0"):
-            print_error(f"{flag} cannot be combined with --enable-high-availability: {fix}")
+        print_error(f"{flag} cannot be combined with --enable-high-availability: {fix}")
         raise SystemExit(2)
 
 

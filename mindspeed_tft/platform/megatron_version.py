@@ -109,15 +109,12 @@ def version() -> Version:
 
 
 def check() -> Version:
-    """`version()`, or exit code 2 when it is unsupported, with one line on stderr (from rank
-    0 of a launched job, or from a process started without a launcher)."""
-    from mindspeed_tft.envvars import launcher_value
-
+    """`version()`, or exit code 2 when it is unsupported, with one line on stderr (from every
+    rank: the first to exit makes the launcher stop the others)."""
     try:
         return version()
     except UnsupportedVersion as error:
-        if launcher_value("RANK") in (None, "0"):
-            print_error(str(error))
+        print_error(str(error))
         raise SystemExit(2) from None
 
 
