@@ -10,7 +10,7 @@ Usage: ring_gather.py RANK PORT.
 
 import json
 import sys
-import time
+from datetime import timedelta
 from types import SimpleNamespace
 
 import torch
@@ -49,9 +49,6 @@ print(json.dumps({"exact": exact, "connections": opened}))
 # every rank counted before any goes on: a rank's barrier below connects it to others (lazily),
 # and rank 0 once counted the connection a faster rank opened for it (the store's port is
 # not counted)
-store.add("counted", 1)
-deadline = time.monotonic() + 60
-while store.add("counted", 0) < size:
-    assert time.monotonic() < deadline, "the other ranks never counted"
-    time.sleep(0.01)
+store.set(f"counted/{rank}", "1")
+store.wait([f"counted/{r}" for r in range(size)], timedelta(seconds=60))
 dist.barrier()
