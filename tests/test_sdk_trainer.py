@@ -93,8 +93,13 @@ def run_trainer(run_dir: Path, launcher: str, *args: str, timeout: float = 180,
             "calls": read_calls(out, nproc)}
 
 
+def only(calls: list[dict], name: str) -> list[dict]:
+    """The calls of handler `name` among `calls`."""
+    return [c for c in calls if c["call"] == name]
+
+
 def named(result: dict, rank: int, name: str) -> list[dict]:
-    return [c for c in result["calls"].get(rank, []) if c["call"] == name]
+    return only(result["calls"].get(rank, []), name)
 
 
 @pytest.fixture(scope="module")
@@ -113,10 +118,6 @@ def split_at(result: dict, rank: int, t: float) -> tuple[list[dict], list[dict]]
     """`rank`'s handler calls before time `t` and from it on."""
     calls = result["calls"].get(rank, [])
     return [c for c in calls if c["t"] < t], [c for c in calls if c["t"] >= t]
-
-
-def only(calls: list[dict], name: str) -> list[dict]:
-    return [c for c in calls if c["call"] == name]
 
 
 @pytest.mark.multiproc
@@ -256,34 +257,31 @@ def test_elastic_training_through_the_zit_handlers(tmp_path):
     assert replacement.returncode == 0, output1b[-3000:]
     calls = read_calls(out, 4)
 
-    def named_(rank: int, name: str) -> list[dict]:
-        return [c for c in calls[rank] if c["call"] == name]
-
     # the shrink: stop and clean, the dump of the lock step, the downgrade on the ranks
     # that stay
     for rank in (0, 1):
-        [down] = named_(rank, "zit_downgrade_rebuild")
+        [down] = only(calls[rank], "zit_downgrade_rebuild")
         assert (down["new_dp_ranks"], down["new_world_ranks"], down["iteration"]) == \
             ([0, 1], [0, 1], 3)
         assert json.loads(down["params"]) == {"scale-in-strategy": "DP"}
         assert [c["call"] for c in calls[rank]].index("clean") < calls[rank].index(down)
-    assert not named_(2, "zit_downgrade_rebuild")
+    assert not only(calls[2], "zit_downgrade_rebuild")
     assert "rank 2 exits with code 0" in output1 + output0
     # the grow: rebuild, repair, rollback on every rank, in that order
     sources = {0: ("RT_SEND", [0], [2]), 1: ("RT_SEND", [1], [3]),
                2: ("RT_RECV_REPAIR", [0], [2]), 3: ("RT_RECV_REPAIR", [1], [3])}
     for rank in range(4):
-        [up] = named_(rank, "zit_upgrade_rebuild")
+        [up] = only(calls[rank], "zit_upgrade_rebuild")
         assert up["rank_list"] == [2, 3] and json.loads(up["params"]) == \
             {"scale-out-strategy": "DP"}
-        [repair] = [c for c in named_(rank, "repair") if c["t"] > up["t"]]
+        [repair] = [c for c in only(calls[rank], "repair") if c["t"] > up["t"]]
         assert (repair["repair_type"], repair["src"], repair["dst"], repair["step"],
                 repair["need_rebuild"]) == (*sources[rank], GATE, False)
-        [rollback] = named_(rank, "zit_upgrade_rollback")
+        [rollback] = only(calls[rank], "zit_upgrade_rollback")
         assert rollback["step"] == GATE
         order = [calls[rank].index(c) for c in (up, repair, rollback)]
         assert order == sorted(order), calls[rank]
-    assert [c["step"] for r in range(4) for c in named_(r, "save_ckpt")] == [3, GATE]
+    assert [c["step"] for r in range(4) for c in only(calls[r], "save_ckpt")] == [3, GATE]
     # every iteration trained once, by the whole world of that moment, on the whole global
     # batch, with the fault-free learning rate; the losses
     by_iteration: dict[int, list[dict]] = {}

@@ -300,6 +300,9 @@ def load_checkpoint(train_args, root: str) -> int:
 
 
 # -- training ------------------------------------------------------------------------------------
+FIRED: set[str] = set()  # the `--fault`s this process fired (a rollback repeats iterations)
+
+
 def inject(iteration: int, train_args) -> None:
     if ARF_REBOOT_AT_START:
         return
@@ -308,9 +311,6 @@ def inject(iteration: int, train_args) -> None:
         if int(rank) == RANK and int(at) == iteration and fault not in FIRED:
             FIRED.add(fault)
             fire(kind, iteration, train_args)
-
-
-FIRED: set[str] = set()  # the `--fault`s this process fired (a rollback repeats iterations)
 
 
 def fire(kind: str, iteration: int, train_args) -> None:
