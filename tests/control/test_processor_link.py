@@ -118,6 +118,28 @@ def test_a_new_active_controller_is_told_the_unanswered_error() -> None:
     assert link.registration() == {**REGISTER, "failover": True, "step": 4}
 
 
+def test_a_new_layout_told_to_the_same_controller_sends_no_error_again() -> None:
+    """An SDK host's shrink registers the rank's new layout with the controller that has the
+    rank's error already: its reply is no new controller, and the error is not reported
+    twice (a second report arriving during the shrink was taken for a new fault, and the
+    job ended with its dump: 8 ranks, 4 shrinks in a row, 1 run in 2). After a failover the
+    new controller is told."""
+    link, core = _link()
+    link.on_message(_registered(), 0.0)
+    core.update_end(4)
+    core.error(FaultKind.COMM, "RuntimeError: Connection closed by peer")
+    layout = {"dense": {"dp_index": 1, "dp_size": 3, "replica_num": 1, "shard": 1,
+                        "holders": [1]}}
+    assert link.update_replica(layout) == [Transmit(MsgType.REGISTER, {
+        **REGISTER, "replica": layout, "failover": True, "step": 4})]
+    assert link.on_message(_registered(), 0.1) == []
+    link.update_replica(layout)
+    link.connected(10.0)  # failed over before the reply came
+    assert link.on_message(_registered(), 10.1) == [Transmit(MsgType.REPORT, {
+        "kind": "comm", "message": "RuntimeError: Connection closed by peer", "step": 4,
+        "status": "updated"})]
+
+
 def test_orders_go_to_the_core_once_registered_and_a_refusal_ends_it() -> None:
     link, _ = _link()
     action = _msg(MsgType.ACTION, id=7, name="hold", timeout=5.0, payload={"incident": 1})

@@ -130,6 +130,9 @@ class LinkCore:
         self.switch_to: int | None = None
         self.gave_up = False
         self.refused: str | None = None
+        #: a registration that only tells this controller a new layout is under way (its
+        #: reply is no new controller: an unanswered report is not sent again)
+        self.updating_here = False
 
     @property
     def address(self) -> tuple[str, int]:
@@ -152,6 +155,7 @@ class LinkCore:
     def update_replica(self, replica: dict[str, Any]) -> list[Out]:
         """The rank's layout, learnt after it registered: a registered rank tells now."""
         self.replica = replica
+        self.updating_here = self.registered_here
         return [Transmit(MsgType.REGISTER, self.registration())] if self.ever_registered else []
 
     # -- inputs ---------------------------------------------------------------------------
@@ -161,6 +165,7 @@ class LinkCore:
         self.next_register = 0.0
         self.controller_role = None
         self.registered_here = False
+        self.updating_here = False
 
     def wait(self, now: float) -> float:
         """How long the shell may wait for input before the next `tick`."""
@@ -256,6 +261,7 @@ class LinkCore:
 
     def _on_registered(self, p: dict[str, Any]) -> list[Out]:
         self.controller_state, self.controller_role = p["state"], p["role"]
+        update, self.updating_here = self.updating_here, False
         self.interval = float(p["interval"])
         self.misses = int(p["misses"])
         for b in p["backups"]:
@@ -278,6 +284,6 @@ class LinkCore:
             self.join_info = dict(p)
             out.append(Accepted())
         report = self.view.unanswered_report()
-        if report is not None and not first:  # the new controller never saw our error
+        if report is not None and not first and not update:  # the new controller never saw it
             out.append(Transmit(MsgType.REPORT, report.to_wire()))
         return out
