@@ -330,3 +330,21 @@ def test_a_fault_during_the_shrink_ends_with_the_dump(tmp_path):
     assert exit_event["code"] == 75, exit_event
     assert "dying-gasp checkpoint saved at iteration 7" in exit_event["reason"]
     assert (faulty.checkpoint_dir / "latest_checkpointed_iteration.txt").read_text() == "7"
+
+
+def test_rank_0_lost_then_rank_1_shrink_the_job_twice(reference_job, tmp_path):
+    """The first rank positions, which no other shrink test loses: DP4 under `tft-run` (two
+    optimizer copies), no restarts. Rank 0 is killed at step 3: ranks 1 and 2 go on at DP2
+    (the global batch of 16 does not split over 3; rank 3 leaves). Rank 1, rank 0 of the
+    shrunk world, is killed at step 7: rank 2 goes on alone. Every iteration trains with the
+    fault-free samples and learning rate, its loss within the tolerance."""
+    config = {"layout": "dp4", **STANDARD}
+    reference = reference_job(ha_args=HA_ARGS, **config)
+    job = run_tiny_job(tmp_path, inject="kill:rank=0,step=3,phase=forward;"
+                       "kill:rank=1,step=7,phase=forward", ha_args=ELASTIC_ARGS,
+                       launcher="tft-run", **{**config, "env": NO_RESTARTS})
+    assert job.returncode == 0, job.describe()
+    shrinks = [(e["ranks"], e["dp_size"], e["left"], e["step"]) for e in job.named("scale_in")]
+    assert shrinks == [([1, 2], 2, [0, 3], 3), ([2], 1, [1], 7)]
+    assert [e["iteration"] for e in job.named("dump_saved")] == [3, 7]
+    assert_the_fault_free_stream(job, reference, fault_step=3)

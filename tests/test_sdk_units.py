@@ -159,10 +159,22 @@ def test_save_info_names_the_writers_of_the_rank_s_group():
     assert tr.save_info(alone, 3, {}) == [{"type": 0, "ranks": [3]}]
 
 
-def test_zit_downgrade_keeps_a_divisor_of_the_launch_dp_size():
-    """DP4 (pure DP): a lost rank leaves 3 replicas, of which the first 2 stay (3 does not
-    divide 4); TP2 x DP2 (DP groups [0, 2] and [1, 3]): losing rank 3 loses DP replica 1."""
-    assert _zit.downgrade([0, 1, 2], _zit.DpLayout([0, 1, 2, 3])) == ([0, 1], 2)
+def _shards(ranks: list[int], count: int, rank: int) -> _zit.Shards:
+    """The shards rank `rank` registered with `tft_set_optimizer_replica`."""
+    layout, groups = tr.replica_layout(rank, [{"rank_list": ranks, "replica_cnt": count,
+                                               "replica_shift": 0}])
+    return _zit.Shards(groups, layout)
+
+
+@pytest.mark.parametrize(("lost", "world", "dp_size"), [
+    (0, [1, 2, 3], 3), (1, [0, 2, 3], 3), (2, [0, 1, 3], 3), (3, [0, 1, 2], 3)])
+def test_zit_downgrade_keeps_every_rank_that_stays(lost, world, dp_size):
+    """DP4: whichever rank is lost, the other three stay, as the SDK's controller keeps
+    every rank outside the lost DP indices (MindSpeed-LLM's handler takes every rank
+    missing from new_dp_ranks for a lost one); TP2 x DP2 (DP groups [0, 2] and [1, 3]):
+    losing rank 3 loses DP replica 1, and ranks 0 and 1 stay at DP 1."""
+    staying = [r for r in range(4) if r != lost]
+    assert _zit.downgrade(staying, _zit.DpLayout([0, 1, 2, 3])) == (world, dp_size)
     tp2 = _zit.DpLayout([1, 3])
     assert [tp2.dp_index(r) for r in range(4)] == [0, 0, 1, 1]
     assert _zit.downgrade([0, 1], tp2) == ([0, 1], 1)
@@ -171,20 +183,50 @@ def test_zit_downgrade_keeps_a_divisor_of_the_launch_dp_size():
         _zit.DpLayout([0, 1, 3])
 
 
-def test_zit_upgrade_repairs_pair_each_returning_rank_with_a_rank_that_stayed():
+def test_zit_shards_after_a_shrink_are_the_launch_shards_held_by_who_stays():
+    """MindSpeed-LLM's replica groups at DP4 ([0, 1] and [2, 3]): shard 0 is held by 0 and
+    2, shard 1 by 1 and 3. Without rank 1, rank 3 holds shard 1 alone; without ranks 1 and
+    3 no rank holds it, and the shrink is refused, naming the shard."""
+    shards = _shards([0, 1, 2, 3], 2, 3)
+    assert [shards.holders("dense", s) for s in (0, 1)] == [[0, 2], [1, 3]]
+    layout, groups = shards.layout_in(3, [0, 2, 3])
+    assert layout == {"dense": {"dp_index": 2, "dp_size": 3, "replica_num": 1, "shard": 1,
+                                "holders": [3]}}
+    assert groups == {"dense": [0, 2, 3]}
+    layout, _ = _shards([0, 1, 2, 3], 2, 2).layout_in(2, [0, 2, 3])
+    assert layout["dense"] == {"dp_index": 1, "dp_size": 3, "replica_num": 2, "shard": 0,
+                               "holders": [0, 2]}
+    assert shards.missing([0, 2]) == ["dense shard 1 (held by ranks [1, 3] at launch)"]
+    with pytest.raises(_zit.MissingShard, match=r"new world \[0, 2\] holds dense shard 1"):
+        _shards([0, 1, 2, 3], 2, 0).layout_in(0, [0, 2])
+
+
+def test_zit_upgrade_repairs_pair_each_returning_rank_with_a_holder_of_its_shard():
+    """Full replicas (every rank holds the whole state): the k-th returning rank from the
+    (k mod n)-th rank that stayed. MindSpeed-LLM's replica groups: each returning rank from
+    the rank that stayed holding its shard."""
     layout, world = _zit.DpLayout([0, 1, 2, 3]), [0, 1, 2, 3]
-    [send] = _zit.upgrade_repairs(1, world, [2, 3], 8, layout)
+    full = _shards(world, 4, 0)
+    [send] = _zit.upgrade_repairs(1, world, [2, 3], 8, layout, full)
     assert (send.step, send.need_rebuild, send.error_ranks) == (8, False, [3])
     assert send.repair_info == {"type": [0], "repair_type": ft.RepairType.RT_SEND.value,
                                 "src": [1], "dst": [3], "rank_list": world}
-    [receive] = _zit.upgrade_repairs(2, world, [2, 3], 8, layout)
+    [receive] = _zit.upgrade_repairs(2, world, [2, 3], 8, layout, full)
     assert receive.repair_info["repair_type"] == ft.RepairType.RT_RECV_REPAIR.value
     assert (receive.repair_info["src"], receive.error_ranks) == ([0], [2])
     # one rank stayed: it sends to both
-    [send] = _zit.upgrade_repairs(0, world, [1, 2, 3], 8, layout)
+    [send] = _zit.upgrade_repairs(0, world, [1, 2, 3], 8, layout, full)
     assert send.repair_info["dst"] == [1, 2, 3] and send.repair_info["src"] == [0, 0, 0]
-    with pytest.raises(ValueError, match="no rank that kept"):
-        _zit.upgrade_repairs(0, [2, 3], [2, 3], 8, layout)
+    with pytest.raises(_zit.MissingShard, match="no rank that kept"):
+        _zit.upgrade_repairs(0, [2, 3], [2, 3], 8, layout, full)
+    # replica groups [0, 1] and [2, 3]: ranks 0 and 3 stayed, 1 and 2 return
+    halves = _shards(world, 2, 0)
+    [send] = _zit.upgrade_repairs(3, world, [1, 2], 8, layout, halves)
+    assert (send.repair_info["src"], send.repair_info["dst"]) == ([3], [1])
+    [receive] = _zit.upgrade_repairs(2, world, [1, 2], 8, layout, halves)
+    assert receive.repair_info["src"] == [0]
+    with pytest.raises(_zit.MissingShard, match="holders: \\[1, 3\\]"):
+        _zit.upgrade_repairs(0, world, [1, 3], 8, layout, halves)
 
 
 def test_repair_type_names():

@@ -52,13 +52,12 @@ from mindspeed_tft.control.wire.results import (
     ScaleResult,
     StopResult,
 )
-from mindspeed_tft.elastic import replica_num_for
 from mindspeed_tft.recovery import group_names
 
 from ._enums import RET_NO_REBUILD, RET_OK
 from ._runtime import Runtime
 from ._translate import repair_calls, repair_type_name, save_info
-from ._zit import DOWNGRADE_PARAM, UPGRADE_PARAM, DpLayout, downgrade, upgrade_repairs
+from ._zit import DOWNGRADE_PARAM, UPGRADE_PARAM, DpLayout, Shards, downgrade, upgrade_repairs
 
 log = logging.getLogger("mindio_ttp")
 
@@ -74,9 +73,9 @@ class SdkActions(NoRecovery):
     def __init__(self, runtime: Runtime) -> None:
         self.rt = runtime
         self.processor: Processor | None = None
-        #: elastic training: the launch DP layout and replica count
+        #: elastic training: the launch DP layout and optimizer shards
         self.launch: DpLayout | None = None
-        self.launch_replicas: int | None = None
+        self.shards: Shards | None = None
 
     def register(self, processor: Processor) -> None:
         """Be `processor`'s recovery callbacks."""
@@ -213,44 +212,37 @@ class SdkActions(NoRecovery):
         entry[0](*args, self.rt.args, param)
 
     def _layout(self) -> DpLayout:
-        """The launch DP layout and replica count (this rank's first replica layout)."""
+        """The launch DP layout (this rank's first DP group) and shards (`self.shards`)."""
         if self.launch is None:
             assert self.processor is not None
             self.launch = DpLayout(self.rt.groups.get("dense") or self.rt.dp_ranks or [])
-            dense = (self.processor.replica or {}).get("dense") or {}
-            self.launch_replicas = int(dense.get("replica_num", self.launch.size))
+            self.shards = Shards(self.rt.groups, self.processor.replica or {})
         return self.launch
 
     def _enter_world(self, world: list[int]) -> dict[str, Any]:
-        """This rank's replica layout in `world` (its launch replica count, or the largest
-        divisor of the new DP size below it), registered and returned for the controller."""
-        rt, layout = self.rt, self._layout()
-        assert rt.rank is not None
-        group = layout.dp_group(rt.rank, world)
-        wanted = self.launch_replicas or len(group)
-        rt.set_replica(rt.rank, [{"rank_list": group, "replica_cnt":
-                                  replica_num_for(len(group), wanted), "replica_shift": 0}])
-        assert self.processor is not None and self.processor.replica is not None
-        return dict(self.processor.replica)
+        """This rank's replica layout in `world` (the launch shards and their holders in
+        it), registered and returned for the controller."""
+        rt, processor, shards = self.rt, self.processor, self.shards
+        assert rt.rank is not None and processor is not None and shards is not None
+        layout, rt.groups = shards.layout_in(rt.rank, world)
+        processor.update_replica(layout)
+        return dict(layout)
 
     def scale_in(self, order: ScaleInOrder) -> ScaleResult:
         """The job shrinks without the lost ranks' DP replicas: the SDK's downgrade. Every
-        rank is cleaned first (the SDK's stop and clean before it); the ranks that stay call
-        `zit_downgrade_rebuild` and train on from memory at the lock step."""
+        rank is cleaned first (the SDK's stop and clean before it); every rank the order
+        names stays, calls `zit_downgrade_rebuild` and trains on from memory at the lock
+        step. A world without a holder of some shard is refused before the handler runs."""
         rt = self.rt
-        assert rt.rank is not None
+        assert rt.rank is not None and rt.rank in order.ranks
         group_names.set_repair_id(order.incident)
         layout = self._layout()
         if not rt.cleaned:
             self._clean()
         world, dp_size = downgrade(list(order.ranks), layout)
-        if rt.rank not in world:
-            log.warning("rank %s: the job continues at DP %d without this rank's replica",
-                        rt.rank, dp_size)
-            return ScaleResult(False, dp_size)
+        replica = self._enter_world(world)
         self._zit("zit_downgrade_rebuild", layout.dp_group(rt.rank, world), list(world),
                   param=DOWNGRADE_PARAM)
-        replica = self._enter_world(world)
         return ScaleResult(True, dp_size, order.lock_step, replica, layout.size)
 
     def scale_out(self, order: ScaleOutOrder) -> ScaleResult:
@@ -269,7 +261,8 @@ class SdkActions(NoRecovery):
             processor.run_in_training_thread(lambda: None)
         layout = self._layout()
         self._zit("zit_upgrade_rebuild", list(joining), param=UPGRADE_PARAM)
-        for call in upgrade_repairs(rt.rank, world, joining, step, layout):
+        assert self.shards is not None
+        for call in upgrade_repairs(rt.rank, world, joining, step, layout, self.shards):
             self._zit("zit_upgrade_repair", call.step, call.need_rebuild, call.error_ranks,
                       call.repair_info, param=UPGRADE_PARAM)
         self._zit("zit_upgrade_rollback", step, param=UPGRADE_PARAM)

@@ -17,20 +17,29 @@ Its `scale_in` and `scale_out` orders become the SDK's calls, with its arguments
   `zit_upgrade_rollback(step, train_args, zit_param)` on every rank, with
   `zit_param = '{"scale-out-strategy": "DP"}'`.
 
-Ranks are global (control-plane) ranks, as the SDK passes them. The DP index of a rank
+Ranks are global (control-plane) ranks, as the SDK passes them. A shrink keeps every rank
+the controller kept: all but the lost ranks' whole DP replicas (the SDK's controller isolates
+the same ranks and passes the same lists). No divisor of the launch DP size is chosen:
+MindSpeed-LLM's downgrade handler spreads the global batch's micro-batches over the ranks
+that stay, one more on the first ones where they do not divide evenly, and it expects
+`new_dp_ranks` to be its DP group without exactly the lost DP indices (with any other rank
+missing it waits in `new_group` for it). The optimizer shards are those the host described
+at launch (`tft_set_optimizer_replica`: a DP group cut into `replica_cnt` consecutive
+chunks, shard s held by the s-th rank of each): after a shrink a shard is held by its launch
+holders that stay, and a shrink without a holder of some shard is refused, naming it (the
+dump that precedes every shrink is refused for the same reason first). A grow sends each
+returning rank its shard from a holder of the same shard that stayed. The DP index of a rank
 follows megatron-core's rank order (tensor, context, expert, data, pipeline; data below
-pipeline), taken from this rank's DP group at launch. The SDK does not know the global
-batch: a shrink keeps the largest number of DP replicas that divides the launch DP size
-(every such size splits any global batch the launch size split), and reports the launch DP
-size as the global batch's unit, so a grow goes back only to such sizes too.
+pipeline), taken from this rank's DP group at launch. The launch DP size is reported as the
+global batch's unit, so a grow goes back to sizes that divide it (the launch size itself
+among them).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-
-from mindspeed_tft.elastic import shrunk_world
+from typing import Any
 
 from ._enums import OptimizerType, RepairType
 from ._translate import RepairCall
@@ -70,26 +79,79 @@ class DpLayout:
         return sorted(r for r in world if self.position(r) == where)
 
 
+class MissingShard(ValueError):
+    """No rank of the new world holds some optimizer shard (the message names it)."""
+
+
+class Shards:
+    """The optimizer shards of one rank's DP groups at launch (`tft_set_optimizer_replica`):
+    per layout name (dense, moe) the group's ranks and replica count."""
+
+    def __init__(self, groups: dict[str, list[int]], layout: dict[str, Any]) -> None:
+        self.groups = {name: list(ranks) for name, ranks in groups.items()}
+        self.counts = {name: int(layout[name]["replica_num"]) for name in self.groups}
+
+    def holders(self, name: str, shard: int) -> list[int]:
+        """The launch holders of `shard` of layout `name` (one per replica chunk)."""
+        ranks, count = self.groups[name], self.counts[name]
+        chunk = len(ranks) // count
+        return [ranks[shard + k * chunk] for k in range(count)]
+
+    def shard_of(self, name: str, rank: int) -> int:
+        ranks = self.groups[name]
+        return ranks.index(rank) % (len(ranks) // self.counts[name])
+
+    def missing(self, world: Sequence[int]) -> list[str]:
+        """The shards no rank of `world` holds, named with their launch holders."""
+        kept = set(world)
+        return [f"{name} shard {shard} (held by ranks {holders} at launch)"
+                for name, ranks in self.groups.items()
+                for shard in range(len(ranks) // self.counts[name])
+                if not kept & set(holders := self.holders(name, shard))]
+
+    def layout_in(self, rank: int, world: Sequence[int]) -> tuple[dict[str, Any],
+                                                                 dict[str, list[int]]]:
+        """`rank`'s replica layout in `world` (the launch shards, each held by its holders
+        in `world`) and its DP groups there; MissingShard names a shard nobody holds."""
+        lost = self.missing(world)
+        if lost:
+            raise MissingShard(f"no rank of the new world {sorted(world)} holds "
+                               + "; ".join(lost))
+        kept = set(world)
+        layout: dict[str, Any] = {}
+        groups: dict[str, list[int]] = {}
+        for name, ranks in self.groups.items():
+            group = [r for r in ranks if r in kept]
+            shard = self.shard_of(name, rank)
+            holders = [h for h in self.holders(name, shard) if h in kept]
+            layout[name] = {"dp_index": group.index(rank), "dp_size": len(group),
+                            "replica_num": len(holders), "shard": shard, "holders": holders}
+            groups[name] = group
+        return layout, groups
+
+
 def downgrade(staying: Sequence[int], layout: DpLayout) -> tuple[list[int], int]:
-    """(the ranks of the smaller world, ascending; its DP size): the first DP replicas among
-    `staying`, as many as the largest divisor of the launch DP size allows."""
-    return shrunk_world(list(staying), layout.dp_index, layout.size, 1)
+    """(the ranks of the smaller world, ascending; its DP size): every rank that stays."""
+    world = sorted(staying)
+    return world, max(len(layout.dp_group(r, world)) for r in world)
 
 
 def upgrade_repairs(rank: int, world: Sequence[int], joining: Sequence[int], step: int,
-                    layout: DpLayout) -> list[RepairCall]:
+                    layout: DpLayout, shards: Shards) -> list[RepairCall]:
     """The `zit_upgrade_repair` calls of `rank` in a grow to `world` by `joining`: each
-    returning rank receives from a rank that stayed in its DP group (the k-th returning rank
-    of a group from its (k mod n)-th staying one), which sends (RT_SEND)."""
+    returning rank receives its dense shard from a rank that stayed holding the same shard
+    (the k-th returning holder of a shard from the (k mod n)-th staying one), which sends
+    (RT_SEND)."""
     coming = set(joining)
     source: dict[int, int] = {}
     for joiner in sorted(coming):
-        group = layout.dp_group(joiner, world)
-        stayed = [r for r in group if r not in coming]
+        holders = [h for h in shards.holders("dense", shards.shard_of("dense", joiner))
+                   if h in world]
+        stayed = [h for h in holders if h not in coming]
         if not stayed:
-            raise ValueError(f"rank {joiner} returns into a DP group with no rank that kept "
-                             f"the training state ({group})")
-        k = sorted(r for r in group if r in coming).index(joiner)
+            raise MissingShard(f"rank {joiner} returns but no rank that kept the training "
+                               f"state holds its shard (holders: {holders})")
+        k = [h for h in holders if h in coming].index(joiner)
         source[joiner] = stayed[k % len(stayed)]
     rank_list = layout.dp_group(rank, world)
     attention = OptimizerType.ATTENTION.value

@@ -11,7 +11,12 @@ It follows MindSpeed-LLM 2.3.0's high-availability code (`tft_train_initialize.p
   restarted into the job (`tft_is_reboot_node`) builds its model without joining the old
   process groups and raises "ARF FINISH" in its training function;
 - every rank holds the whole optimizer state (the non-distributed optimizer: replica count =
-  DP size), and the update is bracketed by `tft_start_updating_os` / `tft_end_updating_os`;
+  DP size), or with `--use-distributed-optimizer` one shard of it, as MindSpeed-LLM's replica
+  optimizer does: the DP group is cut into two consecutive replica groups (its
+  `REPLICA_NUM = 2`; DP4: [0, 1] and [2, 3]) and shard s (here the parameters whose index is
+  s modulo the number of shards) is held by the s-th rank of each, which sends the updated
+  parameters of its shard to the others after each update; the update is bracketed by
+  `tft_start_updating_os` / `tft_end_updating_os`;
 - handlers: stop (`gloo_device.stop_device`, as torch_npu's `stop_device`), clean (a retry
   rebuilds the process groups, as MindSpeed-LLM's `reinit_process_group`; then
   `restart_device`), rebuild (worker reboot: new process groups with the restarted worker),
@@ -22,8 +27,12 @@ It follows MindSpeed-LLM 2.3.0's high-availability code (`tft_train_initialize.p
 - the training function runs under `tft_exception_handler`, which enters it again with the
   same arguments after a repair;
 - elastic training (`--enable-elastic-training`), as MindSpeed-LLM's `elastic_training_*`
-  modules: the downgrade handler rebuilds the world with the ranks that stay (each then takes
-  a larger slice of the same global batch), the upgrade handlers rebuild the launch world,
+  modules: the downgrade handler checks what MindSpeed-LLM's scale-in assumes (its DP group
+  without exactly the ranks that were lost, a holder of every shard among the ranks that
+  stay: else it would wait in `new_group` for a rank that left) and rebuilds the world with
+  the ranks that stay (each then takes a larger slice of the same global batch, the first
+  ranks one sample more where the batch does not divide evenly, as MindSpeed-LLM gives them
+  one micro-batch more), the upgrade handlers rebuild the launch world,
   send the state to each returning rank (RT_SEND / RT_RECV_REPAIR) and roll back to the step;
   each checks its strategy parameters (`{"scale-in-strategy": "DP"}` and the scale-out's).
 
@@ -58,6 +67,8 @@ from mindio_ttp.utils import tft_set_update_end_time, tft_set_update_start_time
 MODEL_INDEX, OPTIM_INDEX, STATE_INDEX = 1, 2, 3
 RET_OK = 0
 GLOBAL_BATCH, FEATURES = 8, 16
+#: MindSpeed-LLM's replica groups of the distributed optimizer (`tft_replica_group`)
+REPLICA_NUM = 2
 
 
 def parse_args() -> argparse.Namespace:
@@ -72,6 +83,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--enable-hbmfault-repair", action="store_true")
     p.add_argument("--enable-worker-reboot", action="store_true")
     p.add_argument("--enable-elastic-training", action="store_true")
+    p.add_argument("--use-distributed-optimizer", action="store_true")
     p.add_argument("--gate", default=None, help="ITERATION:FILE")
     return p.parse_args()
 
@@ -86,6 +98,11 @@ _calls = open(os.path.join(ARGS.out, f"calls.{RANK}.jsonl"), "a", buffering=1)
 _losses = open(os.path.join(ARGS.out, f"losses.{RANK}.jsonl"), "a", buffering=1)
 ARF_REBOOT = False
 STORE: dist.Store | None = None
+#: the optimizer shards: how many, and each one's holders in the current world (at launch:
+#: every rank holds the one shard, or MindSpeed-LLM's replica groups)
+SHARDS = WORLD // REPLICA_NUM if ARGS.use_distributed_optimizer else 1
+HOLDERS = {s: list(range(s, WORLD, SHARDS)) for s in range(SHARDS)}
+SHARD = RANK % SHARDS
 
 
 def record(call: str, **fields) -> None:
@@ -99,18 +116,34 @@ class TrainState:
         self.iteration = 0
 
 
+def shard_params(model: torch.nn.Module, shard: int) -> list[torch.nn.Parameter]:
+    return [p for i, p in enumerate(model.parameters()) if i % SHARDS == shard]
+
+
 def build_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model, and an optimizer over this rank's shard of it."""
     torch.manual_seed(1234)
     model = torch.nn.Sequential(torch.nn.Linear(FEATURES, 32), torch.nn.Tanh(),
                                 torch.nn.Linear(32, FEATURES))
-    return model, torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
+    return model, torch.optim.Adam(shard_params(model, SHARD), lr=1e-2, foreach=False)
+
+
+def share_updated_shards(model: torch.nn.Module) -> None:
+    """Each shard's updated parameters, from its first holder to every rank that does not
+    hold it (nothing to send where every rank holds the whole state)."""
+    for shard, holders in sorted(HOLDERS.items()):
+        if len(holders) < len(WORLD_RANKS):
+            for p in shard_params(model, shard):
+                dist.broadcast(p.data, group_rank(holders[0]))
 
 
 def samples() -> tuple[int, int]:
-    """This rank's slice of the global batch in the current world."""
-    per = GLOBAL_BATCH // len(WORLD_RANKS)
+    """This rank's slice of the global batch in the current world (the first ranks one
+    sample more where the world does not divide it)."""
+    per, extra = divmod(GLOBAL_BATCH, len(WORLD_RANKS))
     index = WORLD_RANKS.index(RANK)
-    return index * per, (index + 1) * per
+    start = index * per + min(index, extra)
+    return start, start + per + (index < extra)
 
 
 def batch(iteration: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,14 +263,31 @@ def _check_strategy(params: str, key: str) -> None:
         raise ValueError(f"Only support DP strategy, but got {strategy}")
 
 
+def killed_by(iteration: int) -> set[int]:
+    """The ranks this job's `--fault kill:...` killed before `iteration` ended."""
+    return {int(rank) for kind, rank, at in (f.split(":") for f in ARGS.fault)
+            if kind == "kill" and int(at) <= iteration}
+
+
 def zit_downgrade_rebuild_callback(new_dp_ranks: list, new_world_ranks: list, train_args,
                                    params: str) -> None:
     """Scale-in: the world without the lost DP replicas; the same global batch in larger
-    slices (MindSpeed-LLM changes its number of micro-batches)."""
-    global WORLD_RANKS
+    slices (MindSpeed-LLM changes its number of micro-batches). What MindSpeed-LLM's
+    `scale_in_rebuild_callback` takes for granted is checked: a broken assumption there is a
+    hang, here an error (the controller then ends the job with the dump)."""
+    global WORLD_RANKS, HOLDERS
     _check_strategy(params, "scale-in-strategy")
+    iteration = train_args[STATE_INDEX].iteration
     record("zit_downgrade_rebuild", new_dp_ranks=new_dp_ranks, new_world_ranks=new_world_ranks,
-           params=params, iteration=train_args[STATE_INDEX].iteration)
+           params=params, iteration=iteration)
+    removed = set(WORLD_RANKS) - set(new_dp_ranks)
+    if new_dp_ranks != new_world_ranks or removed != set(WORLD_RANKS) & killed_by(iteration):
+        raise RuntimeError(f"scale-in from {WORLD_RANKS} to {new_dp_ranks}: MindSpeed-LLM "
+                           "takes every rank missing from new_dp_ranks for a lost one")
+    HOLDERS = {s: [r for r in held if r in new_dp_ranks] for s, held in HOLDERS.items()}
+    if not all(HOLDERS.values()):
+        raise RuntimeError(f"scale-in to {new_dp_ranks} keeps no holder of shards "
+                           f"{[s for s, held in HOLDERS.items() if not held]}")
     WORLD_RANKS = list(new_world_ranks)
     rebuild_world()
     gloo_device.restart_device()
@@ -245,10 +295,11 @@ def zit_downgrade_rebuild_callback(new_dp_ranks: list, new_world_ranks: list, tr
 
 def zit_upgrade_rebuild_callback(rank_list: list, train_args, params: str) -> None:
     """Scale-out: the launch world again, with the returning ranks `rank_list`."""
-    global WORLD_RANKS, ARF_REBOOT
+    global WORLD_RANKS, ARF_REBOOT, HOLDERS
     _check_strategy(params, "scale-out-strategy")
     record("zit_upgrade_rebuild", rank_list=rank_list, params=params)
     WORLD_RANKS = list(range(WORLD))
+    HOLDERS = {s: list(range(s, WORLD, SHARDS)) for s in range(SHARDS)}
     rebuild_world()
     gloo_device.restart_device()
     ARF_REBOOT = False
@@ -270,6 +321,12 @@ def checkpoint_dir(root: str, iteration: int, tmp: bool = False) -> str:
     return os.path.join(root, f"iter_{iteration:07d}" + ("_tmp" if tmp else ""))
 
 
+def shard_file(folder: str) -> str:
+    """This rank's shard's file in a checkpoint folder (one file without shards)."""
+    name = "model_optim_rng.pt" if SHARDS == 1 else f"model_optim_rng.shard{SHARD}.pt"
+    return os.path.join(folder, name)
+
+
 def save_callback(step: int, save_info: list, train_args, ctx) -> None:
     record("save_ckpt", step=step, save_info=save_info)
     if ARGS.save is None:
@@ -280,7 +337,7 @@ def save_callback(step: int, save_info: list, train_args, ctx) -> None:
     os.makedirs(folder, exist_ok=True)
     torch.save({"model": train_args[MODEL_INDEX].state_dict(),
                 "optimizer": train_args[OPTIM_INDEX].state_dict(), "iteration": step},
-               os.path.join(folder, "model_optim_rng.pt"))
+               shard_file(folder))
 
 
 def rename_callback(step: int, train_args) -> None:
@@ -293,8 +350,7 @@ def rename_callback(step: int, train_args) -> None:
 def load_checkpoint(train_args, root: str) -> int:
     with open(os.path.join(root, "latest_checkpointed_iteration.txt")) as f:
         iteration = int(f.read())
-    state = torch.load(os.path.join(checkpoint_dir(root, iteration), "model_optim_rng.pt"),
-                       weights_only=False)
+    state = torch.load(shard_file(checkpoint_dir(root, iteration)), weights_only=False)
     _load(train_args, state)
     return iteration
 
@@ -349,7 +405,7 @@ def train(forward_step_func, model, optimizer, state, *rest):
         gate(iteration)
         inject(iteration, [forward_step_func, model, optimizer, state])
         x, y = batch(iteration)
-        optimizer.zero_grad(set_to_none=False)
+        model.zero_grad(set_to_none=False)  # every gradient: the optimizer holds a shard
         loss = loss_fn(model(x), y) / GLOBAL_BATCH
         loss.backward()
         for p in model.parameters():
@@ -359,6 +415,7 @@ def train(forward_step_func, model, optimizer, state, *rest):
         ft.tft_start_updating_os(-1)
         tft_set_update_start_time()
         optimizer.step()
+        share_updated_shards(model)
         tft_set_update_end_time()
         ft.tft_end_updating_os(iteration + 1)
         state.iteration = iteration + 1
@@ -397,8 +454,10 @@ def init_controller_processor() -> None:
 
 
 def register_processor() -> None:
+    """MindSpeed-LLM's `tft_register_processor` (its DP group is the world here)."""
     ranks = list(range(WORLD))
-    ft.tft_set_optimizer_replica(RANK, [{"rank_list": ranks, "replica_cnt": WORLD,
+    replicas = REPLICA_NUM if ARGS.use_distributed_optimizer else WORLD
+    ft.tft_set_optimizer_replica(RANK, [{"rank_list": ranks, "replica_cnt": replicas,
                                          "replica_shift": 0}])
     ft.tft_set_dp_group_info(RANK, ranks)
     ft.tft_register_save_ckpt_handler(save_callback)
