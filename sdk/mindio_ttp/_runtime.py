@@ -26,8 +26,8 @@ this one (SystemExit(2)), without the SDK's 10 s wait.
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
+import functools
 import ipaddress
 import logging
 import os
@@ -42,6 +42,7 @@ from mindspeed_tft.arguments import launched_by_tft
 from mindspeed_tft.control import ControlConfig, Controller, Features, Processor, ProcessorError
 from mindspeed_tft.control.processor.termination import Termination
 from mindspeed_tft.control.wire.config import ControlConfigError, parse_ip, parse_port
+from mindspeed_tft.process_exit import at_exit
 
 from . import _token
 from ._enums import FRAMEWORKS
@@ -154,9 +155,9 @@ class Runtime:
         token_file = None
         if config.job_token is None and not config.curve:
             # no token and no keys: one is made for this job (see _token), and its file
-            # goes at the latest when this process ends normally (as the SDK's atexit destroy)
+            # goes at the latest when this process ends, however it ends (`at_exit`)
             token, token_file = _token.publish(ip, config.port)
-            atexit.register(_token.withdraw, token_file, token)
+            at_exit(functools.partial(_token.withdraw, token_file, token))
             config = dataclasses.replace(config, job_token=token)
         # enable_zit: a lost rank without a replacement shrinks the job and returning ranks
         # grow it, through the ZIT handlers (`_zit`); it needs worker reboot, as the SDK's

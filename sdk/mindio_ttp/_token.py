@@ -14,7 +14,8 @@ connecting to `ip:port`, takes the token from that file (waiting, bounded by
 `TTP_REGISTER_TIMEOUT`, for a controller that starts beside it, as torchrun starts rank 0
 and the others at once). Another user's process can read
 neither, so its REGISTER is refused (`transport.token_ok`). The controller deletes the file
-when it stops (`withdraw`).
+however it ends while Python runs (`withdraw`, through `process_exit.at_exit`: a dump's exit
+75 and SIGTERM included).
 
 Across hosts nothing is handed over: a controller on a non-loopback address needs CURVE keys
 (`transport.check_bind`), and every node then sets `TTP_JOB_TOKEN` as with tft-run.
