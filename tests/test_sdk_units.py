@@ -370,15 +370,21 @@ def test_group_names_carry_the_repair_id(monkeypatch):
 
 
 def test_a_token_file_is_withdrawn_only_while_it_is_ours(tmp_path, monkeypatch):
-    """A controller that ends deletes its token file, but not a later controller's on the
-    same address and port."""
+    """A controller replaces the token file an earlier one left (and the scratch file an
+    earlier process of its pid left), and when it ends deletes its own, but not a later
+    controller's on the same address and port."""
     import tempfile
 
     from mindio_ttp import _token
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.delenv("TTP_JOB_TOKEN", raising=False)
+    stale = _token.token_path("127.0.0.1", 45126)
+    for left in (stale, stale.with_name(f".{stale.name}.{os.getpid()}")):
+        left.write_text("0" * 64)
+        left.chmod(0o600)
     first, path = _token.publish("127.0.0.1", 45126)
+    assert path == stale and _token.read("127.0.0.1", 45126) == first != "0" * 64
     second, again = _token.publish("127.0.0.1", 45126)
     assert again == path and first != second
     _token.withdraw(path, first)
