@@ -319,19 +319,34 @@ def test_standalone_controller_runs_the_sdks_own_client(tmp_path):
 
 
 @pytest.mark.multiproc
-def test_ranks_started_before_the_controller_wait_for_its_token(tmp_path):
+@pytest.mark.parametrize("left", [False, True], ids=["none", "stale"])
+def test_ranks_started_before_the_controller_wait_for_its_token(tmp_path, left):
     """Here: torchrun starts every rank at once, so a processor may look for the job's
     token before the controller made it: the 4 processors of example_proc.py start 1.5 s
     before its standalone controller, wait for the token file, register and are stopped
-    by a UCE as before."""
+    by a UCE as before. With an earlier job's token file left on the port (a SIGKILLed
+    controller's), each reads that one, is refused, says so in one line and registers with
+    the token the new controller wrote over it."""
+    from mindio_ttp import _token
+
     from tests.sdk_compat import standalone
 
+    port, seen = free_port(), {}
+    path = _token.token_path("127.0.0.1", port)
+    if left:
+        path.write_text("0" * 64)
+        path.chmod(0o600)
     env = {**_env(False), "TTP_LOG_PATH": str(tmp_path / "logs")}
-    outcome = standalone.run(sys.executable, env, EXAMPLE, tmp_path, port=free_port(),
-                             world=WORLD, uce_rank=FAULT_RANK, controller_delay=1.5)
+    outcome = standalone.run(sys.executable, env, EXAMPLE, tmp_path, port=port, world=WORLD,
+                             uce_rank=FAULT_RANK, controller_delay=1.5,
+                             with_ranks=lambda _: seen.update(token=path.read_text()))
     started = [outcome.first(r, "started") for r in range(WORLD)]
     assert all(t is not None for t in started), outcome.describe()
     assert all(outcome.first(r, "stop") is not None for r in range(WORLD)), outcome.describe()
+    assert len(seen["token"]) == 64 and seen["token"] != "0" * 64
+    said = [outcome.output[f"rank{r}"].count("refused the job token read from") for r in
+            range(WORLD)]
+    assert said == [int(left)] * WORLD, outcome.describe()
 
 
 #: (calls, what both SDKs must do): the last call of each either answers or ends the process

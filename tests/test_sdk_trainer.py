@@ -72,13 +72,13 @@ def read_calls(out: Path, nproc: int) -> dict[int, list[dict]]:
 
 def run_trainer(run_dir: Path, launcher: str, *args: str, timeout: float = 180,
                 nproc: int = NPROC, iterations: int = ITERATIONS,
-                env: dict[str, str] | None = None) -> dict:
-    """Run the trainer once (`env`: more environment); returns exit code, output, losses
-    (rank 0's) and handler calls."""
+                env: dict[str, str] | None = None, ttp_port: int | None = None) -> dict:
+    """Run the trainer once (on `ttp_port`, default a free one; `env`: more environment);
+    returns exit code, output, losses (rank 0's) and handler calls."""
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
-    env = {**trainer_env(run_dir, free_port()), **(env or {})}
+    env = {**trainer_env(run_dir, ttp_port or free_port()), **(env or {})}
     if "--save" not in args:  # as every high-availability launch has (tft-run refuses none)
         args = (*args, "--save", str(run_dir / "save"))
     command = [*launcher_command(launcher, run_dir, nproc), str(TRAINER), "--out",
@@ -184,6 +184,38 @@ def test_a_uce_and_a_kill_are_repaired_then_an_error_dumps_and_resumes(tmp_path,
     resumed = run_trainer(tmp_path / "resume", launcher, *HA, "--load", str(save))
     assert resumed["code"] == 0, resumed["output"][-6000:]
     assert resumed["losses"] == {10: reference["losses"][10]}
+
+
+@pytest.mark.multiproc
+def test_a_dumped_job_leaves_no_token_and_the_next_on_its_port_registers(tmp_path):
+    """Plain torchrun, rank 0 hosting the controller on TTP_PORT (MindSpeed-LLM's 8000): a
+    job that ends with a dump (exit 75, which skips atexit) deletes its token file; the next
+    job on the same port, started with an earlier job's token file there (as a SIGKILLed
+    controller leaves it), replaces that file, registers every rank, trains to the end and
+    deletes its own."""
+    from mindio_ttp import _token
+
+    port, save = free_port(), tmp_path / "ckpt"
+    path = _token.token_path("127.0.0.1", port)
+    try:
+        dumped = run_trainer(tmp_path / "dump", "torchrun", *HA, "--save", str(save),
+                             "--fault", "unknown:0:3", iterations=4, ttp_port=port)
+        # plain torchrun ends with 1 when a worker fails; both ranks exited with 75
+        assert dumped["code"] == 1, dumped["output"][-6000:]
+        assert all(f"rank {r} exits with code 75: dying-gasp checkpoint saved at iteration 3"
+                   in dumped["output"] for r in range(NPROC)), dumped["output"][-6000:]
+        assert (save / "latest_checkpointed_iteration.txt").read_text() == "3"
+        assert not path.exists(), dumped["output"][-6000:]
+        path.write_text("0" * 64)
+        path.chmod(0o600)
+        resumed = run_trainer(tmp_path / "resume", "torchrun", *HA, "--load", str(save),
+                              iterations=4, ttp_port=port)
+        assert resumed["code"] == 0, resumed["output"][-6000:]
+        assert sorted(resumed["losses"]) == [4]
+        assert all(named(resumed, r, "started") for r in range(NPROC)), resumed["calls"]
+        assert not path.exists()  # the SDK's destroy after training deleted it
+    finally:
+        path.unlink(missing_ok=True)
 
 
 # -- elastic training through the ZIT handlers ------------------------------------------------

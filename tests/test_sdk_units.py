@@ -412,18 +412,71 @@ def test_group_names_carry_the_repair_id(monkeypatch):
 
 
 def test_a_token_file_is_withdrawn_only_while_it_is_ours(tmp_path, monkeypatch):
-    """A controller that ends deletes its token file, but not a later controller's on the
-    same address and port."""
+    """A controller replaces the token file an earlier one left (and the scratch file an
+    earlier process of its pid left), and when it ends deletes its own, but not a later
+    controller's on the same address and port."""
     import tempfile
 
     from mindio_ttp import _token
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.delenv("TTP_JOB_TOKEN", raising=False)
+    stale = _token.token_path("127.0.0.1", 45126)
+    for left in (stale, stale.with_name(f".{stale.name}.{os.getpid()}")):
+        left.write_text("0" * 64)
+        left.chmod(0o600)
     first, path = _token.publish("127.0.0.1", 45126)
+    assert path == stale and _token.read("127.0.0.1", 45126) == first != "0" * 64
     second, again = _token.publish("127.0.0.1", 45126)
     assert again == path and first != second
     _token.withdraw(path, first)
     assert _token.read("127.0.0.1", 45126) == second
     _token.withdraw(path, second)
     assert _token.read("127.0.0.1", 45126) is None
+
+
+#: a controller of its own process on `sys.argv[1]` (a port), made as `tft_init_controller(-1,
+#: ...)` and `tft_start_controller` make it; then it ends as `sys.argv[2]` says: "exit" as a
+#: rank after a dump (exit 75, which skips atexit), or waits (60 s at most) for a signal
+TOKEN_HOLDER = """
+import sys, time
+from mindio_ttp._runtime import RUNTIME
+from mindspeed_tft.process_exit import exit_without_teardown
+RUNTIME.init_controller(-1, 2, False, False, False)
+RUNTIME.start_controller("127.0.0.1", int(sys.argv[1]))
+print("started", flush=True)
+if sys.argv[2] == "exit":
+    exit_without_teardown(75)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("end", ["exit", "SIGTERM", "SIGHUP"])
+def test_a_controller_removes_its_token_file_however_it_ends(tmp_path, end):
+    """A controller that made the job's token deletes its file when its process ends through
+    a dump's exit (75, no atexit) or of SIGTERM or SIGHUP (and still dies of the signal), so
+    the next job on its port never finds it."""
+    import signal
+    import stat
+    import subprocess
+    import sys
+
+    from tests.jobs import free_port
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TTP_", "TFT_"))}
+    env["TMPDIR"] = str(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-c", TOKEN_HOLDER, str(port), end], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "started\n"
+        path = tmp_path / f"mindio_ttp-{os.getuid()}" / f"controller-127.0.0.1-{port}.token"
+        if end != "exit":
+            assert stat.S_IMODE(path.stat().st_mode) == 0o600 and len(path.read_text()) == 64
+            proc.send_signal(getattr(signal, end))
+        code = proc.wait(timeout=30)
+    finally:
+        proc.kill()
+        output = proc.communicate()[0]
+    assert code == (75 if end == "exit" else -getattr(signal, end)), output
+    assert not path.exists() and os.listdir(path.parent) == [], output

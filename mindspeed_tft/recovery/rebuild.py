@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import logging
-import os
 import sys
 import threading
 import time
@@ -33,6 +32,7 @@ import torch.distributed as dist
 
 from mindspeed_tft.envvars import launcher_value
 from mindspeed_tft.events import work_counts
+from mindspeed_tft.process_exit import exit_without_teardown
 
 log = logging.getLogger("mindspeed_tft.recovery")
 
@@ -134,7 +134,7 @@ def _leave_while_releasing() -> None:
     group's C++ destructor aborts the process ("terminate called without an active
     exception", SIGABRT) after training finished. Runs before finalization begins; the exit
     code is 1 after an uncaught exception and 0 otherwise (decided exit codes never get
-    here: they leave through os._exit)."""
+    here: they leave through exit_without_teardown)."""
     deadline = time.monotonic() + RELEASE_EXIT_GRACE_SECONDS
     for thread in _release_threads:
         thread.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -144,8 +144,7 @@ def _leave_while_releasing() -> None:
     print("[mindspeed-tft] process groups retired by a repair are still waiting for "
           "peers that left; exiting without interpreter teardown", file=sys.stderr,
           flush=True)
-    sys.stdout.flush()
-    os._exit(code)
+    exit_without_teardown(code)
 
 
 class CountingStore(dist.Store):

@@ -16,7 +16,10 @@ example_proc.py runs it), with the features the calls give: worker reboot (`enab
 UCE repair (`enable_uce` of the processor in the same process), repairs from the
 checkpoint when a replica layout has `replica_cnt` 1. Without `TTP_JOB_TOKEN` and CURVE
 keys, the controller makes the job's token and hands it to the ranks of this host
-(`_token`): a REGISTER without it is refused.
+(`_token`): a REGISTER without it is refused. A processor refused with a token it read from
+the file, which now holds another (it read an earlier job's, before this job's controller
+replaced it), says so in one line and registers again with the new one, within
+`TTP_REGISTER_TIMEOUT`.
 
 Refusals follow the SDK's (run side by side in tests/test_sdk_compat.py): its words first,
 then what is allowed; where the SDK ends the process with code 2 (`tft_init_processor`
@@ -26,14 +29,15 @@ this one (SystemExit(2)), without the SDK's 10 s wait.
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
+import functools
 import ipaddress
 import logging
 import os
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
@@ -42,6 +46,7 @@ from mindspeed_tft.arguments import launched_by_tft
 from mindspeed_tft.control import ControlConfig, Controller, Features, Processor, ProcessorError
 from mindspeed_tft.control.processor.termination import Termination
 from mindspeed_tft.control.wire.config import ControlConfigError, parse_ip, parse_port
+from mindspeed_tft.process_exit import at_exit
 
 from . import _token
 from ._enums import FRAMEWORKS
@@ -154,9 +159,9 @@ class Runtime:
         token_file = None
         if config.job_token is None and not config.curve:
             # no token and no keys: one is made for this job (see _token), and its file
-            # goes at the latest when this process ends normally (as the SDK's atexit destroy)
+            # goes at the latest when this process ends, however it ends (`at_exit`)
             token, token_file = _token.publish(ip, config.port)
-            atexit.register(_token.withdraw, token_file, token)
+            at_exit(functools.partial(_token.withdraw, token_file, token))
             config = dataclasses.replace(config, job_token=token)
         # enable_zit: a lost rank without a replacement shrinks the job and returning ranks
         # grow it, through the ZIT handlers (`_zit`); it needs worker reboot, as the SDK's
@@ -218,10 +223,8 @@ class Runtime:
         if self.processor is not None:
             raise RuntimeError(f"the processor of rank {self.rank} is already started")
         try:
-            config = _processor_config(master_ip, port)
-            processor = Processor(self.rank, self.world_size, config)
-            actions.register(processor)
-            processor.start()
+            config, token_file = _processor_config(master_ip, port)
+            processor = _register(self.rank, self.world_size, config, token_file, actions)
         except (ProcessorError, ControlConfigError) as e:
             if not mindcluster_task() or launched_by_tft(os.environ):
                 raise
@@ -294,22 +297,47 @@ class Runtime:
         processor.hold_point(step + 1)
 
 
-def _processor_config(master_ip: str, port: int) -> ControlConfig:
-    """Where a processor connects, and the job's token it shows."""
+def _register(rank: int, world_size: int, config: ControlConfig, token_file: Path | None,
+              actions: Any) -> Processor:
+    """Start rank `rank`'s processor. Refused with the token read from `token_file`, which
+    now holds another (module docstring), it starts again with that one; all of it within
+    `register_timeout`."""
+    deadline = time.monotonic() + config.register_timeout
+    while True:
+        processor = Processor(rank, world_size, config)
+        actions.register(processor)
+        try:
+            processor.start(max(0.0, deadline - time.monotonic()))
+            return processor
+        except ProcessorError:
+            now = None if token_file is None else _token.read(config.processor_addr, config.port)
+            if now in (None, config.job_token) or time.monotonic() >= deadline:
+                raise
+        print(f"[mindio_ttp] rank {rank}: the controller at {config.processor_addr}:"
+              f"{config.port} refused the job token read from {token_file}, an earlier job's; "
+              "registering again with the one its controller wrote there now",
+              file=sys.stderr, flush=True)
+        config = dataclasses.replace(config, job_token=now)
+
+
+def _processor_config(master_ip: str, port: int) -> tuple[ControlConfig, Path | None]:
+    """Where a processor connects, and the job's token it shows (with the file it was read
+    from, when a controller of this host made it)."""
     if launched_by_tft(os.environ):
         config = ControlConfig.from_env()  # the launcher's address, port and token
         if int(port) != config.port:
             log.info("the launcher's controller listens on port %d (TTP_PORT), not %s",
                      config.port, port)
-        return config
+        return config, None
     config = ControlConfig.from_env(
         processor_addr=_address(master_ip, "tft_start_processor master_ip", wildcard=False),
         port=parse_port(port, "tft_start_processor port"))
     if config.job_token is None and not config.curve:
         # the token a controller of this host made for the job (see _token)
-        config = dataclasses.replace(config, job_token=_token.wait_for(
-            config.processor_addr, config.port, config.register_timeout))
-    return config
+        token = _token.wait_for(config.processor_addr, config.port, config.register_timeout)
+        return (dataclasses.replace(config, job_token=token),
+                _token.token_path(config.processor_addr, config.port))
+    return config, None
 
 
 def _address(value: Any, what: str, *, wildcard: bool) -> str:

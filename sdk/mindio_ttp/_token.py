@@ -14,7 +14,10 @@ connecting to `ip:port`, takes the token from that file (waiting, bounded by
 `TTP_REGISTER_TIMEOUT`, for a controller that starts beside it, as torchrun starts rank 0
 and the others at once). Another user's process can read
 neither, so its REGISTER is refused (`transport.token_ok`). The controller deletes the file
-when it stops (`withdraw`).
+however it ends while Python runs (`withdraw`, through `process_exit.at_exit`: a dump's exit
+75 and SIGTERM included). A SIGKILLed one cannot: the next controller on that address and
+port replaces the file it finds, never reading it, and a processor that read the earlier
+job's token before that and is refused takes the new one (`_runtime`).
 
 Across hosts nothing is handed over: a controller on a non-loopback address needs CURVE keys
 (`transport.check_bind`), and every node then sets `TTP_JOB_TOKEN` as with tft-run.
@@ -59,8 +62,8 @@ def publish(ip: str, port: int) -> tuple[str, Path]:
     environment and write it for the ranks (module docstring). Returns (token, file)."""
     token = secrets.token_hex(32)
     path = token_path(ip, port)
-    scratch = path.with_name(f".{path.name}.{os.getpid()}")
-    fd = os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    # a new file of this process (0600, a name no earlier one has) replaces whatever is there
+    fd, scratch = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         os.write(fd, token.encode())
     finally:

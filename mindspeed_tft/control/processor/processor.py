@@ -32,7 +32,7 @@ callbacks (hold, stop, pause, resume, exit; an order whose payload does not matc
 is decided by its core, `core.ProcessorCore`, which has no I/O: this class is its shell of
 sockets (`channel`), threads (`orders`, `gate`) and the real clock. An exit hands an exit
 `Decision` to the training thread and, if the process is still alive after `exit_grace`
-seconds (a hung training thread), ends it with `os._exit(code)`.
+seconds (a hung training thread), ends it with `exit_without_teardown(code)`.
 
 If the controller goes silent for interval x (misses + 1), the processor fails over to the next
 controller address (backups from `TTP_BACKUP_ADDRS` and from the registration reply).
@@ -45,13 +45,13 @@ must not train on, or wait, unsupervised.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from ...process_exit import exit_without_teardown
 from ..wire import local
 from ..wire.callbacks import NoRecovery, RecoveryCallbacks, run_callback
 from ..wire.classify import FaultKind
@@ -77,8 +77,8 @@ class Processor:
     config: default `ControlConfig.from_env()`. replica: this rank's replica layout,
     `{optimizer: {dp_index, dp_size, replica_num, shard, holders}}` (SPEC 7 dump holders).
     controllers: `(addr, port)` to try in order (default: processor_addr:port, then the
-    backups). hard_exit: end the process with os._exit when an exit order is not obeyed
-    within `exit_grace` (off in tests that host a processor inside the test process).
+    backups). hard_exit: end the process (`exit_without_teardown`) when an exit order is not
+    obeyed within `exit_grace` (off in tests that host a processor inside the test process).
     """
 
     def __init__(self, rank: int, world_size: int, config: ControlConfig | None = None, *,
@@ -333,4 +333,4 @@ class Processor:
         self._channel.flush(1.0)
         local.wait_local_controllers(5.0)
         logging.shutdown()
-        os._exit(code)
+        exit_without_teardown(code)
