@@ -37,13 +37,14 @@ import time
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from mindspeed_tft.events import emit
 from mindspeed_tft.process_exit import exit_without_teardown, print_error
 from mindspeed_tft.recovery.layout import (
     TRACKER_FILENAME,
     CheckpointError,
+    TrackerError,
     iteration_dir_name,
     resolve_checkpoint,
     take_group,
@@ -404,6 +405,28 @@ def _collective_max(flag: int) -> int:
     return int(value.item())
 
 
+def refuse_at_startup(message: str) -> NoReturn:
+    """`--load` refused: this rank prints `message` in one line and exits with
+    `CORRUPT_CHECKPOINT_EXIT_CODE` (without interpreter teardown once process groups exist)."""
+    print_error(message)
+    if _distributed():  # no interpreter teardown: it can abort the process (SIGABRT)
+        exit_without_teardown(CORRUPT_CHECKPOINT_EXIT_CODE)
+    sys.exit(CORRUPT_CHECKPOINT_EXIT_CODE)
+
+
+def resolve_for_load(root: str, *, startup: bool) -> tuple[int, str] | None:
+    """`layout.resolve_checkpoint(root)`, a bad tracker refused (a `TrackerError`: no
+    iteration number, or one without its folder): at start-up (`startup`) every rank prints
+    the one line and exits 2 (each reads the same file, before any collective); in a repair
+    the error is raised (the repair fails). A ValueError for `release` passes to the caller."""
+    try:
+        return resolve_checkpoint(root)
+    except TrackerError as error:
+        if not startup:
+            raise
+        refuse_at_startup(f"--load {root}: {error}")
+
+
 def verify_for_load(root: str | None, rank_dir_name: str, verifier: bool, rank: int, *,
                     startup: bool) -> None:
     """Verify this rank's folder of the checkpoint `--load` (or a repair) will read, before
@@ -412,10 +435,10 @@ def verify_for_load(root: str | None, rank_dir_name: str, verifier: bool, rank: 
     `verifier`: this rank checks (data-parallel rank 0 of its model-parallel position).
     A mismatch anywhere: at start-up (`startup`) every rank exits with
     `CORRUPT_CHECKPOINT_EXIT_CODE`, the failing ones after printing one line; in a repair a
-    `ManifestMismatch` is raised. Without a manifest, rank 0 prints that the checkpoint is
-    unverified."""
+    `ManifestMismatch` is raised. A bad tracker: `resolve_for_load`. Without a manifest,
+    rank 0 prints that the checkpoint is unverified."""
     try:
-        found = resolve_checkpoint(root) if root else None
+        found = resolve_for_load(root, startup=startup) if root else None
     except ValueError:  # a tracker naming no iteration ("release"): Megatron-LM's to read
         found = None
     if found is None or root is None:
@@ -434,7 +457,7 @@ def verify_for_load(root: str | None, rank_dir_name: str, verifier: bool, rank: 
         message = refusal(root, iteration, verdict.problem)
         if not startup:
             raise ManifestMismatch(message)
-        print_error(message)
+        refuse_at_startup(message)
     if failed:
         if not startup:
             raise ManifestMismatch(f"checkpoint {directory} is corrupt (another rank's folder "
