@@ -512,3 +512,45 @@ def before_load(root: str | None, *, startup: bool) -> None:
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     verify_for_load(root, this_rank_dir_name(), _verifier(), rank, startup=startup)
+
+
+# --- the mindio_ttp route: a dump the host's own handlers wrote, its load in Megatron-LM ----
+
+
+def write_dump_manifests(folder: str, iteration: int) -> list[str]:
+    """The manifests of a dump a host's save handlers wrote into `folder` (`iter_X_tmp`):
+    one per `mp_rank_*` folder in it, or one for `folder` itself when its files lie in it
+    directly; returns their paths (none when `folder` does not exist)."""
+    if not os.path.isdir(folder):
+        return []
+    ranks = sorted(name for name in os.listdir(folder) if name.startswith("mp_rank_")
+                   and os.path.isdir(os.path.join(folder, name)))
+    folders = [os.path.join(folder, name) for name in ranks]
+    if _folder_files(folder):
+        folders.append(folder)
+    return [write_manifest(path, iteration) for path in folders]
+
+
+def install_load_verify() -> None:
+    """The `sdk-load-verify` moment of `mindspeed_tft.patches`: Megatron-LM's
+    `_load_base_checkpoint` (every `load_checkpoint` reads the checkpoint through it)
+    verifies the folder first (`before_load`): at start-up (the main thread) a mismatch or
+    a bad tracker exits 2 in one line; in a repair (a handler's thread) it raises. Nothing
+    where Megatron-LM's checkpointing is not imported."""
+    module: Any = sys.modules.get("megatron.training.checkpointing")
+    if module is None:
+        return
+    import functools
+    import threading
+
+    original = module._load_base_checkpoint
+
+    @functools.wraps(original)
+    def _load_base_checkpoint(load_dir: Any, args: Any, rank0: bool = False, *rest: Any,
+                              **kwargs: Any) -> Any:
+        if not rank0:  # rank0=True: the args of the checkpoint only, before the groups exist
+            startup = threading.current_thread() is threading.main_thread()
+            before_load(load_dir, startup=startup)
+        return original(load_dir, args, rank0, *rest, **kwargs)
+
+    module._load_base_checkpoint = _load_base_checkpoint
