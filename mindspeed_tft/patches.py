@@ -21,6 +21,8 @@ Moments, in the order a training process meets them:
 - ``data-loader-workers``: high availability, a launcher's stop is the training process's
   grace period (`TFTPlugin.register`);
 - ``group-names``: the `mindio_ttp` API's `tft_init_processor` (sdk/), as Huawei's SDK;
+- ``sdk-load-verify``: the same call, where Megatron-LM's checkpointing is imported
+  (MindSpeed-LLM): its loads verify the dumps' manifests;
 - ``megatron-lm`` / ``megatron-lm-cpu``: the Megatron-LM host adaptor
   (`mindspeed_tft.megatron.install`, the one-line import `mindspeed_tft.megatron_adaptor`);
 - ``torchrun``: the torchrun hook (`scripts/patch_torchrun.sh`: worker reboot under plain
@@ -226,6 +228,14 @@ TABLE: tuple[Moment, ...] = (
            "groups rebuilt after a repair on the same store would get old groups' names "
            "and store keys (destroy_process_group restarts the counter at 0): each name "
            "carries the repair's id, as the SDK's do", TORCH),
+    )),
+    Moment("sdk-load-verify", "mindio_ttp's tft_init_processor (MindSpeed-LLM), where "
+           "Megatron-LM's checkpointing is imported",
+           "mindspeed_tft.recovery.manifest:install_load_verify", (
+        _p("megatron.training.checkpointing:_load_base_checkpoint",
+           "MindSpeed-LLM loads through Megatron-LM's load_checkpoint, which reads every "
+           "checkpoint through it: the tracker and the manifest the SDK wrote beside the "
+           "dump are checked first (a bad one: exit 2, one line)", MLM),
     )),
     Moment("megatron-lm", "the Megatron-LM host adaptor is installed",
            "mindspeed_tft.megatron.adaptor:install_patches", (

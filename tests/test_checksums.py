@@ -228,3 +228,69 @@ def test_new_save_folders_are_0750_with_the_save_folders_group(tmp_path):
         assert (mine / "iter_0000001" / "model_optim_rng.pt").stat().st_mode & 0o777 == 0o644
     finally:
         os.umask(old)
+
+
+_MEGATRON_LOAD = r"""
+import argparse, sys
+import torch.distributed as dist
+import megatron.training.checkpointing as checkpointing
+from megatron.core import parallel_state as ps
+from mindspeed_tft import patches
+
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0,
+                        world_size=1)
+ps.initialize_model_parallel()
+patches.install("sdk-load-verify")  # what mindio_ttp's tft_init_processor installs
+args = argparse.Namespace(ckpt_format="torch", auto_detect_ckpt_format=False,
+                          non_persistent_ckpt_type=None, use_dist_ckpt=False)
+checkpointing._load_base_checkpoint(sys.argv[1], args, rank0=False)
+print("Megatron-LM read the checkpoint", flush=True)
+"""
+
+
+@pytest.mark.parametrize("case", ["tampered", "latest"])
+def test_megatron_lms_load_verifies_a_dump_of_the_sdk_route(tmp_path, case):
+    """MindSpeed-LLM's route: its save handler writes `iter_X_tmp/mp_rank_00/`, the SDK
+    writes the manifest there before the rename handler publishes it
+    (`write_dump_manifests`), and Megatron-LM's own `_load_base_checkpoint` (the
+    `sdk-load-verify` moment; MindSpeed-LLM loads through it, unchanged) refuses a
+    damaged tensor or a bad tracker in one line with exit 2, before reading it."""
+    import subprocess
+    import sys
+
+    from tests.clones import clone
+    from tests.jobs import REPO, free_port
+
+    mlm = clone("0.12.1")
+    if isinstance(mlm, str):
+        pytest.fail(mlm, pytrace=False)
+    root = tmp_path / "save"
+    tmp = _checkpoint(str(tmp_path / "written"), 4)  # the save handler's files
+    os.makedirs(root / "iter_0000004_tmp")
+    shutil.copytree(tmp, root / "iter_0000004_tmp" / "mp_rank_00",
+                    ignore=shutil.ignore_patterns(manifest.MANIFEST_FILENAME))
+    assert manifest.write_dump_manifests(str(root / "iter_0000004_tmp"), 4) == [
+        str(root / "iter_0000004_tmp" / "mp_rank_00" / manifest.MANIFEST_FILENAME)]
+    os.rename(root / "iter_0000004_tmp", root / "iter_0000004")  # the rename handler
+    tracker = root / "latest_checkpointed_iteration.txt"
+    path = root / "iter_0000004" / "mp_rank_00" / "distrib_optim.pt"
+    if case == "tampered":
+        tracker.write_text("4")
+        record = next(r for r in manifest.file_digests(str(path))["records"]
+                      if r[0].endswith("data/0"))
+        _flip(str(path), record[1] + 5)
+        line = (f"checkpoint {root}/iter_0000004 is corrupt, not loaded: {path}: bytes differ "
+                "from the manifest in tensor buckets/0 (zip member distrib_optim/data/0); "
+                f"there is no earlier checkpoint under {root}")
+    else:
+        tracker.write_text("latest")
+        line = (f"--load {root}: {tracker} holds 'latest': not a checkpoint to load; allowed: "
+                "an iteration number above 0 whose iter_XXXXXXX folder exists, or 'release' "
+                "(Megatron-LM's release checkpoint)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(mlm), str(REPO)]),
+           "CUDA_VISIBLE_DEVICES": "", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-c", _MEGATRON_LOAD, str(root), str(free_port())],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stderr.splitlines()[-1] == f"[mindspeed-tft] error: {line}", proc.stderr
+    assert "Megatron-LM read the checkpoint" not in proc.stdout

@@ -371,3 +371,53 @@ def test_tracker_naming_a_missing_folder_is_an_error_until_a_publish_replaces_it
     (tmp_path / "iter_0000009_tmp" / "mp_rank_00").mkdir(parents=True)
     publish_checkpoint(str(tmp_path), 9)
     assert resolve_checkpoint(str(tmp_path)) == (9, f"{tmp_path}/iter_0000009")
+
+
+# --- a bad tracker: refused in one line, exit 2 ------------------------------------------
+
+_NOT_A_CHECKPOINT = ("not a checkpoint to load; allowed: an iteration number above 0 whose "
+                     "iter_XXXXXXX folder exists, or 'release' (Megatron-LM's release "
+                     "checkpoint)")
+
+
+@pytest.mark.parametrize("text", ["latest", "-4", "0", "9"])
+def test_a_bad_tracker_is_refused_in_one_line_with_exit_2(tmp_path, capsys, text):
+    """What both hosts' `--load` runs before reading any checkpoint (`verify_for_load`: the
+    Megatron-LM adaptor's `manifest.before_load`; the reference trainer's `load_checkpoint`
+    goes through the same `resolve_for_load`): one line naming the tracker and what it
+    holds, and exit 2; in a repair the error is raised (the repair fails, the job dumps)."""
+    from mindspeed_tft.recovery import manifest
+
+    tracker = tmp_path / TRACKER_FILENAME
+    tracker.write_text(text + "\n")
+    why = (f"{tracker} names iteration 9, but {tmp_path}/iter_0000009 does not exist: the "
+           "checkpoint directory was damaged or moved") if text == "9" else \
+        f"{tracker} holds {text!r}: {_NOT_A_CHECKPOINT}"
+    with pytest.raises(SystemExit) as exited:
+        manifest.verify_for_load(str(tmp_path), "mp_rank_00", True, 0, startup=True)
+    assert exited.value.code == manifest.CORRUPT_CHECKPOINT_EXIT_CODE == 2
+    assert capsys.readouterr().err == f"[mindspeed-tft] error: --load {tmp_path}: {why}\n"
+    with pytest.raises(CheckpointError) as raised:
+        manifest.verify_for_load(str(tmp_path), "mp_rank_00", True, 0, startup=False)
+    assert str(raised.value) == why
+    tracker.write_text("release")  # Megatron-LM's own: passed to its loader
+    manifest.verify_for_load(str(tmp_path), "mp_rank_00", True, 0, startup=True)
+
+
+@pytest.mark.multiproc
+def test_the_reference_trainer_refuses_a_bad_tracker_with_exit_2(tmp_path):
+    """A real 2-rank start of the reference trainer with `--load` of a folder whose tracker
+    holds `latest`: every rank stops with code 2 and its one line, no traceback of its own
+    (plain torchrun reports its failed children with one of its own)."""
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / TRACKER_FILENAME).write_text("latest\n")
+    result = run_tiny_job(tmp_path / "run", load_dir=bad, **CONFIG)
+    codes = result.exit_codes()
+    assert 2 in codes.values() and set(codes.values()) <= {2, -15}, result.describe()
+    line = (f"[mindspeed-tft] error: --load {bad}: {bad}/{TRACKER_FILENAME} holds 'latest': "
+            f"{_NOT_A_CHECKPOINT}")
+    lines = result.output.splitlines()
+    assert lines.count(line) == list(codes.values()).count(2), result.describe()
+    assert "Error:" not in result.output.split("ChildFailedError")[0], result.describe()
+    assert not result.named("iteration")

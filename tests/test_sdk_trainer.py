@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mindspeed_tft.recovery import manifest
 from tests.jobs import REPO, free_port
 
 TRAINER = REPO / "tests" / "sdk_compat" / "trainer.py"
@@ -179,6 +180,8 @@ def test_a_uce_and_a_kill_are_repaired_then_an_error_dumps_and_resumes(tmp_path,
     assert (error["kind"], error["iteration"]) == ("unknown", 9)
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "9"
     assert (save / "iter_0000009" / "model_optim_rng.pt").is_file()
+    # the SDK checksummed what the save handler wrote, before the rename handler published it
+    assert manifest.verify_folder(str(save / "iter_0000009")) == manifest.FolderVerdict(True)
     saves = [c for r in range(NPROC) for c in named(result, r, "save_ckpt")]
     assert [c["step"] for c in saves] == [9], result["calls"]
     resumed = run_trainer(tmp_path / "resume", launcher, *HA, "--load", str(save))

@@ -373,13 +373,13 @@ def _repair_interrupted_publish(root: str | None) -> None:
     """Before Megatron-LM's loader reads `root`: put back an `iter_X` that a publish of this
     project's (a dump) left as `iter_X_old` when it was killed between its two renames
     (only where the file system cannot exchange names; `layout.resolve_checkpoint`)."""
-    from mindspeed_tft.recovery.layout import resolve_checkpoint
+    from mindspeed_tft.recovery.layout import CheckpointError, resolve_checkpoint
 
     if root:
         try:
             resolve_checkpoint(root)
-        except ValueError:  # not an iteration number ("release"): Megatron-LM's to read
-            pass
+        except (ValueError, CheckpointError):  # "release" is Megatron-LM's to read; a bad
+            pass  # tracker is refused next, in one line (`manifest.before_load`)
 
 
 def wrap_build_datasets(original: Callable[..., Any]) -> Callable[..., Any]:

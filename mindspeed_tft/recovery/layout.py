@@ -52,6 +52,17 @@ CHECKPOINT_VERSION = 3.0
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 MODEL_FILENAME = "model_optim_rng.pt"
 DISTRIB_OPTIM_FILENAME = "distrib_optim.pt"
+#: what a tracker holds for Megatron-LM's release checkpoint (its folder `release/`)
+RELEASE = "release"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded; the message names the file or folder."""
+
+
+class TrackerError(CheckpointError):
+    """The tracker file names no checkpoint that can be loaded (the message names the file
+    and what it holds)."""
 
 
 def iteration_dir_name(iteration: int) -> str:
@@ -78,17 +89,24 @@ def this_rank_dir_name() -> str:
 
 
 def read_tracker(root: str) -> int | None:
-    """The last published iteration under `root`, or None when there is none."""
+    """The last published iteration under `root`, or None when there is none.
+
+    Raises ValueError for Megatron-LM's `release` (a release checkpoint: Megatron-LM's to
+    read) and `TrackerError` for anything else that is not a positive iteration number
+    (what Megatron-LM's `read_metadata` accepts: an iteration above 0, or `release`)."""
     path = os.path.join(root, TRACKER_FILENAME)
     if not os.path.isfile(path):
         return None
-    text = open(path, encoding="utf-8").read().strip()
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(
-            f"{path} holds {text!r}; expected an iteration number"
-        ) from None
+    with open(path, encoding="utf-8", errors="replace") as f:
+        text = f.read().strip()
+    if text == RELEASE:
+        raise ValueError(f"{path} holds {text!r}; expected an iteration number")
+    if not (text.isascii() and text.isdigit()) or int(text) <= 0:
+        raise TrackerError(
+            f"{path} holds {text[:40]!r}: not a checkpoint to load; allowed: an iteration "
+            f"number above 0 whose iter_XXXXXXX folder exists, or {RELEASE!r} (Megatron-LM's "
+            "release checkpoint)")
+    return int(text)
 
 
 def write_tracker(root: str, iteration: int) -> None:
@@ -249,8 +267,6 @@ def publish_checkpoint(root: str, iteration: int) -> str:
     return final
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded; the message names the file or folder."""
 
 
 def resolve_checkpoint(root: str) -> tuple[int, str] | None:
@@ -259,7 +275,8 @@ def resolve_checkpoint(root: str) -> tuple[int, str] | None:
     A tracker whose `iter_X` is missing while `iter_X_old` exists was left by a crash
     between the two renames of a publish without RENAME_EXCHANGE: `iter_X_old`, complete,
     is renamed back (any number of ranks may call this at once). A tracker naming a folder
-    that does not exist otherwise is a `CheckpointError`."""
+    that does not exist otherwise, or a tracker that holds no iteration number (but
+    `release`: a ValueError), is a `TrackerError`."""
     iteration = read_tracker(root)
     if iteration is None:
         return None
@@ -272,7 +289,7 @@ def resolve_checkpoint(root: str) -> tuple[int, str] | None:
         except OSError:
             pass
         if not os.path.isdir(final):
-            raise CheckpointError(
+            raise TrackerError(
                 f"{os.path.join(root, TRACKER_FILENAME)} names iteration {iteration}, but "
                 f"{final} does not exist: the checkpoint directory was damaged or moved"
             )

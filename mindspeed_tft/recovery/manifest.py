@@ -37,13 +37,14 @@ import time
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from mindspeed_tft.events import emit
 from mindspeed_tft.process_exit import exit_without_teardown, print_error
 from mindspeed_tft.recovery.layout import (
     TRACKER_FILENAME,
     CheckpointError,
+    TrackerError,
     iteration_dir_name,
     resolve_checkpoint,
     take_group,
@@ -404,6 +405,28 @@ def _collective_max(flag: int) -> int:
     return int(value.item())
 
 
+def refuse_at_startup(message: str) -> NoReturn:
+    """`--load` refused: this rank prints `message` in one line and exits with
+    `CORRUPT_CHECKPOINT_EXIT_CODE` (without interpreter teardown once process groups exist)."""
+    print_error(message)
+    if _distributed():  # no interpreter teardown: it can abort the process (SIGABRT)
+        exit_without_teardown(CORRUPT_CHECKPOINT_EXIT_CODE)
+    sys.exit(CORRUPT_CHECKPOINT_EXIT_CODE)
+
+
+def resolve_for_load(root: str, *, startup: bool) -> tuple[int, str] | None:
+    """`layout.resolve_checkpoint(root)`, a bad tracker refused (a `TrackerError`: no
+    iteration number, or one without its folder): at start-up (`startup`) every rank prints
+    the one line and exits 2 (each reads the same file, before any collective); in a repair
+    the error is raised (the repair fails). A ValueError for `release` passes to the caller."""
+    try:
+        return resolve_checkpoint(root)
+    except TrackerError as error:
+        if not startup:
+            raise
+        refuse_at_startup(f"--load {root}: {error}")
+
+
 def verify_for_load(root: str | None, rank_dir_name: str, verifier: bool, rank: int, *,
                     startup: bool) -> None:
     """Verify this rank's folder of the checkpoint `--load` (or a repair) will read, before
@@ -412,10 +435,10 @@ def verify_for_load(root: str | None, rank_dir_name: str, verifier: bool, rank: 
     `verifier`: this rank checks (data-parallel rank 0 of its model-parallel position).
     A mismatch anywhere: at start-up (`startup`) every rank exits with
     `CORRUPT_CHECKPOINT_EXIT_CODE`, the failing ones after printing one line; in a repair a
-    `ManifestMismatch` is raised. Without a manifest, rank 0 prints that the checkpoint is
-    unverified."""
+    `ManifestMismatch` is raised. A bad tracker: `resolve_for_load`. Without a manifest,
+    rank 0 prints that the checkpoint is unverified."""
     try:
-        found = resolve_checkpoint(root) if root else None
+        found = resolve_for_load(root, startup=startup) if root else None
     except ValueError:  # a tracker naming no iteration ("release"): Megatron-LM's to read
         found = None
     if found is None or root is None:
@@ -434,7 +457,7 @@ def verify_for_load(root: str | None, rank_dir_name: str, verifier: bool, rank: 
         message = refusal(root, iteration, verdict.problem)
         if not startup:
             raise ManifestMismatch(message)
-        print_error(message)
+        refuse_at_startup(message)
     if failed:
         if not startup:
             raise ManifestMismatch(f"checkpoint {directory} is corrupt (another rank's folder "
@@ -489,3 +512,45 @@ def before_load(root: str | None, *, startup: bool) -> None:
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     verify_for_load(root, this_rank_dir_name(), _verifier(), rank, startup=startup)
+
+
+# --- the mindio_ttp route: a dump the host's own handlers wrote, its load in Megatron-LM ----
+
+
+def write_dump_manifests(folder: str, iteration: int) -> list[str]:
+    """The manifests of a dump a host's save handlers wrote into `folder` (`iter_X_tmp`):
+    one per `mp_rank_*` folder in it, or one for `folder` itself when its files lie in it
+    directly; returns their paths (none when `folder` does not exist)."""
+    if not os.path.isdir(folder):
+        return []
+    ranks = sorted(name for name in os.listdir(folder) if name.startswith("mp_rank_")
+                   and os.path.isdir(os.path.join(folder, name)))
+    folders = [os.path.join(folder, name) for name in ranks]
+    if _folder_files(folder):
+        folders.append(folder)
+    return [write_manifest(path, iteration) for path in folders]
+
+
+def install_load_verify() -> None:
+    """The `sdk-load-verify` moment of `mindspeed_tft.patches`: Megatron-LM's
+    `_load_base_checkpoint` (every `load_checkpoint` reads the checkpoint through it)
+    verifies the folder first (`before_load`): at start-up (the main thread) a mismatch or
+    a bad tracker exits 2 in one line; in a repair (a handler's thread) it raises. Nothing
+    where Megatron-LM's checkpointing is not imported."""
+    module: Any = sys.modules.get("megatron.training.checkpointing")
+    if module is None:
+        return
+    import functools
+    import threading
+
+    original = module._load_base_checkpoint
+
+    @functools.wraps(original)
+    def _load_base_checkpoint(load_dir: Any, args: Any, rank0: bool = False, *rest: Any,
+                              **kwargs: Any) -> Any:
+        if not rank0:  # rank0=True: the args of the checkpoint only, before the groups exist
+            startup = threading.current_thread() is threading.main_thread()
+            before_load(load_dir, startup=startup)
+        return original(load_dir, args, rank0, *rest, **kwargs)
+
+    module._load_base_checkpoint = _load_base_checkpoint

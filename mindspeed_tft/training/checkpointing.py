@@ -45,7 +45,6 @@ from mindspeed_tft.recovery.layout import (
     load_file,
     make_save_dirs,
     publish_checkpoint,
-    resolve_checkpoint,
     save_file,
     set_rng_state,
     this_rank_dir_name,
@@ -215,6 +214,19 @@ def _load_parameter_state(optimizer: Any, path: str) -> None:
         opt.load_parameter_state_from_dp_zero(state)
 
 
+def _resolve(root: str, startup: bool) -> tuple[int, str] | None:
+    """The checkpoint the tracker under `root` names; a bad tracker is refused
+    (`manifest.resolve_for_load`), and so is `release` (a Megatron-LM release checkpoint,
+    which this trainer does not load)."""
+    try:
+        return manifest.resolve_for_load(root, startup=startup)
+    except ValueError as error:
+        if not startup:
+            raise CheckpointError(str(error)) from None
+        manifest.refuse_at_startup(f"--load {root}: {error} (this trainer loads no release "
+                                   "checkpoint)")
+
+
 def load_checkpoint(state: Any, root: str | None = None) -> int:
     """Load the latest checkpoint under `root` (default `args.load`) into `state`.
 
@@ -225,7 +237,7 @@ def load_checkpoint(state: Any, root: str | None = None) -> int:
     args = state.args
     startup = root is None
     root = root or args.load
-    found = resolve_checkpoint(root) if root else None
+    found = _resolve(root, startup) if root else None
     if found is None:
         if startup:
             missing_checkpoint(root, getattr(args, "exit_on_missing_checkpoint", False),

@@ -13,7 +13,7 @@ handler, with the SDK's arguments and return-code conventions:
 | repair | worker reboot: `rebuild_group(fault_ranks, train_args, ctx)` on every rank (a restarted one once its training function waits in the decorator); then, on each rank that sends or receives, `repair(step, need_rebuild, error_ranks, repair_info, train_args, ctx)` (`_translate.repair_calls`) |
 | rollback | `rollback(step, train_args, ctx)`; the rank's data is then Updated at `step` |
 | dump | on the ranks that write: `clean(...)` first when `TTP_STOP_CLEAN_BEFORE_DUMP=1` (MindSpeed-LLM sets it) and this incident had no clean, then `save_ckpt(step, save_info, train_args, ctx)` |
-| rename | `rename(step, train_args)` (the PyTorch path's arguments) |
+| rename | the manifest of the dump in `<save>/iter_X_tmp` (`_dump_manifest`), then `rename(step, train_args)` (the PyTorch path's arguments) |
 | exit | `exit(ctx)`, then the process exits with the decided code |
 | scale_in (elastic training) | `clean(...)` where this incident had none; on the ranks that stay `zit_downgrade_rebuild(new_dp_ranks, new_world_ranks, train_args, zit_param)` (`_zit`) |
 | scale_out (elastic training) | on every rank `zit_upgrade_rebuild(rank_list, train_args, zit_param)`, `zit_upgrade_repair(...)` on senders and returning ranks, `zit_upgrade_rollback(step, train_args, zit_param)`; the data is then Updated at the lock step |
@@ -54,6 +54,7 @@ from mindspeed_tft.control.wire.results import (
 )
 from mindspeed_tft.recovery import group_names
 
+from ._dump_manifest import write_before_rename
 from ._enums import RET_NO_REBUILD, RET_OK
 from ._runtime import Runtime
 from ._translate import repair_calls, repair_type_name, save_info
@@ -190,6 +191,8 @@ class SdkActions(NoRecovery):
 
     def rename(self, order: RenameOrder) -> RenameResult:
         step = order.lock_step
+        # every writer's save handler returned: the manifest goes with the files it covers
+        write_before_rename(step, self.rt.rank)
         self._call("rename", step, self.rt.args)
         # where the dump is, for the controller (a shrink or grow follows a renamed dump): the
         # SDK's handlers know the folder, the SDK does not

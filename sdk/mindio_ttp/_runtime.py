@@ -216,6 +216,7 @@ class Runtime:
             patches.install("connection-tracking")
             patches.install("gloo-collectives")
             patches.install("group-names")  # as the SDK replaces _process_group_name here
+            patches.install("sdk-load-verify")  # Megatron-LM's loads check the manifests
 
     def start_processor(self, master_ip: str, port: int, actions: Any) -> None:
         if self.rank is None or self.world_size is None:
