@@ -7,6 +7,9 @@
 Kinds (what happens when an item fires):
 
 - ``kill``: SIGKILL the own process (the event is written first, with one unbuffered write).
+- ``exit``: end the own process with exit code 1 at once (`EXIT_CODE`, an error that escaped
+  the training script; no bye to the controller): a launcher restarts no worker that exits
+  so.
 - ``raise``: ``RuntimeError("TFT_INJECT raise: injected error at rank R step S phase P")``,
   an error SPEC 6 classifies as unknown.
 - ``uce``: call ``corrupt(target)`` if the trainer passed one, then raise
@@ -105,6 +108,7 @@ from typing import Any
 
 from mindspeed_tft import events
 from mindspeed_tft.envvars import launcher_value
+from mindspeed_tft.process_exit import exit_without_teardown
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +119,9 @@ DEFAULT_HANG_SECONDS = 3600.0
 HANG_SLICE_SECONDS = 0.05
 STORE_KEY_PREFIX = "tft_inject/fired/"
 
-KINDS = ("kill", "raise", "uce", "comm", "hang", "corrupt")
+KINDS = ("kill", "raise", "uce", "comm", "hang", "corrupt", "exit")
+#: the exit code of kind exit
+EXIT_CODE = 1
 KEYS = ("rank", "step", "phase", "target", "point")
 PHASES = ("forward", "backward", "optimizer", "save", "after", "publish", "scale", "transfer")
 PUBLISH_PHASE = "publish"
@@ -442,6 +448,8 @@ class FaultInjector:
                     pass
             os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(60)  # SIGKILL is delivered before this returns
+        elif item.kind == "exit":
+            exit_without_teardown(EXIT_CODE)
         elif item.kind == "raise":
             raise RuntimeError(f"TFT_INJECT raise: injected error at {where}")
         elif item.kind == "uce":

@@ -73,16 +73,16 @@ def test_item_marker_and_describe():
     [
         ("kill:rank=0,step=1;;hang:rank=0,step=2",
          "TFT_INJECT item 2 '': empty item; allowed: KIND:key=value,... with KIND one of "
-         "kill, raise, uce, comm, hang, corrupt"),
+         "kill, raise, uce, comm, hang, corrupt, exit"),
         ("kill:rank=0,step=1;",
          "TFT_INJECT item 2 '': empty item; allowed: KIND:key=value,... with KIND one of "
-         "kill, raise, uce, comm, hang, corrupt"),
+         "kill, raise, uce, comm, hang, corrupt, exit"),
         ("oom:rank=0,step=1",
          "TFT_INJECT item 1 'oom:rank=0,step=1': unknown kind 'oom'; allowed: kill, raise, "
-         "uce, comm, hang, corrupt"),
+         "uce, comm, hang, corrupt, exit"),
         ("KILL:rank=0,step=1",
          "TFT_INJECT item 1 'KILL:rank=0,step=1': unknown kind 'KILL'; allowed: kill, raise, "
-         "uce, comm, hang, corrupt"),
+         "uce, comm, hang, corrupt, exit"),
         ("kill",
          "TFT_INJECT item 1 'kill': missing required key 'rank'"),
         ("kill:step=3",
@@ -157,7 +157,7 @@ def test_numbers_are_bounded_and_echoes_cut():
         parse_fault_spec(f"kill:rank=0,step=1;{junk}")
     assert str(info.value) == (f"TFT_INJECT item 2 '{'x' * 60}'… (120000 characters): unknown "
                                f"kind '{'x' * 60}'… (120000 characters); allowed: kill, raise, "
-                               "uce, comm, hang, corrupt")
+                               "uce, comm, hang, corrupt, exit")
     with pytest.raises(FaultSpecError) as info:
         parse_hang_seconds(junk)
     assert len(str(info.value)) < 200

@@ -171,6 +171,30 @@ def test_hung_worker_is_detected_killed_and_replaced(reference_job, tmp_path):
     assert filled[0] == 8 and "logged after the repair" in job.output
 
 
+def test_a_worker_exit_its_launcher_does_not_restart_dumps_at_once(tmp_path):
+    """Rank 1 exits with code 1 (an error that escaped it), which tft-run does not restart:
+    its launcher says so, and the controller decides a dump at once, the `strategy` event
+    naming the refusal; no recover, no clean, no wait for a restart that will not come (the
+    replacement wait, 60 s here, never runs out)."""
+    job = run_tiny_job(
+        tmp_path, inject="exit:rank=1,step=6,phase=backward", launcher="tft-run",
+        ha_args=ARF_ARGS, env={"TFT_REPLACEMENT_WAIT": "60"}, **STANDARD)
+    assert "not restarting it (only a worker killed by a signal or exiting with 76 is " \
+           "restarted)" in job.output, job.describe()
+    (strategy,) = job.named("strategy")
+    assert strategy["strategy"] == "dump", strategy
+    assert strategy["faults"]["1"] == "lost"
+    assert strategy["reason"] == ("no replacement: rank 1: exited with code 1: its launcher "
+                                  "restarts only a worker killed by a signal or exiting with 76")
+    assert job.named("repair_failed") == []
+    assert [e["action"] for e in job.named("action")] == ["hold", "stop", "dump", "rename"]
+    (end,) = job.named("exit")
+    assert (end["code"], end["reason"]) == (75, "dying-gasp checkpoint saved at iteration 6 in "
+                                            f"{job.checkpoint_dir / 'iter_0000006'}")
+    assert job.named("worker_restarted") == []
+    assert [len(p) for _, p in sorted(job.pids().items())] == [1, 1, 1, 1]
+
+
 def test_two_faults_at_different_steps_are_both_repaired(reference_job, tmp_path):
     """A kill in the backward pass, then one in the forward pass (the dp4 cases of the test
     above). With a warm spare (`--tft-spares-per-node 1`): the first killed rank is taken

@@ -7,7 +7,9 @@ What changes, by feature (see `options`):
 - high availability: node 0's launcher (group rank 0) hosts the `Controller` in a thread,
   every worker gets `TFT_CONTROLLER_IN_LAUNCHER=1` (so rank 0 does not start one), and each
   worker exit seen by node 0's launcher goes to `Controller.report_process_exit` at once
-  (a worker killed by a signal as soon as the signal lands, before its reap: `procfs`).
+  (a worker killed by a signal as soon as the signal lands, before its reap: `procfs`),
+  with why the launcher will not restart it when it will not (the incident then decides
+  at once instead of waiting for a replacement).
   The launcher's exit waits, bounded, for the controller to reach FINAL.
 - backups: when the job spans several nodes and `TTP_BACKUP_ADDRS` is not set, the
   launchers of nodes 1 and 2 each host a backup controller (on this host's address toward
@@ -550,12 +552,14 @@ class TFTElasticAgent(LocalElasticAgent):
             return backup
         return None
 
-    def report_exit(self, local_rank: int, returncode: int) -> None:
-        """Tell the controller in charge hosted here that a worker process ended."""
+    def report_exit(self, local_rank: int, returncode: int,
+                    no_replacement: str | None = None) -> None:
+        """Tell the controller in charge hosted here that a worker process ended, and why
+        it gets no replacement when it does not."""
         acting = self.acting_controller()
         if acting is not None:
             rank = self._worker_group.workers[local_rank].global_rank
-            acting.report_process_exit(rank, returncode)
+            acting.report_process_exit(rank, returncode, no_replacement)
 
     # -- workers --------------------------------------------------------------------------
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
@@ -616,31 +620,16 @@ class TFTElasticAgent(LocalElasticAgent):
 
     def on_worker_exit(self, context: TFTSubprocessContext, local_rank: int,
                        handler: SubprocessHandler, returncode: int) -> bool:
-        """A worker ended: report it, and restart it when the policy says so (True)."""
-        self.report_exit(local_rank, returncode)
+        """A worker ended: report it, and restart it when the policy says so (True). A
+        refusal goes with the report (`report_exit`): the controller decides at once."""
         worker = self._worker_group.workers[local_rank]
         rank, pid = worker.global_rank, handler.proc.pid
         what = f"rank {rank} (pid {pid}) {describe_exit(returncode)}"
-        if returncode == 0:
-            return False
-        if returncode > 0 and returncode != self.reboot_exit_code:
-            kind = " (dying-gasp checkpoint saved)" if returncode == self.dump_exit_code else ""
-            say(f"{what}{kind}; not restarting it (only a worker killed by a signal or exiting "
-                f"with {self.reboot_exit_code} is restarted)")
-            return False
-        if self.job_ending():
-            say(f"{what}; not restarting it: the job is ending (the controller decided to "
-                "dump or exit)")
+        refusal = None if returncode == 0 else self._refusal(what, returncode)
+        self.report_exit(local_rank, returncode, refusal)
+        if returncode == 0 or refusal is not None:
             return False
         limit = self.options.max_restarts
-        if self.restarts >= limit:
-            say(f"{what}; not restarting it: the {limit} restart(s) allowed on this node "
-                f"({MAX_RESTARTS_OPTION} {limit}) are used up")
-            acting = self.acting_controller()
-            if acting is not None:
-                acting.report_no_replacement(rank, f"{MAX_RESTARTS_OPTION} {limit}: its node's "
-                                             "restarts are used up")
-            return False
         self.restarts += 1
         env = dict(context.envs[local_rank])
         count = int(env.get(WORKER_RESTART_COUNT_ENV, "0") or 0) + 1
@@ -661,6 +650,26 @@ class TFTElasticAgent(LocalElasticAgent):
              restart=self.restarts, rank_restarts=count, spare=via.startswith("handing"),
              node=self._worker_group.group_rank)
         return True
+
+    def _refusal(self, what: str, returncode: int) -> str | None:
+        """Why a worker that ended with `returncode` (not 0) is not restarted (said in the
+        log), or None: it is."""
+        if returncode > 0 and returncode != self.reboot_exit_code:
+            kind = " (dying-gasp checkpoint saved)" if returncode == self.dump_exit_code else ""
+            say(f"{what}{kind}; not restarting it (only a worker killed by a signal or exiting "
+                f"with {self.reboot_exit_code} is restarted)")
+            return (f"{describe_exit(returncode)}: its launcher restarts only a worker killed "
+                    f"by a signal or exiting with {self.reboot_exit_code}")
+        if self.job_ending():
+            say(f"{what}; not restarting it: the job is ending (the controller decided to "
+                "dump or exit)")
+            return "the job is ending"
+        limit = self.options.max_restarts
+        if self.restarts >= limit:
+            say(f"{what}; not restarting it: the {limit} restart(s) allowed on this node "
+                f"({MAX_RESTARTS_OPTION} {limit}) are used up")
+            return f"{MAX_RESTARTS_OPTION} {limit}: its node's restarts are used up"
+        return None
 
     def _replacement(self, context: TFTSubprocessContext, local_rank: int,
                      env: dict[str, str]) -> tuple[SubprocessHandler, str]:

@@ -8,7 +8,13 @@ from typing import Any
 
 import pytest
 
-from mindspeed_tft.control.controller.core import ControllerCore, NoReplacement, Pause, Resume
+from mindspeed_tft.control.controller.core import (
+    ControllerCore,
+    NoReplacement,
+    Pause,
+    ProcessExit,
+    Resume,
+)
 from mindspeed_tft.control.controller.incident import Incident, IncidentFlow
 from mindspeed_tft.control.controller.states import State
 from mindspeed_tft.control.sim.job import sim_config
@@ -173,3 +179,35 @@ def test_a_hold_result_carries_the_step_the_lock_step_is_taken_from() -> None:
     (strategy,) = h.named("strategy")
     assert strategy["lock_step"] == 4
     assert [h.core.table.get(r).step for r in (0, 1)] == [4, 4]
+
+
+REFUSED = "exited with code 1: its launcher restarts only a worker killed by a signal or exiting with 76"
+
+
+def test_an_exit_its_launcher_will_not_restart_dumps_at_once() -> None:
+    """The launcher's exit report says it will not restart the rank: the incident decides a
+    dump at once, the `strategy` event's reason naming the refusal; no clean, no rejoin."""
+    h = Harness(4, Features(high_availability=True, worker_reboot=True), copies=2)
+    h.feed(h.core.command, ProcessExit(1, 1, REFUSED))
+    h.answer("hold", {"step": 1, "status": "updated"})
+    h.answer("stop", {"step": 1, "status": "updated", "parked": True})
+    (strategy,) = h.named("strategy")
+    assert (strategy["strategy"], strategy["reason"]) == ("dump", f"no replacement: rank 1: "
+                                                                  f"{REFUSED}")
+    assert h.orders("clean") == [] and [r for r, _ in h.orders("dump")] == [0, 2, 3]
+
+
+def test_under_elastic_training_an_exit_not_restarted_shrinks_without_a_wait() -> None:
+    """The same refusal with elastic training: recover, whose rejoin round fails for the
+    rank at once (no wait for its replacement), and the job shrinks from a dump."""
+    h = Harness(4, Features(high_availability=True, worker_reboot=True, elastic=True),
+                copies=2)
+    h.feed(h.core.command, ProcessExit(1, 1, REFUSED))
+    h.answer("hold", {"step": 1, "status": "updated"})
+    h.answer("stop", {"step": 1, "status": "updated", "parked": True})
+    (strategy,) = h.named("strategy")
+    assert strategy["strategy"] == "recover" and "reason" not in strategy
+    h.answer("clean")
+    flow = h.core.flow
+    assert flow is not None and flow.scaling.shrinking == {1}
+    assert h.core.state is State.DUMP and [r for r, _ in h.orders("dump")] == [0, 2, 3]

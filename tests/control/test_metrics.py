@@ -200,9 +200,8 @@ def test_goodput_is_the_reports_over_complete_lines(tmp_path: Path) -> None:
 
 
 def test_idle_connections_hold_a_bounded_pool_and_time_out(monkeypatch) -> None:
-    """Hundreds of idle connections: the endpoint starts no thread beyond its pool, closes
-    the ones beyond its queue at once, and the idle ones after the read timeout; a scrape
-    then answers."""
+    """Hundreds of idle connections: the endpoint starts no thread beyond its pool and
+    closes the idle ones after the read timeout; a scrape then answers."""
     import threading
     import time
 
@@ -231,4 +230,43 @@ def test_idle_connections_hold_a_bounded_pool_and_time_out(monkeypatch) -> None:
         reply = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5)
         assert b"tft_controller_up" in reply.read()  # answered
     finally:
+        server.stop()
+
+
+def test_a_scrape_is_answered_beside_idle_connections(monkeypatch) -> None:
+    """150 idle connections held open (their read timeout 60 s): a scrape is answered while
+    every one of them is still open and unanswered, and no thread beyond the pool started.
+    (An endpoint whose threads wait on idle connections sheds the scrape, or answers it
+    only once the idle ones have timed out.)"""
+    import threading
+
+    from mindspeed_tft.control.controller import metrics
+
+    monkeypatch.setattr(metrics._QuietHandler, "timeout", 60.0)
+
+    class Silent:  # a controller whose loop does not answer: tft_controller_up 0
+        def snapshot(self, timeout: float = 0) -> dict:
+            raise TimeoutError
+
+    server = MetricsServer(Silent(), "127.0.0.1", 0)
+    idle = []
+    try:
+        idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(150)]
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics",
+                                    timeout=30) as reply:
+            assert b"tft_controller_up 0.0" in reply.read()
+        still_open = 0
+        for sock in idle:
+            sock.setblocking(False)
+            try:
+                sock.recv(1)  # b"": closed; bytes: answered
+            except BlockingIOError:
+                still_open += 1
+        assert still_open == len(idle)
+        workers = [t for t in threading.enumerate() if t.name.startswith("tft-metrics-req")]
+        assert len(workers) <= metrics.METRICS_THREADS
+        assert server._httpd.shed == 0  # type: ignore[attr-defined]
+    finally:
+        for sock in idle:
+            sock.close()
         server.stop()

@@ -238,15 +238,19 @@ class Controller:
         """End an operator pause: PAUSE -> NORMAL."""
         self._command(Resume())
 
-    def report_process_exit(self, rank: int, returncode: int) -> None:
+    def report_process_exit(self, rank: int, returncode: int,
+                            no_replacement: str | None = None) -> None:
         """A launcher saw `rank`'s process end (thread-safe; returns at once).
 
         The loop treats the rank as lost right away, exactly as when its heartbeats stop
         (`fault_detected` kind `lost`, the same incident handling), instead of waiting
         interval x misses. Ignored for a rank that is not connected (it said bye, was
         ordered to exit or is already lost) and for returncode 0 (a clean exit is no fault;
-        if it never said bye, its silence still gives it away)."""
-        self._command(ProcessExit(int(rank), int(returncode)))
+        if it never said bye, its silence still gives it away). `no_replacement`: why the
+        launcher will not restart it, in the same command, so that the incident knows it
+        before it decides (as `report_no_replacement`)."""
+        self._command(ProcessExit(int(rank), int(returncode),
+                                  None if no_replacement is None else str(no_replacement)))
 
     def report_no_replacement(self, rank: int, why: str) -> None:
         """A launcher will not restart lost `rank` (thread-safe; returns at once): the

@@ -64,10 +64,12 @@ class Resume:
 
 @dataclass(frozen=True)
 class ProcessExit:
-    """A launcher saw `rank`'s process end with `returncode`."""
+    """A launcher saw `rank`'s process end with `returncode`; `no_replacement`: why it will
+    not restart it (None: it may), known to the incident before it decides."""
 
     rank: int
     returncode: int
+    no_replacement: str | None = None
 
 
 @dataclass(frozen=True)
@@ -193,6 +195,8 @@ class ControllerCore:
                 self.broadcast("resume", ResumeOrder(0, None, "none", True))
         elif isinstance(cmd, ProcessExit):
             self.liveness.on_process_exit(cmd.rank, cmd.returncode)
+            if cmd.no_replacement is not None and self.flow is not None:
+                self.flow.no_replacement(cmd.rank, cmd.no_replacement)
         elif isinstance(cmd, NoReplacement):
             if self.flow is not None:
                 self.flow.no_replacement(cmd.rank, cmd.why)

@@ -8,7 +8,11 @@ limit, `TTP_NORMAL_ACTION_TIME_LIMIT`), whichever comes first:
     ABNORMAL   hold      hold every rank before its next update; results carry step/status
                stop      stop them, with the provisional lock step the answers give (a rank
                          behind it catches up); results carry step/status
-               (decide)  lock step, strategy (`StrategyPlanner`), `strategy` event
+               (decide)  lock step, strategy (`StrategyPlanner`), `strategy` event; a
+                         recover for a lost rank whose launcher said it will not restart it
+                         (`no_replacement`) is a dump at once, its `reason` naming the
+                         refusal (with elastic training the rejoin round fails at once
+                         for it instead, and the job shrinks)
     ENV_CLEAR  clean     drop pending collectives, free bad memory
                rejoin    recover only: wait for restarted workers to register again
     REPAIR     repair    rebuild communication, copy state from replicas / load checkpoint
@@ -104,7 +108,8 @@ class Incident:
     #: communication error of one of them is a consequence of the stop, not a fault
     stopped: set[int] = field(default_factory=set)
     rollback_step: int | None = None
-    #: ranks whose launcher will not restart them (restart budget spent), and why
+    #: ranks whose launcher will not restart them (an exit code it does not restart, the
+    #: job ending, its restart budget spent), and why
     unreplaceable: dict[int, str] = field(default_factory=dict)
     #: the time (events clock) of its first `fault_detected` (or `scale_out_started`) event,
     #: and the kind of that first fault (None: a scale-out)
@@ -497,15 +502,18 @@ class IncidentFlow:
             self.resume(false_alarm=True)
             return
         reason = "faults " + ", ".join(f"rank {r}: {k}" for r, k in sorted(inc.faults.items()))
+        refusal = self._refusal(strategy)
+        if refusal is not None:
+            strategy, reason = Strategy.DUMP, refusal
         if inc.lock_step == 0:
-            strategy = Strategy.EXIT
+            strategy, refusal = Strategy.EXIT, None
             reason = ("no optimizer update completed yet (lock step 0): there is nothing to "
                       "repair or dump")
         inc.strategy = strategy
         inc.source = host.planner.repair_source(strategy, inc)
         self.host.emit("strategy", CONTROLLER_RANK, strategy=strategy.value, lock_step=inc.lock_step,
              source=inc.source, faults={str(r): k.value for r, k in inc.faults.items()},
-             incident=inc.id)
+             incident=inc.id, **({} if refusal is None else {"reason": refusal}))
         log.warning("incident %d: strategy %s at lock step %d (%s)", inc.id, strategy,
                     inc.lock_step, reason)
         if strategy in REPAIR_STRATEGIES:
@@ -513,6 +521,17 @@ class IncidentFlow:
             self._start_clean()
         else:
             self._enter_dump(reason)
+
+    def _refusal(self, strategy: Strategy) -> str | None:
+        """Why a recover would wait in vain, without elastic training (then the incident
+        dumps at once): the launcher of a rank whose process is gone said it will not
+        restart it (`no_replacement`). None: no such rank, or another strategy."""
+        inc = self.incident
+        refused = {r: why for r, why in inc.unreplaceable.items()
+                   if inc.faults.get(r) in PROCESS_KINDS}
+        if strategy is not Strategy.RECOVER or not refused or self.host.planner.features.elastic:
+            return None
+        return "no replacement: " + "; ".join(f"rank {r}: {w}" for r, w in sorted(refused.items()))
 
     def _start_clean(self) -> None:
         inc, table = self.incident, self.host.table

@@ -39,10 +39,13 @@ process has no events file (`--tft-events-file` / `TFT_EVENTS_FILE`) or no event
 recomputed only when events were appended since the last scrape; the events are kept in
 memory (as `report` does), which a job writing millions of events pays for.
 
-Connections: scrapes are answered by `METRICS_THREADS` threads; at most `METRICS_QUEUE`
-connections wait for one and later ones are closed at once, and a connection that does not
-send its request within `METRICS_READ_TIMEOUT` seconds is closed: idle connections hold a
-bounded number of threads and files.
+Connections: a connection gets a thread only once its request begins to arrive; until then
+the serving thread's selector watches it (at most `METRICS_WAITING` such connections, a newer
+one closing the oldest), and one that does not begin its request within
+`METRICS_READ_TIMEOUT` seconds is closed. Scrapes are answered by `METRICS_THREADS` threads;
+at most `METRICS_QUEUE` requests wait for one and later ones are closed at once. So idle
+connections hold no thread and a bounded number of files, and a scrape beside them is
+answered at once.
 
 Thread safety: the controller's loop thread owns its state. A scrape (in the HTTP server's
 threads) asks the loop for a snapshot (`Controller.snapshot`, the loop answers between
@@ -54,7 +57,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import selectors
+import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
@@ -231,14 +237,17 @@ def _incidents(core: Any, snap: dict[str, Any]) -> Iterator[Any]:
 
 
 #: threads that answer scrapes, connections that may wait for one (more are closed at
-#: once), and seconds a connection may take to send its request
+#: once), connections that may wait for their request without a thread (beyond it the
+#: oldest of them is closed), and seconds a connection may take to send its request
 METRICS_THREADS = 4
 METRICS_QUEUE = 16
+METRICS_WAITING = 256
 METRICS_READ_TIMEOUT = 5.0
 
 
 class _QuietHandler(WSGIRequestHandler):
-    # an idle or slow connection holds a thread this long at most (socket timeout)
+    # a slow request holds a thread this long at most (socket timeout); also how long a
+    # connection may wait for its request to begin (`_Server`)
     timeout = METRICS_READ_TIMEOUT
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
@@ -247,21 +256,88 @@ class _QuietHandler(WSGIRequestHandler):
 
 class _Server(WSGIServer):
     """A WSGI server answering on a bounded pool: `METRICS_THREADS` threads, at most
-    `METRICS_QUEUE` connections waiting; a connection beyond them is closed at once, so
-    idle connections cannot make the process start a thread each."""
+    `METRICS_QUEUE` connections waiting for one; a connection beyond them is closed at once,
+    so idle connections cannot make the process start a thread each.
+
+    A connection gets a thread only once its request begins to arrive: until then the
+    serving thread's selector watches it, for the handler's `timeout` at most, and at most
+    `METRICS_WAITING` of them (a newer one closes the oldest): idle connections hold
+    neither a thread nor a queue place, and a scrape beside them is answered at once."""
+
+    #: connections the kernel queues until they are accepted: as many as may wait (with
+    #: socketserver's 5, a burst of connections overflowed it while the serving thread
+    #: waited for the GIL, and each dropped handshake was retried a second later)
+    request_queue_size = METRICS_WAITING
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._pool = ThreadPoolExecutor(METRICS_THREADS, thread_name_prefix="tft-metrics-req")
         self._slots = threading.BoundedSemaphore(METRICS_THREADS + METRICS_QUEUE)
+        self._selector = selectors.DefaultSelector()
+        #: connections waiting for their request -> the monotonic time they are closed at
+        #: (oldest first: every connection gets the same bound)
+        self._waiting: dict[socket.socket, tuple[float, Any]] = {}
+        self._stop_asked = threading.Event()
+        self._stopped = threading.Event()
+        self._stopped.set()
         self.shed = 0
         super().__init__(*args, **kwargs)
 
+    def serve_forever(self, poll_interval: float = 0.5) -> None:
+        """Accept connections and hand those whose request arrived to the pool, until
+        `shutdown`."""
+        self._stopped.clear()
+        try:
+            self._selector.register(self, selectors.EVENT_READ)
+            while not self._stop_asked.is_set():
+                for key, _ in self._selector.select(poll_interval):
+                    if key.fileobj is self:
+                        self._accept()
+                    else:
+                        self._readable(key.fileobj)  # type: ignore[arg-type]
+                self._expire(time.monotonic())
+        finally:
+            self._stopped.set()
+
+    def shutdown(self) -> None:
+        """Stop `serve_forever` (from another thread; it returns within its poll interval)."""
+        self._stop_asked.set()
+        self._stopped.wait()
+
+    def _accept(self) -> None:
+        try:
+            request, client_address = self.get_request()
+        except OSError:  # gone before it was accepted
+            return
+        self.process_request(request, client_address)
+
     def process_request(self, request: Any, client_address: Any) -> None:
+        """A new connection waits, without a thread, for its request."""
+        if len(self._waiting) >= METRICS_WAITING:
+            self.shed += 1
+            self._drop(next(iter(self._waiting)))
+        bound = float(self.RequestHandlerClass.timeout or METRICS_READ_TIMEOUT)  # type: ignore[attr-defined]
+        self._waiting[request] = (time.monotonic() + bound, client_address)
+        self._selector.register(request, selectors.EVENT_READ)
+
+    def _readable(self, request: socket.socket) -> None:
+        _, client_address = self._waiting.pop(request)
+        self._selector.unregister(request)
         if not self._slots.acquire(blocking=False):
             self.shed += 1
             self.shutdown_request(request)
             return
         self._pool.submit(self._answer, request, client_address)
+
+    def _expire(self, now: float) -> None:
+        for request, (deadline, _) in list(self._waiting.items()):
+            if deadline > now:
+                break
+            self._drop(request)
+
+    def _drop(self, request: socket.socket) -> None:
+        del self._waiting[request]
+        self._selector.unregister(request)
+        self.shutdown_request(request)
 
     def _answer(self, request: Any, client_address: Any) -> None:
         try:
@@ -276,6 +352,9 @@ class _Server(WSGIServer):
 
     def server_close(self) -> None:
         super().server_close()
+        for request in list(self._waiting):
+            self._drop(request)
+        self._selector.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
@@ -314,8 +393,6 @@ class MetricsServer:
 
 
 def _family(addr: str) -> int:
-    import socket
-
     return socket.AF_INET6 if ":" in addr else socket.AF_INET
 
 

@@ -1,7 +1,8 @@
 """A simulated launcher: one per node, reporting its workers' ends and replacing them.
 
 Like `tft-run`'s agent it tells the controller at once that a worker ended
-(`core.ProcessExit`) and, for a worker a signal ended or the controller rebooted (the reboot
+(`core.ProcessExit`, with why it will not restart it when its exit code is not one it
+restarts) and, for a worker a signal ended or the controller rebooted (the reboot
 exit code), starts a replacement by its policy (`schedule.REPLACEMENTS`): a restart after
 a second or two, a warm spare within a tenth of a second, one that comes only after the
 incident stopped waiting, or none (`core.NoReplacement`, as when its restart budget is
@@ -45,8 +46,11 @@ class SimLauncher:
         if not self.alive:
             return
         loop, cfg = self.job.loop, self.job.config
-        loop.after(0.005, self.job.command, ProcessExit(rank, code))
-        if job_over() or not (code < 0 or code == cfg.reboot_exit_code):
+        restartable = code < 0 or code == cfg.reboot_exit_code
+        refusal = (None if code == 0 or restartable or job_over()
+                   else f"exited with code {code}: its launcher does not restart it")
+        loop.after(0.005, self.job.command, ProcessExit(rank, code, refusal))
+        if job_over() or not restartable:
             return
         used = self.restarts.get(rank, 0)
         if self.policy == "never" or used >= RESTART_BUDGET:
