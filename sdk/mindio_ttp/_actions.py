@@ -54,7 +54,6 @@ from mindspeed_tft.control.wire.results import (
 )
 from mindspeed_tft.recovery import group_names
 
-from ._dump_manifest import write_before_rename
 from ._enums import RET_NO_REBUILD, RET_OK
 from ._runtime import Runtime
 from ._translate import repair_calls, repair_type_name, save_info
@@ -192,6 +191,10 @@ class SdkActions(NoRecovery):
     def rename(self, order: RenameOrder) -> RenameResult:
         step = order.lock_step
         # every writer's save handler returned: the manifest goes with the files it covers
+        # (imported here: its checksums import torch, which a process without a dump, such as
+        # the SDK's own example, never needs)
+        from ._dump_manifest import write_before_rename
+
         write_before_rename(step, self.rt.rank)
         self._call("rename", step, self.rt.args)
         # where the dump is, for the controller (a shrink or grow follows a renamed dump): the

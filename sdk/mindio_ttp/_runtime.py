@@ -216,7 +216,8 @@ class Runtime:
             patches.install("connection-tracking")
             patches.install("gloo-collectives")
             patches.install("group-names")  # as the SDK replaces _process_group_name here
-            patches.install("sdk-load-verify")  # Megatron-LM's loads check the manifests
+            if "megatron.training.checkpointing" in sys.modules:  # MindSpeed-LLM
+                patches.install("sdk-load-verify")  # its loads check the manifests
 
     def start_processor(self, master_ip: str, port: int, actions: Any) -> None:
         if self.rank is None or self.world_size is None:
