@@ -242,7 +242,9 @@ dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], ra
 ps.initialize_model_parallel()
 patches.install("sdk-load-verify")  # what mindio_ttp's tft_init_processor installs
 args = argparse.Namespace(ckpt_format="torch", auto_detect_ckpt_format=False,
-                          non_persistent_ckpt_type=None, use_dist_ckpt=False)
+                          non_persistent_ckpt_type=None, use_dist_ckpt=False,
+                          non_persistent_global_ckpt_dir=None, ckpt_step=None,
+                          exit_on_missing_checkpoint=False)
 checkpointing._load_base_checkpoint(sys.argv[1], args, rank0=False)
 print("Megatron-LM read the checkpoint", flush=True)
 """
