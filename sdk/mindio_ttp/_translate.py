@@ -39,6 +39,13 @@ def optimizer_index(name: str) -> int:
     return OptimizerType.MOE.value if name == "moe" else OptimizerType.ATTENTION.value
 
 
+def shard_holders(ranks: list[int], count: int, shard: int) -> list[int]:
+    """The holders of `shard` in a DP group `ranks` cut into `count` consecutive chunks,
+    each a full copy (MindSpeed-LLM's replica groups): the shard-th rank of each chunk."""
+    chunk = len(ranks) // count
+    return [ranks[shard + k * chunk] for k in range(count)]
+
+
 def replica_layout(rank: int, replica_info: list[dict[str, Any]]) -> tuple[dict[str, Any],
                                                                           dict[str, list[int]]]:
     """`tft_set_optimizer_replica(rank, replica_info)` as the layout a processor registers
@@ -64,11 +71,10 @@ def replica_layout(rank: int, replica_info: list[dict[str, Any]]) -> tuple[dict[
                 f"set_optimizer_replica failed, rank:{rank}: {entry!r} (the rank must be in "
                 f"rank_list, 1 <= replica_cnt <= {size} dividing it, replica_shift 0: the "
                 "shifted X1 layout is not supported)")
-        chunk = size // count
         index = ranks.index(rank)
-        shard = index % chunk
+        shard = index % (size // count)
         layout[name] = {"dp_index": index, "dp_size": size, "replica_num": count,
-                        "shard": shard, "holders": [ranks[shard + k * chunk] for k in range(count)]}
+                        "shard": shard, "holders": shard_holders(ranks, count, shard)}
         groups[name] = list(ranks)
     return layout, groups
 

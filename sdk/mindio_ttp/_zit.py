@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._enums import OptimizerType, RepairType
-from ._translate import RepairCall
+from ._translate import RepairCall, shard_holders
 
 #: the strategy parameters the SDK's cluster manager gives with its DP strategies
 #: (MindSpeed-LLM's handlers accept no other)
@@ -93,9 +93,7 @@ class Shards:
 
     def holders(self, name: str, shard: int) -> list[int]:
         """The launch holders of `shard` of layout `name` (one per replica chunk)."""
-        ranks, count = self.groups[name], self.counts[name]
-        chunk = len(ranks) // count
-        return [ranks[shard + k * chunk] for k in range(count)]
+        return shard_holders(self.groups[name], self.counts[name], shard)
 
     def shard_of(self, name: str, rank: int) -> int:
         ranks = self.groups[name]
