@@ -267,8 +267,6 @@ def publish_checkpoint(root: str, iteration: int) -> str:
     return final
 
 
-
-
 def resolve_checkpoint(root: str) -> tuple[int, str] | None:
     """The tracker's iteration under `root` and its folder; None without a tracker.
 

@@ -55,7 +55,7 @@ from ..wire.priority import raise_priority
 from ..wire.transport import connect_dealer, hostport, new_routing_id
 from .admission import PENDING_MARGIN, Admission
 from .backup import SYNC_MAX_BYTES, BackupSync
-from .core import Command, ControllerCore, NoReplacement, Pause, ProcessExit, Resume
+from .core import Command, ControllerCore, Pause, ProcessExit, Resume
 from .incident import IncidentFlow
 from .liveness import LOST_DRAIN
 from .procwatch import LocalProcesses
@@ -248,14 +248,9 @@ class Controller:
         ordered to exit or is already lost) and for returncode 0 (a clean exit is no fault;
         if it never said bye, its silence still gives it away). `no_replacement`: why the
         launcher will not restart it, in the same command, so that the incident knows it
-        before it decides (as `report_no_replacement`)."""
+        before it decides."""
         self._command(ProcessExit(int(rank), int(returncode),
                                   None if no_replacement is None else str(no_replacement)))
-
-    def report_no_replacement(self, rank: int, why: str) -> None:
-        """A launcher will not restart lost `rank` (thread-safe; returns at once): the
-        incident stops waiting for it (a dump, or with elastic training a shrink)."""
-        self._command(NoReplacement(int(rank), str(why)))
 
     def has_left(self, rank: int) -> bool:
         """Whether elastic training shrank the job without `rank` (any thread)."""

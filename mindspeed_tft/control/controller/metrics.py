@@ -273,8 +273,8 @@ class _Server(WSGIServer):
         self._pool = ThreadPoolExecutor(METRICS_THREADS, thread_name_prefix="tft-metrics-req")
         self._slots = threading.BoundedSemaphore(METRICS_THREADS + METRICS_QUEUE)
         self._selector = selectors.DefaultSelector()
-        #: connections waiting for their request -> the monotonic time they are closed at
-        #: (oldest first: every connection gets the same bound)
+        #: connections waiting for their request -> (the monotonic time they are closed at,
+        #: the client's address); oldest first: every connection gets the same bound
         self._waiting: dict[socket.socket, tuple[float, Any]] = {}
         self._stop_asked = threading.Event()
         self._stopped = threading.Event()
