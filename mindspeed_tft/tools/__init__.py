@@ -3,7 +3,9 @@
 - `report` (``tft-report``): what happened in a job, from its events file, and its goodput;
   `timeline` draws it (``tft-report --plot``);
 - `drill` (``tft-drill``): prove that a launch command recovers from faults before a long run;
-- `plan` (``tft-plan``): how many optimizer replicas fit on the device, and what they buy.
+- `plan` (``tft-plan``): how many optimizer replicas fit on the device, and what they buy;
+- `testbed` (``tft-testbed``): hosts with network stacks of their own on one machine (network
+  namespaces on a bridge), to rehearse a multi-node job and its network failures (root).
 
 ``python -m mindspeed_tft.report`` (``drill``, ``plan``) keeps working: those modules at the
 package root are thin aliases of these. The plugin never imports this package; the
