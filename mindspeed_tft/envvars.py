@@ -83,6 +83,9 @@ TABLE: tuple[EnvVar, ...] = (
          "how long an action (stop, repair, dump...) may take"),
     _ttp("TFT_REPLACEMENT_WAIT", "the action time limit", _SECONDS + "1..1800",
          "how long an incident waits for a lost rank's replacement"),
+    _ttp("TFT_NODE_REPLACEMENT_WAIT", "0", _SECONDS + "0..1800",
+         "how long a rank lost with its node's launcher waits for a replacement launcher "
+         "(0: none is coming)"),
     _ttp("TTP_REGISTER_TIMEOUT", "600", _SECONDS + "1..86400",
          "how long all ranks have to register"),
     _ttp("TTP_HANG_TIMEOUT_MIN", "60", _SECONDS + "0.1..86400", "floor of the hang timeout"),

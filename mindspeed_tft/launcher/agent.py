@@ -333,6 +333,8 @@ class TFTElasticAgent(LocalElasticAgent):
         self.failure_grace = cfg.effective_decision_timeout() + cfg.exit_grace + cfg.lost_after
         self.controller: Any = None
         self.backup_controller: Any = None
+        #: node 0: the other launchers' beats (`heartbeat.NodeWatch`); others: its own beat
+        self.heartbeat: Any = None
         self.pool: SparePool | None = None
         self.restarts = 0
         #: (monotonic time, rank, old pid, new pid, via) of every restart, for tests and logs
@@ -427,6 +429,7 @@ class TFTElasticAgent(LocalElasticAgent):
         controller.start()
         self.controller = controller
         say(f"controller for {world_size} ranks listening on {controller.endpoint}")
+        self._start_heartbeat(worker_group)
 
     def _auto_backup_count(self, worker_group: WorkerGroup) -> int:
         """How many backups the launchers start themselves (no `TTP_BACKUP_ADDRS`)."""
@@ -506,6 +509,7 @@ class TFTElasticAgent(LocalElasticAgent):
         from mindspeed_tft.control import Controller, Features
         from mindspeed_tft.control.wire.config import setup_logging
 
+        self._start_heartbeat(worker_group)
         if not self.control_config.backups:
             self._start_auto_backup(worker_group)
             return
@@ -525,7 +529,34 @@ class TFTElasticAgent(LocalElasticAgent):
             self.backup_controller = controller
             say(f"backup controller {index} listening on {controller.endpoint}")
 
+    def _start_heartbeat(self, worker_group: WorkerGroup) -> None:
+        """Several nodes with worker reboot: node 0's launcher watches the others' beats and
+        tells its controller who fell silent; the others beat (`heartbeat`)."""
+        from .heartbeat import NodeBeat, NodeWatch
+
+        handler = worker_group.spec.rdzv_handler
+        nodes = worker_group.group_world_size
+        if (self.heartbeat is not None or not self.options.worker_reboot or nodes is None
+                or nodes < 2 or handler.get_backend() != "static"):
+            return
+        cfg = self.control_config
+        addr, port = handler.master_addr, handler.master_port
+        if worker_group.group_rank == 0:
+            controller = self.controller
+            self.heartbeat = NodeWatch(addr, port, nodes, worker_group.workers[0].world_size,
+                                       cfg.heartbeat_interval, cfg.lost_after,
+                                       controller.report_node_silent,
+                                       controller.report_node_back)
+        else:
+            self.heartbeat = NodeBeat(addr, port, worker_group.group_rank,
+                                      [w.global_rank for w in worker_group.workers],
+                                      cfg.heartbeat_interval)
+        self.heartbeat.start()
+
     def _stop_controller(self, wait: float) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+            self.heartbeat = None
         backup, self.backup_controller = self.backup_controller, None
         if backup is not None:
             if backup.role == "active" and wait > 0:  # it took charge: let it finish

@@ -69,6 +69,7 @@ from mindspeed_tft.recovery.dump import (
     SHARDS_DIRNAME,
     DumpError,
     assemble,
+    claim,
     publish,
     shard_record,
     tmp_dir,
@@ -78,6 +79,7 @@ from mindspeed_tft.recovery.dump import (
 from mindspeed_tft.recovery.interface import RecoverableState
 from mindspeed_tft.recovery.layout import (
     get_rng_state,
+    iteration_dir_name,
     model_parallel_dir_name,
     this_rank_dir_name,
 )
@@ -124,6 +126,10 @@ class RecoveryActions(NoRecovery):
         #: ended yet (`after_step` then closes the repair's work count)
         self._resume_incident: int | None = None
         self._rebuild_seconds: float | None = None
+        #: lock step -> the claim this rank made on its dump folder (`dump.claim`)
+        self._claims: dict[int, str] = {}
+        #: lock step -> the claimant whose dump of it was published before this side's
+        self._published_by: dict[int, str] = {}
 
     def register(self, processor: CallbackHost) -> None:
         """Be `processor`'s recovery callbacks."""
@@ -327,6 +333,14 @@ class RecoveryActions(NoRecovery):
         if not shards:
             return DumpResult()
         root = self._checkpoint_root()
+        if order.claim:
+            other = claim(root, lock_step, order.claim, self.processor.config.action_time_limit)
+            self._claims[lock_step] = order.claim
+            if other is not None:  # the other side of a partition published this step
+                self._published_by[lock_step] = other
+                log.warning("rank %d: the dump of iteration %d was published already by %s: "
+                            "this side writes nothing", self.rank, lock_step, other)
+                return DumpResult()
         state = self._training_state()
         my_shard = self.map.shard_of(self.global_rank)
         written = []
@@ -373,7 +387,15 @@ class RecoveryActions(NoRecovery):
         sizes = self._training_state().args.tft_features.parallel
         expected = [model_parallel_dir_name(tp, pp, sizes.pipeline)
                     for tp in range(sizes.tensor) for pp in range(sizes.pipeline)]
-        path = publish(self._checkpoint_root(), lock_step, expected)
+        other = self._published_by.get(lock_step)
+        if other is not None:
+            path = os.path.join(self._checkpoint_root(), iteration_dir_name(lock_step))
+            emit("dump_not_published", self.rank, iteration=lock_step, path=path,
+                 published_by=other)
+            log.warning("rank %d: iteration %d's checkpoint %s was published by %s; not "
+                        "publishing it again", self.rank, lock_step, path, other)
+            return RenameResult(lock_step, path)
+        path = publish(self._checkpoint_root(), lock_step, expected, self._claims.get(lock_step))
         emit("dump_saved", self.rank, iteration=lock_step, path=path)
         log.warning("rank %d: dying-gasp checkpoint of iteration %d published at %s",
                     self.rank, lock_step, path)

@@ -19,6 +19,15 @@ through the checkpoint directory instead, in three stages driven by the controll
    half-written dump is never taken for a checkpoint, and a crash while publishing leaves the
    tracker on a complete one.
 
+Before any of it, every writing rank claims the folder for the controller that ordered the
+dump (`claim`: `iter_L_tmp/tft_claim.json`, created exclusively): the two sides of a network
+partition may each order a dump of the same step into one shared save folder, and the side
+that claims second writes nothing (a `DumpError` naming the other side), so one checkpoint of
+a step has one writer. A claim older than the action time limit is a dead dump's, and is
+taken over. The renaming rank checks the claim is still its side's before it publishes; a
+side that finds the step already published by the other side's claim writes nothing and
+publishes nothing (`claim` names that side).
+
 Every file is fsynced by its writer. Shard files are read back weights-only
 (`layout.load_file`): a shard file planted in the save directory cannot run code in the
 assembling rank.
@@ -26,8 +35,10 @@ assembling rank.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import time
 from typing import Any
 
 import torch
@@ -48,6 +59,8 @@ from mindspeed_tft.recovery.manifest import write_manifest
 from mindspeed_tft.recovery.snapshot import StepSnapshot, restore_scheduler
 
 SHARDS_DIRNAME = "tft_shards"
+#: who writes a dump folder (`claim`)
+CLAIM_FILENAME = "tft_claim.json"
 _STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
 
 
@@ -58,6 +71,59 @@ class DumpError(RuntimeError):
 def tmp_dir(root: str, iteration: int) -> str:
     """Where the dump of `iteration` is written before it is published."""
     return os.path.join(root, iteration_dir_name(iteration) + "_tmp")
+
+
+def claim(root: str, lock_step: int, claimant: str, stale_after: float) -> str | None:
+    """Claim the dump folder of `lock_step` for `claimant` (the ordering controller; every
+    rank of its side claims with the same value). Returns None when this side writes the
+    dump, or the other claimant that published it already (nothing to write: the step has
+    its checkpoint). Raises `DumpError` when another claimant holds the folder and its
+    claim is younger than `stale_after` seconds."""
+    published = claimant_of(os.path.join(root, iteration_dir_name(lock_step)))
+    if published is not None and published != claimant:
+        return published
+    directory = tmp_dir(root, lock_step)
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, CLAIM_FILENAME)
+    record = json.dumps({"claimant": claimant, "lock_step": lock_step}).encode()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
+    except FileExistsError:
+        holder = claimant_of(directory)
+        if holder == claimant:
+            return None
+        try:
+            age = time.time() - os.stat(path).st_mtime
+        except FileNotFoundError:
+            age = stale_after
+        if age < stale_after:
+            raise DumpError(f"{directory} is being written by {holder or 'another writer'} "
+                            f"(claimed {age:.1f}s ago; the other side of a partition?): this "
+                            "side writes nothing, so that the step has one checkpoint") from None
+        staged = f"{path}.{os.getpid()}"  # a dead dump's claim: taken over atomically
+        with open(staged, "wb") as f:
+            f.write(record)
+        os.replace(staged, path)
+        if claimant_of(directory) != claimant:
+            raise DumpError(f"{directory}: another writer took the stale claim over") from None
+        return None
+    try:
+        os.write(fd, record)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return None
+
+
+def claimant_of(directory: str) -> str | None:
+    """Who claimed the dump folder `directory` (None: nobody, or an unreadable claim)."""
+    try:
+        with open(os.path.join(directory, CLAIM_FILENAME), "rb") as f:
+            value = json.loads(f.read(4096).decode())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    holder = value.get("claimant") if isinstance(value, dict) else None
+    return holder if isinstance(holder, str) else None
 
 
 def _distributed_optimizers(optimizer: Any) -> list[Any]:
@@ -209,9 +275,14 @@ def assemble(
     return rank_dir
 
 
-def publish(root: str, lock_step: int, expected_dirs: list[str]) -> str:
-    """Stage 3: check every model-parallel folder is complete, then publish atomically."""
+def publish(root: str, lock_step: int, expected_dirs: list[str],
+            claimant: str | None = None) -> str:
+    """Stage 3: check every model-parallel folder is complete (and, given `claimant`, that
+    the folder is still that side's), then publish atomically."""
     directory = tmp_dir(root, lock_step)
+    if claimant is not None and (holder := claimant_of(directory)) != claimant:
+        raise DumpError(f"{directory} is claimed by {holder or 'nobody'}, not by "
+                        f"{claimant}: not published")
     for name in expected_dirs:
         rank_dir = os.path.join(directory, name)
         if not os.path.isfile(os.path.join(rank_dir, MODEL_FILENAME)):

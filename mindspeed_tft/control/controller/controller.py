@@ -55,7 +55,7 @@ from ..wire.priority import raise_priority
 from ..wire.transport import connect_dealer, hostport, new_routing_id
 from .admission import PENDING_MARGIN, Admission
 from .backup import SYNC_MAX_BYTES, BackupSync
-from .core import Command, ControllerCore, Pause, ProcessExit, Resume
+from .core import Command, ControllerCore, NodeBack, NodeSilent, Pause, ProcessExit, Resume
 from .incident import IncidentFlow
 from .liveness import LOST_DRAIN
 from .procwatch import LocalProcesses
@@ -251,6 +251,16 @@ class Controller:
         before it decides."""
         self._command(ProcessExit(int(rank), int(returncode),
                                   None if no_replacement is None else str(no_replacement)))
+
+    def report_node_silent(self, node: int, ranks: list[int], silent_for: float) -> None:
+        """Node `node`'s launcher (holding `ranks`) has not been heard for `silent_for`
+        seconds (thread-safe; returns at once): its ranks get no restart from it
+        (`nodes.Nodes` decides what instead)."""
+        self._command(NodeSilent(int(node), tuple(int(r) for r in ranks), float(silent_for)))
+
+    def report_node_back(self, node: int) -> None:
+        """Node `node`'s launcher, reported silent, is heard again (thread-safe)."""
+        self._command(NodeBack(int(node)))
 
     def has_left(self, rank: int) -> bool:
         """Whether elastic training shrank the job without `rank` (any thread)."""

@@ -10,7 +10,7 @@ clock or random source. Its inputs, each stamped with the time its feeder read i
   bytes and the `inbox.Link` it came by);
 - `on_upstream`: a frame from the active controller (a backup's link);
 - `command`: an operator's or a launcher's typed command (`Pause`, `Resume`, `ProcessExit`,
-  `NoReplacement`), `process_gone` (a process seen ended);
+  `NoReplacement`, `NodeSilent`, `NodeBack`), `process_gone` (a process seen ended);
 - `tick`: time passed (deadlines of phases, silences, INIT, syncs).
 
 Its outputs (`take`): frames to send to routing ids, event records to write, frames for the
@@ -39,6 +39,7 @@ from .inbox import Inbox, Link
 from .incident import IncidentFlow
 from .incidents import Incidents
 from .liveness import Liveness
+from .nodes import Nodes
 from .outbox import Outbox, Outputs
 from .ranktable import RankInfo, RankTable
 from .registration import ProcessWatch, Registration
@@ -80,7 +81,24 @@ class NoReplacement:
     why: str
 
 
-Command = Pause | Resume | ProcessExit | NoReplacement
+@dataclass(frozen=True)
+class NodeSilent:
+    """Node 0's launcher has not heard node `node`'s launcher (holding `ranks`) for
+    `silent_for` seconds (`nodes.Nodes`)."""
+
+    node: int
+    ranks: tuple[int, ...]
+    silent_for: float
+
+
+@dataclass(frozen=True)
+class NodeBack:
+    """Node `node`'s launcher, silent before, is heard again."""
+
+    node: int
+
+
+Command = Pause | Resume | ProcessExit | NoReplacement | NodeSilent | NodeBack
 
 
 class _NoWatch:
@@ -131,8 +149,11 @@ class ControllerCore:
             self, config=config, world_size=world_size, table=self.table, sm=self.sm,
             drops=self.drops, elasticity=self.elasticity, watch=watch or _NoWatch())
         #: the incident under way, the orders it sends, its counters (`incidents.Incidents`)
+        #: silent launchers of other nodes, and the ranks that get no replacement (`nodes`)
+        self.nodes = Nodes(self, config)
         self.incidents = Incidents(self, config=config, table=self.table, sm=self.sm,
-                                   planner=self.planner, elasticity=self.elasticity)
+                                   planner=self.planner, elasticity=self.elasticity,
+                                   unreplaceable=self.nodes.unreplaceable)
         #: what processors and backups send (`inbox.Inbox`)
         self.inbox = Inbox(self, config=config, table=self.table, sm=self.sm,
                            drops=self.drops, limits=self.limits,
@@ -200,6 +221,11 @@ class ControllerCore:
         elif isinstance(cmd, NoReplacement):
             if self.flow is not None:
                 self.flow.no_replacement(cmd.rank, cmd.why)
+        elif isinstance(cmd, NodeSilent):
+            if self.role == "active":
+                self.nodes.on_silent(cmd.node, tuple(cmd.ranks), cmd.silent_for, self.now)
+        elif isinstance(cmd, NodeBack):
+            self.nodes.on_back(cmd.node)
         else:  # pragma: no cover - a new command type without its case
             raise TypeError(f"unknown controller command {cmd!r}")
 
@@ -221,6 +247,7 @@ class ControllerCore:
         state = self.sm.state
         if self.role == "active":
             self.liveness.supervise(now)
+            self.nodes.tick(now)
             if self.flow is not None:
                 self.flow.tick(now)
             if state is State.INIT and (late := self.registration.overdue(now, self.started)):
@@ -239,6 +266,7 @@ class ControllerCore:
             return math.inf
         times = [self.backups.next_deadline(self.now)]
         if self.role == "active":
+            times.append(self.nodes.next_deadline())
             rows = self.table.connected()
             if rows:
                 times.append(min(r.last_seen for r in rows) + cfg.lost_after + 1e-9)

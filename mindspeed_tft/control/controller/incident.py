@@ -55,7 +55,7 @@ import logging
 import statistics
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from ...events import CONTROLLER_RANK, validate_record
@@ -225,6 +225,7 @@ class FlowHost(Protocol):
     def send_action_many(self, ranks: list[int], action_id: int, name: str,
                          payload: Payload, timeout: float) -> None: ...
     def flow_finished(self, flow: IncidentFlow) -> None: ...
+    def claim(self) -> str: ...
 
 
 def _left_before(inc: Incident, row: RankInfo) -> bool:
@@ -673,6 +674,8 @@ class IncidentFlow:
         except PlanError as e:
             self.end_job(host.config.failure_exit_code, f"dump impossible: {e}")
             return
+        claim = host.claim()
+        payloads = {r: replace(p, claim=claim) for r, p in payloads.items()}
         self.writers = {r for r, p in payloads.items() if p.shards}
         self.start_phase("dump", targets, per_rank=payloads)
 

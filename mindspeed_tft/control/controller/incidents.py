@@ -30,6 +30,8 @@ class IncidentsHost(Protocol):
     """What `Incidents` needs from its controller (all from the controller's loop thread)."""
 
     exit_code: int | None
+    endpoint: str
+    epoch: int
 
     @property
     def now(self) -> float: ...
@@ -44,7 +46,8 @@ class Incidents:
     """The incident under way and the orders it sends (see the module docstring)."""
 
     def __init__(self, host: IncidentsHost, *, config: ControlConfig, table: RankTable,
-                 sm: StateMachine, planner: StrategyPlanner, elasticity: Elasticity) -> None:
+                 sm: StateMachine, planner: StrategyPlanner, elasticity: Elasticity,
+                 unreplaceable: dict[int, str] | None = None) -> None:
         self.host = host
         self.config = config
         self.table = table
@@ -52,6 +55,9 @@ class Incidents:
         self.planner = planner
         self.elasticity = elasticity
         self.flow: IncidentFlow | None = None
+        #: ranks that get no replacement whatever happens (their node's launcher is silent:
+        #: `nodes.Nodes`), and why: every incident starts knowing them
+        self.unreplaceable = {} if unreplaceable is None else unreplaceable
         #: how many incidents were opened
         self.count = 0
         #: counters over the incidents that ended (kind/strategy/outcome, recoveries, ...)
@@ -67,6 +73,7 @@ class Incidents:
         """A first fault: a new incident (NORMAL/PAUSE -> ABNORMAL)."""
         self.count += 1
         self.flow = IncidentFlow(self, Incident(self.count, now))
+        self.flow.incident.unreplaceable.update(self.unreplaceable)
         if detail:
             self.flow.incident.details[rank] = detail
         self.flow.begin(rank, kind, message)
@@ -83,6 +90,11 @@ class Incidents:
             "lock_step": flow.incident.lock_step,
             "phase": flow.phase.name if flow.phase else None,
         }
+
+    def claim(self) -> str:
+        """Who orders a dump (`DumpOrder.claim`): this controller's endpoint and epoch (a
+        backup that took charge has a later epoch and another endpoint)."""
+        return f"controller {self.host.endpoint or '-'} epoch {self.host.epoch}"
 
     def lock_step(self) -> int | None:
         """The lock step of the incident under way; None when there is none."""

@@ -107,10 +107,13 @@ class Scaling:
         # a lost rank that came back meanwhile waits outside the job already (`left`)
         self.leaving = sorted({r for r in members if r not in staying} | self.shrinking)
         gone = [r for r in staying if (row := host.table.get(r)) is None or not row.connected]
-        if None in lost_dp or not staying or gone:
+        if None in lost_dp or not staying or gone or 2 * len(staying) < len(members):
             why = ("no data-parallel replica is left" if not staying else
                    f"ranks {gone} of the remaining replicas are gone too" if gone else
-                   "the lost ranks' data-parallel replicas are unknown")
+                   "the lost ranks' data-parallel replicas are unknown" if None in lost_dp else
+                   f"{len(staying)} of its {len(members)} ranks would train on: fewer than "
+                   "half may be the minority side of a network partition, which never "
+                   "resumes training")
             flow.end_job(host.config.dump_exit_code,
                        f"elastic training cannot shrink ({why}); dying-gasp checkpoint saved "
                        f"at iteration {inc.lock_step} in {path}")

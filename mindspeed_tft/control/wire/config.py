@@ -14,6 +14,7 @@ files and logging. `ControlConfig.from_env()` builds it from the environment:
 | `TTP_HEARTBEAT_MISSES` | missed intervals before a rank is lost, 1..100 | 3 | error |
 | `TTP_NORMAL_ACTION_TIME_LIMIT` | seconds an action callback may take, 30..1800 | 180 | error |
 | `TFT_REPLACEMENT_WAIT` | seconds an incident waits for a lost rank's restarted process before it gives up on it (dump, or with elastic training a shrink), 1..1800 | the action time limit | error |
+| `TFT_NODE_REPLACEMENT_WAIT` | seconds a lost rank whose node's launcher fell silent too (a host lost or cut off, `tft-run` on several nodes) waits for a replacement launcher (Kubernetes recreating the pod), 0..1800; 0: no launcher is coming, the incident decides at once (the dump, or with elastic training the shrink) | 0 | error |
 | `TTP_REGISTER_TIMEOUT` | seconds for all ranks to register, 1..86400 | 600 | error |
 | `TTP_HANG_TIMEOUT_MIN` | floor of the hang timeout in seconds, 0.1..86400 | 60 | error |
 | `TTP_HANG_TIMEOUT_FACTOR` | hang timeout = factor x slowest recent step, 1..1000 | 5 | error |
@@ -245,6 +246,9 @@ class ControlConfig:
     #: seconds an incident waits for a lost rank's replacement to register (None: the
     #: action time limit); a launcher whose restart budget is spent ends the wait at once
     replacement_wait: float | None = None
+    #: seconds a lost rank whose node's launcher is silent too waits for a replacement
+    #: launcher (0: none is coming; the incident decides at once)
+    node_replacement_wait: float = 0.0
     hang_timeout_min: float = 60.0
     hang_timeout_factor: float = 5.0
     hang_initial_timeout: float = 1800.0
@@ -386,6 +390,7 @@ class ControlConfig:
             "thread_rtprio": int(_number(env, "TFT_CONTROL_RTPRIO", 1, *RTPRIO_RANGE,
                                          integer=True)),
         }
+        values["node_replacement_wait"] = _number(env, "TFT_NODE_REPLACEMENT_WAIT", 0.0, 0, 1800)
         if (env.get("TFT_REPLACEMENT_WAIT") or "").strip():
             values["replacement_wait"] = _number(env, "TFT_REPLACEMENT_WAIT",
                                                  values["action_time_limit"], 1, 1800)

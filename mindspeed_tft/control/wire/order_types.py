@@ -198,7 +198,9 @@ class DumpShard:
 @dataclass(frozen=True)
 class DumpOrder(_Order):
     """Write the dying-gasp checkpoint of `lock_step`: this rank's `shards` (none: it writes
-    nothing); `writers`: every rank that writes one."""
+    nothing); `writers`: every rank that writes one; `claim`: who orders it (the controller
+    and its epoch), claimed in the dump's folder so that two controllers (the sides of a
+    partition) never write one checkpoint together (`recovery.dump.claim`)."""
 
     KIND: ClassVar[str] = "dump"
     incident: int
@@ -206,18 +208,21 @@ class DumpOrder(_Order):
     shards: tuple[DumpShard, ...]
     writers: tuple[int, ...]
     strategy: str = "dump"
+    claim: str = ""
 
     def _wire(self) -> dict[str, Any]:
         return {"incident": self.incident, "lock_step": self.lock_step,
                 "strategy": self.strategy, "shards": [s._wire() for s in self.shards],
-                "writers": list(self.writers)}
+                "writers": list(self.writers), **({"claim": self.claim} if self.claim else {})}
 
     @classmethod
     def _read(cls, r: _Reader) -> DumpOrder:
         incident, lock_step = r.step("incident"), r.step("lock_step")
         strategy = r.choice("strategy", ("dump",))
+        claim = r.get("claim", lambda v: type(v) is str and len(v) <= 300,
+                      "a string of at most 300 characters", required=False) or ""
         return cls(incident, lock_step, r.entries("shards", DumpShard._read),
-                   r.ranks("writers") or (), strategy)
+                   r.ranks("writers") or (), strategy, claim)
 
 
 @dataclass(frozen=True)

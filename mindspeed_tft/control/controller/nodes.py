@@ -1,0 +1,99 @@
+"""Nodes whose launcher fell silent: a host lost or cut off, decided without waiting for
+restarts that nobody can make.
+
+Under `tft-run` on several nodes a lost worker is restarted by its own node's launcher; when
+that launcher is silent too (node 0's launcher reads every other launcher's heartbeat in the
+job's store and reports `NodeSilent`), waiting for a restart is waiting in vain. What
+happens then is decided here, once per silence, and said in one `node_silent` event
+(`decision`):
+
+- `wait`: `TFT_NODE_REPLACEMENT_WAIT` > 0 (Kubernetes recreates the pod): the node's ranks
+  wait that long for a replacement launcher, then get no replacement;
+- `dump` / `shrink` (with elastic training): no launcher is coming; the node's ranks get no
+  replacement at once, so the incident that loses them (under way, or opened later) dumps or
+  shrinks instead of waiting for their restart.
+
+A launcher heard again (`NodeBack`: the link returned, or a replacement launcher took the
+node over) cancels the wait and the refusal for what comes after; an incident that already
+decided keeps its decision. `Nodes` is part of the controller's core and talks to the
+incident under way only through `IncidentFlow.no_replacement`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ...events import CONTROLLER_RANK
+from ...features import Features
+from ..wire.config import ControlConfig
+from .incident import IncidentFlow
+
+
+class NodesHost(Protocol):
+    """What `Nodes` needs from its controller (all from the controller's loop thread)."""
+
+    features: Features
+
+    @property
+    def flow(self) -> IncidentFlow | None: ...
+    def emit(self, event: str, rank: int, **fields: Any) -> dict[str, Any]: ...
+
+
+@dataclass
+class _Silence:
+    ranks: tuple[int, ...]
+    #: when its wait for a replacement launcher ends (loop clock; inf: decided)
+    deadline: float
+
+
+class Nodes:
+    """Silent launchers and the ranks that get no replacement (see the module docstring)."""
+
+    def __init__(self, host: NodesHost, config: ControlConfig) -> None:
+        self.host = host
+        self.config = config
+        self.silent: dict[int, _Silence] = {}
+        #: rank -> why it gets no replacement (every incident opened starts knowing it)
+        self.unreplaceable: dict[int, str] = {}
+
+    def on_silent(self, node: int, ranks: tuple[int, ...], silent_for: float,
+                  now: float) -> None:
+        """Node `node`'s launcher has not been heard for `silent_for` seconds."""
+        if node in self.silent:
+            return
+        wait = self.config.node_replacement_wait
+        decision = "wait" if wait > 0 else ("shrink" if self.host.features.elastic else "dump")
+        self.host.emit("node_silent", CONTROLLER_RANK, node=node, ranks=list(ranks),
+                       silent_s=round(silent_for, 3), decision=decision,
+                       **({"wait_s": wait} if wait > 0 else {}))
+        self.silent[node] = _Silence(ranks, now + wait if wait > 0 else math.inf)
+        if wait <= 0:
+            self._give_up(node, f"node {node}'s launcher silent for {silent_for:.1f}s")
+
+    def on_back(self, node: int) -> None:
+        """Node `node`'s launcher is heard again."""
+        silence = self.silent.pop(node, None)
+        if silence is None:
+            return
+        for rank in silence.ranks:
+            self.unreplaceable.pop(rank, None)
+        self.host.emit("node_back", CONTROLLER_RANK, node=node, ranks=list(silence.ranks))
+
+    def tick(self, now: float) -> None:
+        for node, silence in self.silent.items():
+            if now >= silence.deadline:
+                silence.deadline = math.inf
+                self._give_up(node, f"no replacement launcher for node {node} within "
+                                    f"{self.config.node_replacement_wait:g}s")
+
+    def next_deadline(self) -> float:
+        return min((s.deadline for s in self.silent.values()), default=math.inf)
+
+    def _give_up(self, node: int, why: str) -> None:
+        flow = self.host.flow
+        for rank in self.silent[node].ranks:
+            self.unreplaceable[rank] = why
+            if flow is not None:
+                flow.no_replacement(rank, why)
