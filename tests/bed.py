@@ -67,8 +67,10 @@ class Cluster:
                              "SCRIPT": "pretrain_gpt.py"})
         launcher = (f"tft-run --nnodes {self.nnodes} --node-rank {node} "
                     f"--master-addr {addr0}")
+        job = dict(self.job)
+        settings = {**settings, **job.pop("env", {})}
         return tiny_job_env(self.run_dir, ha_args=self.ha_args, launcher=launcher,
-                            env=settings, **self.job)
+                            env=settings, **job)
 
     def start(self, node: int, host: int | None = None,
               extra: dict[str, str] | None = None) -> subprocess.Popen:

@@ -718,6 +718,22 @@ class TFTElasticAgent(LocalElasticAgent):
         return handler, f"restarting it as rank {rank}"
 
     # -- end ------------------------------------------------------------------------------
+    def _exit_barrier(self) -> None:
+        """torch's wait (`--exit-barrier-timeout`, 300 s) for every node's launcher to end,
+        except for launchers known gone: node 0 does not wait for nodes whose launchers fell
+        silent, nor a node for the others when it is cut off from node 0's store."""
+        from .heartbeat import NodeBeat, NodeWatch
+
+        beat = self.heartbeat
+        if isinstance(beat, NodeWatch) and beat.reported:
+            say(f"not waiting for nodes {sorted(beat.reported)} to end: their launchers fell "
+                "silent")
+            return
+        if isinstance(beat, NodeBeat) and beat.cut_off(self.control_config.lost_after):
+            say("not waiting for the other nodes to end: node 0's store is out of reach")
+            return
+        super()._exit_barrier()
+
     def run(self, role: str = DEFAULT_ROLE) -> RunResult:
         finished = False
         try:

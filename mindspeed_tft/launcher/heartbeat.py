@@ -87,6 +87,8 @@ class NodeBeat(_Loop):
                  interval: float) -> None:
         super().__init__(f"tft-node-beat-{node}", interval)
         self.addr, self.port, self.node, self.ranks = addr, port, node, ranks
+        #: when the last beat reached the store (monotonic)
+        self.last_beat = time.monotonic()
         self._store: Any = None
 
     def step(self) -> None:
@@ -94,6 +96,11 @@ class NodeBeat(_Loop):
             self._store = _client(self.addr, self.port, max(2 * self.interval, 1.0))
             self._store.set(RANKS_KEY.format(self.node), json.dumps(self.ranks))
         self._store.add(BEAT_KEY.format(self.node), 1)
+        self.last_beat = time.monotonic()
+
+    def cut_off(self, lost_after: float) -> bool:
+        """Whether no beat reached node 0's store for `lost_after` seconds."""
+        return time.monotonic() - self.last_beat >= lost_after
 
     def lost(self) -> None:
         self._store = None

@@ -138,7 +138,7 @@ def _free_subnet() -> ipaddress.IPv4Network:
         with contextlib.suppress(ValueError):
             taken.append(ipaddress.ip_network(word, strict=False))
     for _ in range(200):
-        net = ipaddress.ip_network(f"10.{random.randrange(100, 250)}.{random.randrange(256)}.0/24")
+        net = ipaddress.IPv4Network(f"10.{random.randrange(100, 250)}.{random.randrange(256)}.0/24")
         if not any(net.overlaps(t) for t in taken if t.prefixlen > 0):
             return net
     raise TestBedError("no free private /24 for the test bed")
@@ -215,8 +215,7 @@ class TestBed:
         _ip("link", "set", veth, "master", self.bridge)
         _ip("link", "set", veth, "up")
         _ip("-n", space, "link", "set", peer, "name", IFNAME)
-        _ip("-n", space, "addr", "add", f"{self.address(host)}/{self.subnet.prefixlen}",
-            "dev", IFNAME)
+        _ip("-n", space, "addr", "add", f"{self.address(host)}/24", "dev", IFNAME)
         _ip("-n", space, "link", "set", IFNAME, "up")
         _ip("-n", space, "link", "set", "lo", "up")
 
@@ -304,7 +303,7 @@ def _load(name: str) -> TestBed:
     except (OSError, ValueError):
         raise SystemExit(f"tft-testbed: no test bed named {name!r} ({record} missing)") from None
     bed = TestBed(int(data["hosts"]), name=name)
-    bed.subnet = ipaddress.ip_network(data["subnet"])
+    bed.subnet = ipaddress.IPv4Network(data["subnet"])
     bed._up = True
     return bed
 
