@@ -228,3 +228,25 @@ def test_megatron_lms_first_save_that_fails_leaves_no_empty_tracker(tmp_path):
         _megatron_save(root, 5, tracker="", error=_enospc())
     assert os.listdir(root) == []
 
+
+def test_tft_report_tells_the_failed_write_with_the_free_space():
+    from mindspeed_tft.tools import report
+
+    t0 = 1000.0
+    story = [
+        {"time": t0, "event": "fault_detected", "rank": -1, "ranks": [0], "kind": "unknown",
+         "message": "CheckpointWriteError: checkpoint of iteration 10 not written: /c: file "
+                    "system full", "incident": 1},
+        {"time": t0 + 0.1, "event": "state", "rank": -1, "state": "ABNORMAL",
+         "prev": "NORMAL", "reason": "unknown on rank 0"},
+        {"time": t0 + 0.5, "event": "checkpoint_failed", "rank": 1, "what": "dump",
+         "iteration": 10, "path": "/c", "reason": "file system full", "free": 4096,
+         "total": 1 << 20, "last": 5},
+        {"time": t0 + 0.6, "event": "exit", "rank": -1, "code": 1, "reason": "dump failed",
+         "incident": 1},
+        {"time": t0 + 0.7, "event": "state", "rank": -1, "state": "FINAL", "prev": "EXIT",
+         "reason": "dump failed"},
+    ]
+    (incident,) = report.incidents(story)
+    assert ("  +   0.50 s  rank 1: dump of iteration 10 not written: /c: file system full "
+            "(4096 bytes free of 1048576)") in report.describe_incident(incident)
