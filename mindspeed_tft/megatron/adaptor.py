@@ -33,7 +33,10 @@ Nothing of Megatron-LM is copied or edited; the functions below wrap Megatron-LM
   `save_checkpoint`: the ``save`` phase, once Megatron-LM's own save returned (it
   publishes inside, so a fault injected there hits a published checkpoint, unlike the
   reference trainer's); it saves the state's model, optimizer and scheduler (`pretrain`'s
-  own, after `train`, are stale after a scale change).
+  own, after `train`, are stale after a scale change). A write of it that fails (a full
+  file system: `layout.in_place_save_writes`) removes the rank's partial folder, keeps the
+  tracker on the last checkpoint, prints one line naming the save folder and its free space
+  and raises (with high availability a fault: the dump is tried).
 - `pretrain`: a warm spare of `tft-run` waits for its rank first; the control plane is left
   when training ended.
 - `compile_helpers`: Megatron-LM's `megatron/training` on the megatron-core wheel, which
@@ -659,11 +662,22 @@ def wrap_save_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
         if state is not None and len(args) >= 3:  # the live ones, new after a scale change
             args = (state.model, state.optimizer, state.opt_param_scheduler, *args[3:])
         from mindspeed_tft.recovery import manifest
+        from mindspeed_tft.recovery.layout import (
+            CheckpointWriteError,
+            in_place_save_writes,
+            this_rank_dir_name,
+        )
 
-        manifest.before_save(_args().save, iteration)
-        with _args_for_a_checkpoint(_args()):
-            result = original(iteration, *args, **kwargs)
-        manifest.after_save(_args().save, iteration)  # every rank's files are in place
+        root = _args().save
+        manifest.before_save(root, iteration)
+        try:  # a failed write (a full file system): one line, the last checkpoint kept
+            with _args_for_a_checkpoint(_args()), in_place_save_writes(
+                    root, iteration, this_rank_dir_name()):
+                result = original(iteration, *args, **kwargs)
+        except CheckpointWriteError as error:
+            error.report(dist.get_rank() if dist.is_initialized() else 0)
+            raise
+        manifest.after_save(root, iteration)  # every rank's files are in place
         if _host.state is not None:  # Megatron-LM publishes inside its save: after it
             _host.hooks.on_phase(_host.state, "save", iteration - 1)
         return result

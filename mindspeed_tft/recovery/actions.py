@@ -66,11 +66,14 @@ from mindspeed_tft.control.wire.results import (
 from mindspeed_tft.events import emit, emit_work, iteration_log
 from mindspeed_tft.recovery import collectives
 from mindspeed_tft.recovery.dump import (
+    FAILED_SUFFIX,
     SHARDS_DIRNAME,
     DumpError,
     assemble,
     claim,
+    discard_position,
     publish,
+    shard_path,
     shard_record,
     tmp_dir,
     uses_distributed_optimizer,
@@ -78,6 +81,8 @@ from mindspeed_tft.recovery.dump import (
 )
 from mindspeed_tft.recovery.interface import RecoverableState
 from mindspeed_tft.recovery.layout import (
+    CheckpointWriteError,
+    checkpoint_writes,
     get_rng_state,
     iteration_dir_name,
     model_parallel_dir_name,
@@ -328,6 +333,13 @@ class RecoveryActions(NoRecovery):
         return root
 
     def dump(self, order: DumpOrder) -> DumpResult:
+        try:
+            return self._dump(order)
+        except CheckpointWriteError as error:  # this rank's write failed: one line says so
+            error.report(self.rank)
+            raise DumpError(str(error)) from error
+
+    def _dump(self, order: DumpOrder) -> DumpResult:
         lock_step = order.lock_step
         shards = [entry for entry in order.shards if entry.optimizer == "dense"]
         if not shards:
@@ -371,15 +383,22 @@ class RecoveryActions(NoRecovery):
         return result
 
     def _wait_for_shards(self, root: str, lock_step: int) -> None:
+        """Until every other shard of this position is written, or its holder gave up
+        (`<file>.failed`: then, once every holder is done, the position's folder goes)."""
         directory = os.path.join(tmp_dir(root, lock_step), this_rank_dir_name(), SHARDS_DIRNAME)
-        wanted = [os.path.join(directory, f"shard_{i:03d}.pt")
+        wanted = [shard_path(directory, i)
                   for i in range(1, self.map.chunk_size)]  # shard 0 is the assembler's own
         deadline = time.monotonic() + ASSEMBLE_WAIT_SECONDS
-        while not all(os.path.isfile(path) for path in wanted):
+        while not all(os.path.isfile(p) or os.path.isfile(p + FAILED_SUFFIX) for p in wanted):
             if time.monotonic() > deadline:
                 missing = [p for p in wanted if not os.path.isfile(p)]
                 raise DumpError(f"shards never written within {ASSEMBLE_WAIT_SECONDS:g}s: {missing}")
             time.sleep(0.05)
+        failed = [p for p in wanted if os.path.isfile(p + FAILED_SUFFIX)]
+        if failed:
+            discard_position(root, lock_step)
+            raise DumpError(f"{', '.join(failed)} not written: the holder could not write it "
+                            "(its own error says why); nothing was published")
 
     # -- rename ---------------------------------------------------------------------------
     def rename(self, order: RenameOrder) -> RenameResult:
@@ -395,7 +414,13 @@ class RecoveryActions(NoRecovery):
             log.warning("rank %d: iteration %d's checkpoint %s was published by %s; not "
                         "publishing it again", self.rank, lock_step, path, other)
             return RenameResult(lock_step, path)
-        path = publish(self._checkpoint_root(), lock_step, expected, self._claims.get(lock_step))
+        root = self._checkpoint_root()
+        try:  # a failed publish leaves the dump's complete files where they are
+            with checkpoint_writes("dump", lock_step, root):
+                path = publish(root, lock_step, expected, self._claims.get(lock_step))
+        except CheckpointWriteError as error:
+            error.report(self.rank)
+            raise DumpError(str(error)) from error
         emit("dump_saved", self.rank, iteration=lock_step, path=path)
         log.warning("rank %d: dying-gasp checkpoint of iteration %d published at %s",
                     self.rank, lock_step, path)

@@ -28,6 +28,11 @@ taken over. The renaming rank checks the claim is still its side's before it pub
 side that finds the step already published by the other side's claim writes nothing and
 publishes nothing (`claim` names that side).
 
+A write that fails (a full file system: `layout.checkpoint_writes`) removes what it wrote;
+a shard's holder leaves `shard_NNN.pt.failed` so that the assembler stops waiting for it and
+removes its position's folder; nothing is published and the tracker keeps the last
+checkpoint. The failing rank says it in one line (`CheckpointWriteError.report`).
+
 Every file is fsynced by its writer. Shard files are read back weights-only
 (`layout.load_file`): a shard file planted in the save directory cannot run code in the
 assembling rank.
@@ -35,6 +40,7 @@ assembling rank.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -48,10 +54,13 @@ from mindspeed_tft.recovery.layout import (
     DISTRIB_OPTIM_FILENAME,
     MODEL_FILENAME,
     CheckpointError,
+    CheckpointWriteError,
+    checkpoint_writes,
     iteration_dir_name,
     load_file,
     make_save_dirs,
     publish_checkpoint,
+    remove_quietly,
     save_file,
     this_rank_dir_name,
 )
@@ -61,6 +70,8 @@ from mindspeed_tft.recovery.snapshot import StepSnapshot, restore_scheduler
 SHARDS_DIRNAME = "tft_shards"
 #: who writes a dump folder (`claim`)
 CLAIM_FILENAME = "tft_claim.json"
+#: beside a shard file its holder could not write (`write_shard`): the assembler stops waiting
+FAILED_SUFFIX = ".failed"
 _STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
 
 
@@ -168,16 +179,30 @@ def local_shard_payload(
 
 def write_shard(state: RecoverableState, root: str, lock_step: int, chunk: int, index: int) -> str:
     """Stage 1: write this rank's optimizer shard (`index` of `chunk`) of the lock step;
-    returns the file."""
+    returns the file. A write that fails removes the partial file, leaves `<file>.failed`
+    for the assembler (when the file system lets it) and raises a `CheckpointWriteError`."""
     if not _distributed_optimizers(state.optimizer):
         raise DumpError("write_shard needs the distributed optimizer")
     directory = os.path.join(tmp_dir(root, lock_step), this_rank_dir_name(), SHARDS_DIRNAME)
-    make_save_dirs(directory, root)
-    path = os.path.join(directory, f"shard_{index:03d}.pt")
+    path = shard_path(directory, index)
     partial = path + ".partial"
-    save_file(shard_record(state, lock_step, chunk, index), partial)
-    os.replace(partial, path)
+    remove_quietly(path + FAILED_SUFFIX)  # left by an earlier dump of this step
+    record = shard_record(state, lock_step, chunk, index)
+    try:
+        with checkpoint_writes("dump", lock_step, root, lambda: remove_quietly(partial)):
+            make_save_dirs(directory, root)
+            save_file(record, partial)
+            os.replace(partial, path)
+    except CheckpointWriteError:
+        with contextlib.suppress(OSError):  # an empty file: no data block needed
+            open(path + FAILED_SUFFIX, "x").close()
+        raise
     return path
+
+
+def shard_path(directory: str, index: int) -> str:
+    """The file of shard `index` in a position's shards folder."""
+    return os.path.join(directory, f"shard_{index:03d}.pt")
 
 
 def _read_shards(
@@ -188,7 +213,7 @@ def _read_shards(
         if in_memory and index in in_memory:
             shards.append(in_memory[index])
             continue
-        path = os.path.join(directory, f"shard_{index:03d}.pt")
+        path = shard_path(directory, index)
         if not os.path.isfile(path):
             raise DumpError(f"shard {index} of {directory} was not written: cannot assemble")
         try:
@@ -254,25 +279,39 @@ def assemble(
 ) -> str:
     """Stage 2: write this model-parallel position's checkpoint files of the lock step
     (`chunk` shards per bucket with the distributed optimizer; `own_shard`, the assembler's
-    own `shard_record`, is used from memory instead of its file)."""
+    own `shard_record`, is used from memory instead of its file). A write that fails removes
+    the position's folder (every shard of it is in: nobody else writes there now) and raises
+    a `CheckpointWriteError`."""
     lock_step = snapshot.iteration
     rank_dir = os.path.join(tmp_dir(root, lock_step), this_rank_dir_name())
-    make_save_dirs(rank_dir, root)
     opts = _distributed_optimizers(state.optimizer)
+    states = None
     if opts:
         shards_dir = os.path.join(rank_dir, SHARDS_DIRNAME)
         in_memory = {own_shard["shard"]: own_shard} if own_shard is not None else None
         shards = _read_shards(shards_dir, chunk, lock_step, in_memory)
         states = [_assemble_parameter_state(opt, i, shards) for i, opt in enumerate(opts)]
-        save_file(states[0] if len(states) == 1 else states,
-                  os.path.join(rank_dir, DISTRIB_OPTIM_FILENAME))
     _set_lock_step_bookkeeping(state, snapshot)
-    save_file(state.checkpoint_state_dict(snapshot.rng_state),
-              os.path.join(rank_dir, MODEL_FILENAME))
-    if opts:
-        shutil.rmtree(os.path.join(rank_dir, SHARDS_DIRNAME), ignore_errors=True)
-    write_manifest(rank_dir, lock_step)
+    model_state = state.checkpoint_state_dict(snapshot.rng_state)
+    with checkpoint_writes("dump", lock_step, root, lambda: discard_position(root, lock_step)):
+        make_save_dirs(rank_dir, root)
+        if states is not None:
+            save_file(states[0] if len(states) == 1 else states,
+                      os.path.join(rank_dir, DISTRIB_OPTIM_FILENAME))
+        save_file(model_state, os.path.join(rank_dir, MODEL_FILENAME))
+        if opts:
+            shutil.rmtree(os.path.join(rank_dir, SHARDS_DIRNAME), ignore_errors=True)
+        write_manifest(rank_dir, lock_step)
     return rank_dir
+
+
+def discard_position(root: str, lock_step: int) -> None:
+    """Remove this rank's model-parallel folder of the unpublished dump of `lock_step`, and
+    the dump's `iter_X_tmp` once no position's folder is left in it."""
+    directory = tmp_dir(root, lock_step)
+    remove_quietly(os.path.join(directory, this_rank_dir_name()))
+    with contextlib.suppress(OSError):
+        os.rmdir(directory)
 
 
 def publish(root: str, lock_step: int, expected_dirs: list[str],

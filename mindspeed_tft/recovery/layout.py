@@ -25,6 +25,12 @@ renamed in; `resolve_checkpoint` (every loader of this project) puts a tracker's
 `iter_X` back from `iter_X_old`, the one state a crash between those two renames leaves.
 The tracker is replaced through a fsynced temporary file, then the folder is fsynced.
 
+A checkpoint that cannot be written (a full file system, a quota, any failed write:
+`checkpoint_writes`) has its partial files removed, publishes nothing, and leaves the
+tracker and the checkpoint it names alone; `CheckpointWriteError.report` says so in one line
+that names the save folder and the space left on its file system (`full_folder_line`), for
+a periodic save and a dump alike.
+
 Loading (`load_file`) is weights-only: tensors, containers and numbers, plus the explicit
 `CHECKPOINT_SAFE_GLOBALS` that `model_optim_rng.pt` needs (argparse.Namespace, numpy RNG
 state); anything else in a pickle is refused, and every error names the file.
@@ -33,13 +39,16 @@ state); anything else in a pickle is refused, and every error names the file.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import errno
 import os
 import pickle
 import random
 import shutil
-from collections.abc import Iterable
+import sys
+import traceback
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -113,11 +122,16 @@ def write_tracker(root: str, iteration: int) -> None:
     """Replace the tracker atomically and durably (write and fsync a temporary file, rename
     it over the tracker, fsync the folder)."""
     tmp = os.path.join(root, f".{TRACKER_FILENAME}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(str(iteration))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(root, TRACKER_FILENAME))
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(str(iteration))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(root, TRACKER_FILENAME))
+    except BaseException:  # the tracker is untouched: no half-written copy of it stays
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     fsync_dir(root)
 
 
@@ -195,6 +209,188 @@ def save_file(obj: Any, path: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     take_group(path)
+
+
+# --- a checkpoint that cannot be written -------------------------------------------------
+
+#: A write that failed without an errno (torch's own file writer, given a path as Megatron-LM
+#: gives it, reports none) is taken for a full file system when less than this is left on it.
+FULL_BELOW_BYTES = 1 << 20
+_SPACE_ERRNOS = {errno.ENOSPC: "file system full", errno.EDQUOT: "disk quota exceeded"}
+#: what the RuntimeError of torch's zip writer says of a write that failed
+_TORCH_WRITER_MARKERS = ("PytorchStreamWriter", "inline_container.cc", "iostream error")
+
+
+def disk_space(folder: str) -> tuple[int, int] | None:
+    """(free, total) bytes of the file system that holds `folder` (or its nearest existing
+    parent); free as a user without root sees it (statvfs `f_bavail`). None where it cannot
+    be read."""
+    path = os.path.abspath(folder)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    """`error` and the errors it was raised from or while handling, outermost first."""
+    chain: list[BaseException] = []
+    current: BaseException | None = error
+    while current is not None and all(current is not seen for seen in chain):
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    return chain
+
+
+def write_failure_reason(error: BaseException, folder: str) -> str | None:
+    """What stopped a checkpoint write under the save folder `folder`, when `error` is a
+    failed write: "file system full" (ENOSPC, or torch's file writer failing without an
+    errno while less than `FULL_BELOW_BYTES` is left), "disk quota exceeded" (EDQUOT), else
+    the OS error's own text. None when `error` is no failed write (it goes on as it is).
+    Ask before the partial files are removed: they hold the space the write ran out of."""
+    chain = _chain(error)
+    oserrors = [e for e in chain if isinstance(e, OSError)]
+    for e in oserrors:
+        if e.errno in _SPACE_ERRNOS:
+            return _SPACE_ERRNOS[e.errno]
+    if oserrors:
+        return str(oserrors[0])
+    if any(marker in str(e) for e in chain for marker in _TORCH_WRITER_MARKERS):
+        space = disk_space(folder)
+        if space is not None and space[0] < FULL_BELOW_BYTES:
+            return _SPACE_ERRNOS[errno.ENOSPC]
+        return f"torch could not write a file ({str(error).splitlines()[0][:200]})"
+    return None
+
+
+def full_folder_line(folder: str, reason: str) -> str:
+    """`<folder>: <reason> (<free> bytes free of <total>)`: the save folder, what stopped a
+    write there and the space its file system has left now (what a periodic save and a dump
+    that failed say)."""
+    space = disk_space(folder)
+    left = "free space unknown" if space is None else f"{space[0]} bytes free of {space[1]}"
+    return f"{folder}: {reason} ({left})"
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint (`what`: "checkpoint", a periodic save, or "dump") that could not be
+    written under its save folder `root`: its partial files are removed, nothing of it was
+    published, the tracker is untouched. The message (`<what> of iteration N not written:
+    <root>: <reason>`) travels with the fault; `report` prints the one line with the space."""
+
+    def __init__(self, what: str, iteration: int, root: str, reason: str) -> None:
+        super().__init__(f"{what} of iteration {iteration} not written: {root}: {reason}")
+        self.what, self.iteration, self.root, self.reason = what, iteration, root, reason
+
+    def report(self, rank: int) -> str:
+        """Print the one line that says it (stderr: the save folder, the space left on its
+        file system and the checkpoint the tracker still names) and record a
+        `checkpoint_failed` event; returns the line."""
+        from mindspeed_tft.events import emit
+
+        try:
+            last = read_tracker(self.root)
+        except (ValueError, CheckpointError):
+            last = None
+        kept = (f"the last checkpoint stays iteration {last} "
+                f"({os.path.join(self.root, iteration_dir_name(last))})" if last is not None
+                else f"there is no earlier checkpoint under {self.root}")
+        line = (f"[mindspeed-tft] ERROR: {self.what} of iteration {self.iteration} not "
+                f"written: {full_folder_line(self.root, self.reason)}; nothing of it was "
+                f"published, {kept}")
+        print(line, file=sys.stderr, flush=True)
+        space = disk_space(self.root)
+        emit("checkpoint_failed", rank, what=self.what, iteration=self.iteration,
+             path=self.root, reason=self.reason, free=None if space is None else space[0],
+             total=None if space is None else space[1], last=last)
+        return line
+
+
+def remove_quietly(*paths: str) -> None:
+    """Remove files and folders, whatever is left of them (partial files of a failed write)."""
+    for path in paths:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+
+def discard_unpublished(root: str, iteration: int) -> None:
+    """Remove what a failed save of `iteration` left under `root`: its `iter_X_tmp`, and its
+    `iter_X` unless the tracker names it (or cannot be read): a published checkpoint is never
+    touched."""
+    final = os.path.join(root, iteration_dir_name(iteration))
+    remove_quietly(final + "_tmp")
+    try:
+        published = read_tracker(root)
+    except (ValueError, CheckpointError):
+        return
+    if published != iteration:
+        remove_quietly(final)
+
+
+@contextlib.contextmanager
+def checkpoint_writes(what: str, iteration: int, root: str,
+                      cleanup: Callable[[], None] | None = None) -> Iterator[None]:
+    """The writes of a checkpoint under the save folder `root`: a write that fails (an
+    OSError, or the RuntimeError of torch's file writer: `write_failure_reason`) runs
+    `cleanup` (it removes the partial files) and becomes a `CheckpointWriteError`; any other
+    error goes on unchanged."""
+    try:
+        yield
+    except CheckpointWriteError:
+        raise
+    except (OSError, RuntimeError) as error:
+        reason = write_failure_reason(error, root)
+        if reason is None:
+            raise
+        for link in _chain(error):  # a writer held by a finished frame keeps its file open,
+            traceback.clear_frames(link.__traceback__)  # and a removed open file its space
+        if cleanup is not None:
+            cleanup()
+        raise CheckpointWriteError(what, iteration, root, reason) from error
+
+
+@contextlib.contextmanager
+def in_place_save_writes(root: str, iteration: int, rank_dir_name: str) -> Iterator[None]:
+    """`checkpoint_writes` of a save that writes `iter_X` in place and then the tracker with
+    a plain write (Megatron-LM's own, torch format). After a failed write: a tracker that the
+    save's own write left damaged is put back to the iteration it named, and this rank's
+    folder `iter_X/<rank_dir_name>` (it is its only writer) is removed, with `iter_X` once
+    empty, unless the tracker names iteration X."""
+    tracker = os.path.join(root, TRACKER_FILENAME)
+    try:
+        before: int | None = read_tracker(root)
+        readable = True
+    except (ValueError, CheckpointError):  # release, or damaged already: not this save's
+        before, readable = None, False
+
+    def cleanup() -> None:
+        try:
+            now = read_tracker(root)
+        except ValueError:
+            return
+        except CheckpointError:
+            if not readable:
+                return
+            with contextlib.suppress(OSError):
+                if before is None:
+                    os.unlink(tracker)
+                else:
+                    write_tracker(root, before)
+            now = before
+        if now != iteration:
+            final = os.path.join(root, iteration_dir_name(iteration))
+            remove_quietly(os.path.join(final, rank_dir_name))
+            with contextlib.suppress(OSError):
+                os.rmdir(final)
+
+    with checkpoint_writes("checkpoint", iteration, root, cleanup):
+        yield
 
 
 _AT_FDCWD = -100

@@ -26,9 +26,9 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
+from mindspeed_tft.recovery.layout import save_file
 from mindspeed_tft.replica.groups import ReplicaGroups
 
 _groups: ReplicaGroups | None = None
@@ -42,12 +42,14 @@ def _grad_stats_group(self: Any) -> dist.ProcessGroup | None:
 
 
 def _save_parameter_state(self: Any, filename: str) -> None:
-    """Gather the parameter state on DP rank 0 of chunk 0 and write it (chunk 0 only)."""
+    """Gather the parameter state on DP rank 0 of chunk 0 and write it (chunk 0 only), through
+    a file object (`layout.save_file`: fsynced, and a failed write raises its OSError, where
+    torch's writer given a path raises a RuntimeError without the errno)."""
     if self.distributed_optimizer_instance_id != 0:
         return
     state_dict = self.get_parameter_state_dp_zero()
     if dist.get_rank(self.data_parallel_group) == 0:
-        torch.save(state_dict, filename)
+        save_file(state_dict, filename)
 
 
 def _count_zeros_when_asked(count_zeros: Any) -> Any:

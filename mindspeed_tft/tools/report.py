@@ -93,6 +93,10 @@ def _describe(event: dict[str, Any]) -> str | None:
                 f"of iteration {event['iteration']} from rank {event['source']}")
     if name == "dump_saved":
         return f"dying-gasp checkpoint of iteration {event['iteration']} saved in {event['path']}"
+    if name == "checkpoint_failed":
+        return (f"rank {event['rank']}: {event['what']} of iteration {event['iteration']} not "
+                f"written: {event['path']}: {event['reason']} ({event['free']} bytes free of "
+                f"{event['total']})")
     if name == "repaired":
         return f"repaired ({event['strategy']}): training resumes at iteration {event['step']}"
     if name == "scale_in":

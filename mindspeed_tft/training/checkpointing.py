@@ -22,10 +22,12 @@ success to a scheduler).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,6 +42,9 @@ from mindspeed_tft.recovery.layout import (
     MODEL_FILENAME,
     TRACKER_FILENAME,
     CheckpointError,
+    CheckpointWriteError,
+    checkpoint_writes,
+    discard_unpublished,
     get_rng_state,
     iteration_dir_name,
     load_file,
@@ -103,6 +108,12 @@ def save_checkpoint(
 
     Collective over all ranks. `hooks.on_phase(state, "save", step)` runs after the files are
     written and before they are published. Returns the published directory.
+
+    A write that fails on any rank (a full file system, any OSError: `checkpoint_writes`)
+    fails the save on every rank at the next agreement (`_settle`, where a barrier stood):
+    the partial `iter_X_tmp` is removed, nothing is published, the tracker keeps the last
+    checkpoint, one line says it, and every rank raises the `CheckpointWriteError` (with high
+    availability a fault like any exception: the dump of the lock step is tried).
     """
     args = state.args
     root = root or args.save
@@ -110,39 +121,83 @@ def save_checkpoint(
     started = time.monotonic()
     tmp_dir = os.path.join(root, iteration_dir_name(iteration) + "_tmp")
     rank_dir = os.path.join(tmp_dir, this_rank_dir_name())
+    settle = functools.partial(_settle, state, root, iteration)
+    failure = None
     if dist.get_rank() == 0:
         shutil.rmtree(tmp_dir, ignore_errors=True)
-        make_save_dirs(tmp_dir, root)
-    dist.barrier()
+        failure = _attempt(iteration, root, lambda: make_save_dirs(tmp_dir, root))
+    settle(failure)
+    # every file is written (with optimizer replicas, each replica's data-parallel rank 0
+    # writes the same distrib_optim.pt: the manifest waits for all of them)
+    settle(_attempt(iteration, root, lambda: _write_rank_files(state, rank_dir, root)))
+    failure = None
+    if _is_data_parallel_writer():
+        failure = _attempt(iteration, root, lambda: manifest.write_manifest(rank_dir, iteration))
+    if hooks is not None:
+        hooks.on_phase(state, "save", iteration - 1)
+    settle(failure)
+    final = os.path.join(root, iteration_dir_name(iteration))
+    failure = None
+    if dist.get_rank() == 0:
+        failure = _attempt(iteration, root, lambda: publish_checkpoint(root, iteration))
+        if failure is None:
+            emit("checkpoint_saved", 0, iteration=iteration, path=final,
+                 seconds=time.monotonic() - started)
+    settle(failure)
+    return final
 
+
+def _write_rank_files(state: Any, rank_dir: str, root: str) -> None:
+    """This rank's files of the checkpoint (the distributed optimizer's parameter state is
+    collective over the data-parallel group: data-parallel rank 0 writes it)."""
+    args = state.args
     optimizer = state.optimizer
     if args.use_distributed_optimizer and not args.no_save_optim:
-        # Collective over the data-parallel group; data-parallel rank 0 writes.
-        make_save_dirs(rank_dir, root)
         distrib_file = os.path.join(rank_dir, DISTRIB_OPTIM_FILENAME)
-        optimizer.save_parameter_state(distrib_file)
+        try:
+            make_save_dirs(rank_dir, root)
+        finally:  # a rank whose folder could not be made still takes part in the collective
+            optimizer.save_parameter_state(distrib_file)
         if os.path.isfile(distrib_file):  # megatron-core's writer: data-parallel rank 0
             _fsync_file(distrib_file)
-
     if _is_data_parallel_writer():
         make_save_dirs(rank_dir, root)
         save_file(checkpoint_state_dict(state), os.path.join(rank_dir, MODEL_FILENAME))
-    # every file is written (with optimizer replicas, each replica's data-parallel rank 0
-    # writes the same distrib_optim.pt: the manifest waits for all of them)
-    dist.barrier()
-    if _is_data_parallel_writer():
-        manifest.write_manifest(rank_dir, iteration)
 
-    if hooks is not None:
-        hooks.on_phase(state, "save", iteration - 1)
-    dist.barrier()
-    final = os.path.join(root, iteration_dir_name(iteration))
-    if dist.get_rank() == 0:
-        publish_checkpoint(root, iteration)
-        emit("checkpoint_saved", 0, iteration=iteration, path=final,
-             seconds=time.monotonic() - started)
-    dist.barrier()
-    return final
+
+def _attempt(iteration: int, root: str, write: Callable[[], Any]) -> CheckpointWriteError | None:
+    """Run `write`; the `CheckpointWriteError` a failed write became, or None."""
+    try:
+        with checkpoint_writes("checkpoint", iteration, root):
+            write()
+    except CheckpointWriteError as failure:
+        return failure
+    return None
+
+
+def _settle(state: Any, root: str, iteration: int, failure: CheckpointWriteError | None) -> None:
+    """Collective over all ranks (it stands where a barrier stood): whether any rank's
+    writes failed. If one did, rank 0 removes the unpublished checkpoint, the lowest failing
+    rank says it in one line (the space left once that is gone), and every rank raises: a
+    failing rank its own `CheckpointWriteError`, the others one with the lowest's reason."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    device = next(state.model[0].parameters()).device
+    first = torch.tensor([rank if failure is not None else world], dtype=torch.int64,
+                         device=device)
+    dist.all_reduce(first, op=dist.ReduceOp.MIN)
+    failed = int(first.item())
+    if failed == world:
+        return
+    if rank == 0:
+        discard_unpublished(root, iteration)
+    dist.barrier()  # the partial files are gone
+    reason = [failure.reason if failure is not None else None]
+    dist.broadcast_object_list(reason, src=failed)
+    if failure is None:
+        raise CheckpointWriteError("checkpoint", iteration, root, str(reason[0]))
+    if rank == failed:
+        failure.report(rank)
+    raise failure
 
 
 def _fsync_file(path: str) -> None:
