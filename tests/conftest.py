@@ -196,6 +196,9 @@ def hooked_torchrun(tmp_path_factory: pytest.TempPathFactory) -> str:
 #: run within CI's budget; `./scripts/test.sh -m extended` runs them, `-m "extended or not
 #: extended"` everything. tests/README.md says which default job covers each cell.
 EXTENDED = frozenset({
+    # the replacement launcher on loopback with node 0's metrics scraped all along (the cell
+    # itself, a host replaced, runs on the test bed: test_hosts.py)
+    "tests/test_worker_reboot.py::test_a_lost_node_is_replaced_by_a_new_launcher",
     # layouts: the same cell in tp2dp2, pp2dp2 or dp8
     "tests/test_dump.py::"
     "test_fault_produces_a_dump_that_resumes_bit_exact[tp2dp2-kill-1-7-backward-7-2]",

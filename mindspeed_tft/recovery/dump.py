@@ -311,6 +311,8 @@ def discard_position(root: str, lock_step: int) -> None:
     directory = tmp_dir(root, lock_step)
     remove_quietly(os.path.join(directory, this_rank_dir_name()))
     with contextlib.suppress(OSError):
+        if os.listdir(directory) == [CLAIM_FILENAME]:  # only this side's claim is left
+            os.remove(os.path.join(directory, CLAIM_FILENAME))
         os.rmdir(directory)
 
 

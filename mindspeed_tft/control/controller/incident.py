@@ -674,8 +674,7 @@ class IncidentFlow:
         except PlanError as e:
             self.end_job(host.config.failure_exit_code, f"dump impossible: {e}")
             return
-        claim = host.claim()
-        payloads = {r: replace(p, claim=claim) for r, p in payloads.items()}
+        payloads = {r: replace(p, claim=host.claim()) for r, p in payloads.items()}
         self.writers = {r for r, p in payloads.items() if p.shards}
         self.start_phase("dump", targets, per_rank=payloads)
 
