@@ -574,7 +574,9 @@ def install_gloo_collectives() -> None:
 
     all_reduce = _collected(dist.all_reduce)
     reduce_scatter = _reduce_scatter_via_all_reduce(dist.all_reduce)
-    all_gather = _collected(dist.all_gather_into_tensor)
+    # torch 2.13 deprecates all_gather_into_tensor (a FutureWarning per process) for
+    # all_gather_single, the same collective; older torch has only the former
+    all_gather = _collected(getattr(dist, "all_gather_single", dist.all_gather_into_tensor))
     dist.all_reduce = all_reduce
     dist.reduce_scatter_tensor = reduce_scatter
     dist._reduce_scatter_base = reduce_scatter
