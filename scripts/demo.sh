@@ -17,6 +17,9 @@
 #       loop: the unchanged pretrain_gpt.py of the Megatron-LM clone DIR (core_v0.12.1),
 #       run by tft-run through the adaptor (scripts/pretrain_megatron_lm_cpu.sh). A
 #       read-only DIR is copied once under the demo dir. Writes under runs/demo-megatron-lm/.
+# Third-party warnings that every rank prints about its environment (megatron-core without
+# Apex or Transformer Engine, torch deprecations) are left out of the screen (below); the
+# plugin's lines, the training's and any error stay.
 set -euo pipefail
 
 usage() {
@@ -48,6 +51,28 @@ fi
 
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh
+
+# What every rank prints about its environment rather than the run: megatron-core on a machine
+# without Apex or Transformer Engine, torch's deprecation of the all-gather megatron-core
+# binds, and (Megatron-LM's loop) its data loader's pin_memory without an accelerator and its
+# own deprecated fp8 argument. Python's warning filters drop exactly these messages in the
+# job's processes; warnings about the run's flags stay. `quiet` drops megatron-core's note
+# that the mock dataset has no cache folder (for every dataset split, again in a restarted
+# rank). Nothing else goes: the plugin's lines, the training's and any error stay.
+_demo_warnings=(
+    "ignore:Apex is not installed:UserWarning"
+    "ignore:Transformer Engine and Apex are not installed:UserWarning"
+    'ignore:`torch.distributed.all_gather_into_tensor` is deprecated:FutureWarning'
+    "ignore:'pin_memory' argument is set as true but no accelerator is found:UserWarning"
+    "ignore:The fp8 argument in:UserWarning"
+)
+PYTHONWARNINGS="$(IFS=,; echo "${_demo_warnings[*]}")${PYTHONWARNINGS:+,${PYTHONWARNINGS}}"
+export PYTHONWARNINGS
+export PYTHONUNBUFFERED=1  # the job's lines reach the screen as they come, through `quiet`
+quiet() {
+    grep --line-buffered -v -F \
+        -e "Unable to save MockGPTDataset indexes because path_to_cache is None" || true
+}
 
 if [ -z "${MEGATRON_LM_SRC}" ]; then
     DEMO_DIR="${DEMO_DIR:-$PWD/runs/demo}"
@@ -85,7 +110,7 @@ fi
 echo "[demo] 1/3: ${WHERE}, DP=4, distributed optimizer with 2 replicas;"
 echo "[demo]      rank 1 is killed (SIGKILL) at step ${STEP} of ${TRAIN_ITERS}, in its backward pass"
 RUN_DIR="${DEMO_DIR}/faulty" TFT_INJECT_STATE_DIR="${DEMO_DIR}/faulty/inject" \
-    TFT_INJECT="kill:rank=1,step=${STEP},phase=backward" "${TRAIN}"
+    TFT_INJECT="kill:rank=1,step=${STEP},phase=backward" "${TRAIN}" 2>&1 | quiet
 
 echo
 echo "[demo] 2/3: what happened (from ${DEMO_DIR}/faulty/events.jsonl)"
