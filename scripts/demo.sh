@@ -17,16 +17,33 @@
 #       loop: the unchanged pretrain_gpt.py of the Megatron-LM clone DIR (core_v0.12.1),
 #       run by tft-run through the adaptor (scripts/pretrain_megatron_lm_cpu.sh). A
 #       read-only DIR is copied once under the demo dir. Writes under runs/demo-megatron-lm/.
+#   sudo ./scripts/demo.sh --hosts 3      # (root) the same tiny job over 3 hosts of a test bed
+#       (network namespaces on a bridge: mindspeed_tft.tools.testbed), 2 ranks each, one
+#       tft-run launcher per host with the multi-node settings; the last host dies partway
+#       (all its processes killed, its link down), a replacement launcher rejoins and the job
+#       finishes. Prints each host's settings, then what happened. scripts/demo_hosts.py
+#       drives it. Writes under runs/demo-hosts/.
 # Third-party warnings that every rank prints about its environment (megatron-core without
 # Apex or Transformer Engine, torch deprecations) are left out of the screen (below); the
 # plugin's lines, the training's and any error stay.
 set -euo pipefail
 
 usage() {
-    echo "usage: $0 [--megatron-lm DIR]" >&2
+    echo "usage: $0 [--megatron-lm DIR | --hosts N]" >&2
     echo "  --megatron-lm DIR  run in Megatron-LM's own training loop from the clone DIR" >&2
+    echo "  --hosts N          (root) run over N hosts (2..64) of a test bed and lose the last" >&2
 }
 MEGATRON_LM_SRC=""
+HOSTS=""
+check_hosts() {
+    case "$1" in
+        ''|*[!0-9]*) echo "$0: --hosts '$1': expected a number of hosts, 2 to 64" >&2; usage; exit 2 ;;
+    esac
+    local n="${1#"${1%%[!0]*}"}"  # without leading zeros
+    [ "${#n}" -le 2 ] && [ "${n:-0}" -ge 2 ] && [ "${n}" -le 64 ] || {
+        echo "$0: --hosts $1: the multi-host demo needs 2 to 64 hosts" >&2; usage; exit 2; }
+    HOSTS="${n}"
+}
 while [ $# -gt 0 ]; do
     case "$1" in
         --megatron-lm)
@@ -36,6 +53,11 @@ while [ $# -gt 0 ]; do
             MEGATRON_LM_SRC="${1#*=}"
             [ -n "${MEGATRON_LM_SRC}" ] || { echo "$0: --megatron-lm needs a directory" >&2; usage; exit 2; }
             shift ;;
+        --hosts)
+            [ $# -ge 2 ] || { echo "$0: --hosts needs a number of hosts, 2 to 64" >&2; usage; exit 2; }
+            check_hosts "$2"; shift 2 ;;
+        --hosts=*)
+            check_hosts "${1#*=}"; shift ;;
         -h|--help) usage; exit 0 ;;
         *) echo "$0: unknown option '$1'" >&2; usage; exit 2 ;;
     esac
@@ -48,6 +70,15 @@ if [ -n "${MEGATRON_LM_SRC}" ]; then
     }
     MEGATRON_LM_SRC="$(cd "${MEGATRON_LM_SRC}" && pwd)"  # before the cd below
 fi
+if [ -n "${HOSTS}" ]; then
+    [ -z "${MEGATRON_LM_SRC}" ] || {
+        echo "$0: --hosts runs the reference trainer only; leave out --megatron-lm" >&2; exit 2; }
+    [ "$(id -u)" -eq 0 ] || {
+        echo "$0: --hosts needs root (it makes network namespaces, veth pairs and a bridge):" \
+             "sudo $0 --hosts ${HOSTS}" >&2
+        exit 2
+    }
+fi
 
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh
@@ -56,9 +87,11 @@ source scripts/setup_env.sh
 # without Apex or Transformer Engine, torch's deprecation of the all-gather megatron-core
 # binds, and (Megatron-LM's loop) its data loader's pin_memory without an accelerator and its
 # own deprecated fp8 argument. Python's warning filters drop exactly these messages in the
-# job's processes; warnings about the run's flags stay. `quiet` drops megatron-core's note
-# that the mock dataset has no cache folder (for every dataset split, again in a restarted
-# rank). Nothing else goes: the plugin's lines, the training's and any error stay.
+# job's processes; warnings about the run's flags stay. `quiet` drops two lines of other
+# libraries: megatron-core's note that the mock dataset has no cache folder (for every
+# dataset split, again in a restarted rank) and, on the hosts of --hosts, torch's note that a
+# peer's address has no host name (every process: the test bed's hosts have no name
+# service). Nothing else goes: the plugin's lines, the training's and any error stay.
 _demo_warnings=(
     "ignore:Apex is not installed:UserWarning"
     "ignore:Transformer Engine and Apex are not installed:UserWarning"
@@ -71,8 +104,18 @@ export PYTHONWARNINGS
 export PYTHONUNBUFFERED=1  # the job's lines reach the screen as they come, through `quiet`
 quiet() {
     grep --line-buffered -v -F \
-        -e "Unable to save MockGPTDataset indexes because path_to_cache is None" || true
+        -e "Unable to save MockGPTDataset indexes because path_to_cache is None" \
+        -e "[c10d] The hostname of the client socket cannot be retrieved. err=" || true
 }
+
+if [ -n "${HOSTS}" ]; then
+    DEMO_DIR="${DEMO_DIR:-$PWD/runs/demo-hosts}"
+    rm -rf "${DEMO_DIR}"
+    mkdir -p "${DEMO_DIR}"
+    python scripts/demo_hosts.py --hosts "${HOSTS}" --demo-dir "${DEMO_DIR}" \
+        --train-iters "${TRAIN_ITERS:-20}" --save-interval "${SAVE_INTERVAL:-10}" 2>&1 | quiet
+    exit "${PIPESTATUS[0]}"
+fi
 
 if [ -z "${MEGATRON_LM_SRC}" ]; then
     DEMO_DIR="${DEMO_DIR:-$PWD/runs/demo}"
