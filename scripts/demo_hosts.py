@@ -17,9 +17,11 @@ test bed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import secrets
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -43,6 +45,10 @@ MASTER_PORT, TTP_PORT = 29500, 8000
 HA_ARGS = "--enable-high-availability --enable-hbmfault-repair --enable-worker-reboot"
 #: how long the job may take in all (start-up, the loss, the replacement, the end)
 JOB_TIMEOUT_S = 600
+#: how long the other launchers may run on once node 0's (the controller's) ended
+AFTER_NODE_0_S = 60
+#: a launcher's exit code when the job ended with its dying-gasp checkpoint
+DUMP_EXIT_CODE = 75
 
 
 #: one line at a time on the screen (the hosts' output comes from threads)
@@ -112,13 +118,16 @@ class Job:
         say(f"RUN={self.run_dir}; every host runs {TRAIN.relative_to(REPO)} with")
         shown("the job's settings", self.common)
         shown("the multi-node ones", same)
-        say("  (CURVE keys by `python -m mindspeed_tft.control.wire.keys $RUN/keys`: both "
-            "folders on the nodes of")
+        say("  (CURVE keys by `python -m mindspeed_tft.control.keys $RUN/keys`: both folders "
+            "on the nodes of")
         say(f"  the controller and its backups, 0 to {min(2, self.nnodes - 1)}; keys/processor "
             "only on the others)")
         for node, env in enumerate(nodes):
             shown(f"host {node} ({self.bed.address(node)})",
                   {k: v for k, v in env.items() if k not in same})
+        say(f"  so that host N runs: $LAUNCHER --nproc-per-node {NPROC} --master-port "
+            f"{MASTER_PORT} pretrain_gpt.py")
+        say("    <the tiny model's flags> $HA_ARGS --save $RUN/ckpt ...")
 
     def start(self, node: int, note: str = "") -> None:
         env = {k: v for k, v in os.environ.items() if k not in ("TFT_INJECT", "HIGH_AVAILABILITY")}
@@ -164,23 +173,33 @@ class Job:
         return False
 
     def finish(self, timeout: float) -> str | None:
-        """Wait for every launcher to end; why the job failed, or None."""
-        deadline = time.monotonic() + timeout
+        """Wait for every launcher to end (the others at most `AFTER_NODE_0_S` after node
+        0's, which hosts the controller); why the job failed, or None."""
+        codes: dict[int, int | str] = {}
         for node in range(self.nnodes):
             try:
-                self.procs[node].wait(timeout=max(1.0, deadline - time.monotonic()))
+                codes[node] = self.procs[node].wait(timeout if node == 0 else AFTER_NODE_0_S)
             except subprocess.TimeoutExpired:
-                return f"node {node}'s launcher did not end within {timeout:g} s"
-        codes = {node: self.procs[node].returncode for node in range(self.nnodes)}
-        return f"launchers' exit codes {codes}" if any(codes.values()) else None
+                if node == 0:
+                    return f"node 0's launcher did not end within {timeout:g} s"
+                codes[node] = f"still running {AFTER_NODE_0_S} s after node 0's end"
+        if not any(codes.values()):
+            return None
+        why = f"the launchers' exit codes {codes}"
+        if DUMP_EXIT_CODE in codes.values():
+            why += f" ({DUMP_EXIT_CODE}: the job stopped with its dying-gasp checkpoint)"
+        return why
 
     def end(self) -> None:
-        """Kill the launchers still running (the bed's teardown kills their workers)."""
+        """Kill the launchers still running, with their process groups (the bed's teardown
+        kills what is left on its hosts: workers run in sessions of their own)."""
         for proc in self.procs.values():
             if proc.poll() is None:
-                proc.kill()
-        for reader in self._readers:
-            reader.join(timeout=10)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        for reader in self._readers:  # their last lines, unless a worker still holds a pipe
+            reader.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def run(hosts: int, demo_dir: Path, train_iters: int, save_interval: int) -> int:
@@ -256,15 +275,32 @@ def lose_a_host(job: Job, lost: int, lost_ranks: list[int], at: int) -> str | No
     except subprocess.TimeoutExpired:
         return f"host {lost}'s launcher outlived the loss of its host"
 
-    def detected() -> bool:
-        return any(e["event"] == "fault_detected" and set(e.get("ranks", [])) & set(lost_ranks)
-                   for e in read_events_if_any(job.events))
+    def noticed() -> dict | None:
+        """The controller's word on the loss: its launcher silent (`node_silent`, with its
+        decision), or, from a controller that says nothing of launchers, its ranks lost."""
+        events = read_events_if_any(job.events)
+        silent = next((e for e in events
+                       if e["event"] == "node_silent" and e.get("node") == lost), None)
+        lost_event = next((e for e in events if e["event"] == "fault_detected"
+                           and set(e.get("ranks", [])) & set(lost_ranks)), None)
+        if silent is None and lost_event is not None and time.time() - lost_event["time"] < 15:
+            return None
+        return silent or lost_event
 
-    if not job.wait_for("detection of the lost host", detected, 120):
+    if not job.wait_for("detection of the lost host", noticed, 120):
         return "the controller did not notice the lost host"
+    event = noticed()
+    if event["event"] == "node_silent":
+        say(f"the controller noticed: node {lost}'s launcher silent for {event['silent_s']} s "
+            f"(ranks {event['ranks']}); decision: {event['decision']}"
+            + (f", up to {event['wait_s']:g} s for a replacement launcher "
+               "(TFT_NODE_REPLACEMENT_WAIT)" if "wait_s" in event else ""))
+    else:
+        say(f"the controller noticed: {event['kind']} on rank(s) {event['ranks']}: "
+            f"{event.get('message', '')[:80]}")
     job.bed.restore(lost)
-    say(f"the controller noticed; host {lost} is back (link up) and a replacement launcher "
-        f"starts there with the same node rank ({lost}), as Kubernetes recreates a lost pod")
+    say(f"host {lost} is back (link up) and a replacement launcher starts there with the same "
+        f"node rank ({lost}), as Kubernetes recreates a lost pod")
     job.start(lost, note="the replacement launcher")
     return job.finish(JOB_TIMEOUT_S)
 
@@ -287,6 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 2 <= args.hosts <= 64:
         parser.error(f"--hosts {args.hosts}: the demo needs 2 to 64 hosts")
+    # a kill or a closed terminal ends the demo through the bed's teardown, like Ctrl-C
+    for number in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(number, lambda signum, frame: sys.exit(128 + signum))
     reason = unavailable()
     if reason is not None:
         print(f"{parser.prog}: cannot run the {args.hosts}-host demo here: {reason}",
