@@ -6,9 +6,9 @@ meets the failures only a network has: a host cut off while its processes live o
 kernel has), and a small file system (`small_folder`: a tmpfs).
 
 Everything it makes carries one run's name (`tftb` + 4 hex digits), and a record of it (the
-creating process' pid) lies in `STATE_DIR`; `TestBed.__exit__`, `atexit` and SIGTERM tear it
-down (the processes in its namespaces are killed first), and a new bed removes what a killed
-run left (records whose process is gone, and names of ours with no record). Needs root and
+creating process' pid) lies in `STATE_DIR`; `TestBed.__exit__` and `atexit` tear it down
+(the processes in its namespaces are killed first), and a new bed removes what a killed run
+left (records whose process is gone, and names of ours with no record). Needs root and
 `ip` (iproute2) and `tc`; `unavailable()` says in one line why a machine cannot run it.
 
     tft-testbed up --hosts 3             # prints the bed's name and each host's address
