@@ -5,7 +5,8 @@
 #   MEGATRON_LM=/path/to/Megatron-LM ./scripts/pretrain_megatron_lm_cpu.sh [extra args]
 # Environment knobs (all optional unless said):
 #   MEGATRON_LM (required: a Megatron-LM clone; copied to RUN_DIR when it is read-only,
-#     since Megatron-LM compiles its dataset helpers into its own tree; a tree without
+#     once for every launcher of the job that shares RUN_DIR, since Megatron-LM compiles its
+#     dataset helpers into its own tree; a tree without
 #     megatron/core uses the megatron-core wheel's, whose helpers ship built)
 #   ENTRY ("-m mindspeed_tft.megatron": how the adaptor is installed; empty when the script
 #     imports mindspeed_tft.megatron_adaptor itself or under tft-run) SCRIPT (pretrain_gpt.py)
@@ -38,7 +39,12 @@ MLM="${MEGATRON_LM}"
 if [ -d "${MLM}/megatron/core/datasets" ] && { [ ! -w "${MLM}/megatron/core/datasets" ] \
     || [ -z "$(find "${MLM}/megatron/core/datasets" -maxdepth 0 -perm -u=w)" ]; }; then
     MLM="${RUN_DIR}/megatron-lm"
-    [ -d "${MLM}" ] || { cp -r "${MEGATRON_LM}" "${MLM}" && chmod -R u+w "${MLM}"; }
+    if [ ! -d "${MLM}" ]; then
+        # copied aside, then renamed into place: the launchers of several nodes sharing
+        # RUN_DIR (a test bed of hosts) never run a half-made copy; the second rename fails
+        cp -r "${MEGATRON_LM}" "${MLM}.$$" && chmod -R u+w "${MLM}.$$"
+        mv -T "${MLM}.$$" "${MLM}" 2>/dev/null || rm -rf "${MLM}.$$"
+    fi
 fi
 
 # The guide's Llama2 script shape on Megatron-LM's flags, at the tiny preset's size.

@@ -78,6 +78,7 @@ def attacker_frames(world: int) -> list[bytes | list[bytes]]:
         MsgType.RESULT: {"id": 1, "action": "stop", "ok": True, "result": {}},
         MsgType.BYE: {"code": 0},
         MsgType.BACKUP: {"endpoint": "127.0.0.1:9", "index": 0},
+        MsgType.EXITED: {"pid": 1, "code": -9},
         MsgType.ACK: {"state": "NORMAL", "epoch": 0, "role": "active"},
         MsgType.ACTION: {"id": 1, "name": "exit", "timeout": 1.0, "payload": {"code": 3}},
         MsgType.REJECT: {"reason": "x", "retry": False},

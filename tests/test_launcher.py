@@ -393,6 +393,51 @@ def test_report_process_exit_declares_the_rank_lost_at_once(
         ctrl.stop()
 
 
+def test_another_nodes_launcher_reports_an_exit_over_the_network(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A launcher without the controller (node 1's and above) reports a worker's end with
+    one `exited` frame (`ExitReporter`): the rank is lost at once, as with node 0's
+    in-process report (heartbeats, every 5 s with 3 misses, would take 15 s). A report
+    about another process than the one registered for the rank changes nothing; without
+    the job's token (or CURVE) nothing is sent (the controller would drop it), and keys it
+    cannot read make a report fail, not the launcher."""
+    from mindspeed_tft.control import ControlConfig, Controller, Features, Processor
+    from mindspeed_tft.launcher.exit_report import ExitReporter
+
+    monkeypatch.setenv("TTP_LOG_PATH", str(tmp_path / "logs"))
+    config = ControlConfig(port=free_port(), heartbeat_interval=5.0, log_path=str(tmp_path),
+                           job_token="t" * 32)
+    ctrl = Controller(2, config, features=Features.from_names("dump,recover"))
+    ctrl.start()
+    processors = [Processor(r, 2, config, hard_exit=False) for r in (0, 1)]
+    reporter = ExitReporter(config)
+    try:
+        for p in processors:
+            p.start(timeout=20)
+        wait_for(lambda: ctrl.snapshot()["state"] == "NORMAL", 10, "NORMAL")
+        assert not ExitReporter(config.replace(job_token=None)).report(1, os.getpid(), -9)
+        unreadable = config.replace(curve_server_key=str(tmp_path / "no.key"),
+                                    curve_client_key=str(tmp_path / "no.key_secret"))
+        assert not ExitReporter(unreadable).report(1, os.getpid(), -9)  # logged, not raised
+        assert reporter.report(1, os.getpid() + 1, -9)  # not its registered process
+        time.sleep(1.0)
+        assert ctrl.snapshot()["incident"] is None
+        reported = time.monotonic()
+        assert reporter.report(1, os.getpid(), -9)
+        snap = wait_for(lambda: (s := ctrl.snapshot())["incidents"] and s, 5, "an incident")
+        print(f"\nreport over the network: report -> incident "
+              f"{time.monotonic() - reported:.2f}s")
+        assert snap["ranks"]["1"]["health"] == "lost" and snap["dropped"] == {}
+        assert [r.getMessage() for r in caplog.records
+                if r.getMessage().startswith("fault on rank")] == [
+            "fault on rank 1: lost (process killed by signal 9 (reported by its launcher))"]
+    finally:
+        reporter.close()
+        for p in processors:
+            p.close()
+        ctrl.stop()
+
+
 # -- the torchrun route -------------------------------------------------------------------------
 def test_patch_torchrun_script(job: Job, tmp_path: Path) -> None:
     original = Path(shutil.which("torchrun", path=str(BIN)) or "")

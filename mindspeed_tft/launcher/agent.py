@@ -9,7 +9,10 @@ What changes, by feature (see `options`):
   worker exit seen by node 0's launcher goes to `Controller.report_process_exit` at once
   (a worker killed by a signal as soon as the signal lands, before its reap: `procfs`),
   with why the launcher will not restart it when it will not (the incident then decides
-  at once instead of waiting for a replacement).
+  at once instead of waiting for a replacement). Every other node's launcher sends the
+  same report over the network (`exit_report`: an `exited` frame to the active
+  controller), so that a worker's end on any node is known at once, not only once its
+  heartbeats stop.
   The launcher's exit waits, bounded, for the controller to reach FINAL.
 - backups: when the job spans several nodes and `TTP_BACKUP_ADDRS` is not set, the
   launchers of nodes 1 and 2 each host a backup controller (on this host's address toward
@@ -71,6 +74,7 @@ from mindspeed_tft.arguments import CONTROLLER_IN_LAUNCHER_ENV
 from mindspeed_tft.events import store_refused
 
 from ..procfs import killed_returncode
+from .exit_report import ExitReporter
 from .lifetime import TiedSubprocessHandler
 from .options import MAX_RESTARTS_OPTION, LauncherError, LaunchOptions
 from .pool import SparePool
@@ -223,7 +227,7 @@ class TFTSubprocessContext(SubprocessContext):
                     if code is not None:
                         self._reported_dying.add(local_rank)
                 if code is not None:
-                    agent.report_exit(local_rank, code)
+                    agent.report_exit(local_rank, code, pid=proc.pid)
             return super()._poll()
         if agent.pool is not None:
             agent.pool.poll()
@@ -335,6 +339,8 @@ class TFTElasticAgent(LocalElasticAgent):
         self.backup_controller: Any = None
         #: node 0: the other launchers' beats (`heartbeat.NodeWatch`); others: its own beat
         self.heartbeat: Any = None
+        #: nodes other than 0: worker exits go to the controller over the network
+        self.exit_reporter: ExitReporter | None = None
         self.pool: SparePool | None = None
         self.restarts = 0
         #: (monotonic time, rank, old pid, new pid, via) of every restart, for tests and logs
@@ -584,13 +590,21 @@ class TFTElasticAgent(LocalElasticAgent):
         return None
 
     def report_exit(self, local_rank: int, returncode: int,
-                    no_replacement: str | None = None) -> None:
-        """Tell the controller in charge hosted here that a worker process ended, and why
-        it gets no replacement when it does not."""
+                    no_replacement: str | None = None, *, pid: int) -> None:
+        """Tell the controller in charge that a worker process (`pid`) ended, and why it
+        gets no replacement when it does not: in-process when it is hosted here (node 0's,
+        or a backup that took charge), else over the network (`exit_report`)."""
+        rank = self._worker_group.workers[local_rank].global_rank
         acting = self.acting_controller()
         if acting is not None:
-            rank = self._worker_group.workers[local_rank].global_rank
             acting.report_process_exit(rank, returncode, no_replacement)
+            return
+        if (not self.options.high_availability or self._worker_group.group_rank == 0
+                or (returncode == 0 and no_replacement is None)):
+            return  # no controller to tell, or nothing to tell it
+        if self.exit_reporter is None:
+            self.exit_reporter = ExitReporter(self.control_config)
+        self.exit_reporter.report(rank, pid, returncode, no_replacement)
 
     # -- workers --------------------------------------------------------------------------
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
@@ -657,7 +671,7 @@ class TFTElasticAgent(LocalElasticAgent):
         rank, pid = worker.global_rank, handler.proc.pid
         what = f"rank {rank} (pid {pid}) {describe_exit(returncode)}"
         refusal = None if returncode == 0 else self._refusal(what, returncode)
-        self.report_exit(local_rank, returncode, refusal)
+        self.report_exit(local_rank, returncode, refusal, pid=pid)
         if returncode == 0 or refusal is not None:
             return False
         limit = self.options.max_restarts
@@ -745,6 +759,9 @@ class TFTElasticAgent(LocalElasticAgent):
                 self.pool.close()
                 self.pool = None
             self._stop_controller(wait=self.control_config.lost_after + 10.0 if finished else 0.0)
+            reporter, self.exit_reporter = self.exit_reporter, None
+            if reporter is not None:
+                reporter.close()
 
 
 def agent_factory(options: LaunchOptions,

@@ -24,7 +24,8 @@ from mindspeed_tft.features import Features
 
 
 class _Link:
-    key = None
+    def __init__(self, key: str | None = None) -> None:
+        self.key = key
 
     def admit(self) -> bool:
         return True
@@ -34,11 +35,14 @@ class _Link:
 
 
 class Harness:
-    """A core of `world` ranks, registered at step `step`, and what it sent."""
+    """A core of `world` ranks, registered at step `step`, and what it sent (`token`: the
+    job's token, which the registrations carry)."""
 
     def __init__(self, world: int, features: Features, step: int = 1,
-                 copies: int = 1) -> None:
-        self.core = ControllerCore(world, sim_config(), features=features)
+                 copies: int = 1, token: str | None = None) -> None:
+        self.token = token
+        self.core = ControllerCore(world, sim_config().replace(job_token=token),
+                                   features=features)
         self.now = 0.0
         self.seq = {r: 0 for r in range(world)}
         self.sent: list[tuple[int, str, dict[str, Any]]] = []
@@ -51,7 +55,8 @@ class Harness:
                                  "holders": [r % chunk + k * chunk for k in range(copies)]}}
             self.frame(r, MsgType.REGISTER, {"world_size": world, "pid": 100 + r, "host": "h",
                                              "replica": replica, "step": step,
-                                             "status": "updated"})
+                                             "status": "updated",
+                                             **({"token": token} if token else {})})
 
     def feed(self, fn: Any, *args: Any) -> None:
         self.now += 0.01
@@ -67,6 +72,15 @@ class Harness:
         self.seq[rank] += 1
         self.feed(self.core.on_frame, str(rank).encode(), encode(mtype, rank, self.seq[rank],
                                                                  payload), _Link())
+
+    def exited(self, rank: int, pid: int, code: int, key: str | None = None,
+               **payload: Any) -> None:
+        """Another node's launcher reports `rank`'s process `pid` ended (its own connection,
+        under CURVE with `key`; the job's token unless `payload` says otherwise)."""
+        payload = {"pid": pid, "code": code, "token": self.token, **payload}
+        frame = encode(MsgType.EXITED, rank, 1, {k: v for k, v in payload.items()
+                                                 if v is not None})
+        self.feed(self.core.on_frame, b"launcher", frame, _Link(key))
 
     def orders(self, name: str) -> list[tuple[int, dict[str, Any]]]:
         return [(r, p) for r, t, p in self.sent if t == MsgType.ACTION and p["name"] == name]
@@ -211,3 +225,52 @@ def test_under_elastic_training_an_exit_not_restarted_shrinks_without_a_wait() -
     flow = h.core.flow
     assert flow is not None and flow.scaling.shrinking == {1}
     assert h.core.state is State.DUMP and [r for r, _ in h.orders("dump")] == [0, 2, 3]
+
+
+TOKEN = "t" * 32
+
+
+def test_another_nodes_launcher_reports_an_exit_as_node_0s_does() -> None:
+    """An `exited` frame (a launcher without the controller, over the network) is node 0's
+    launcher's `ProcessExit`: the rank is lost at once, and a refusal to restart it makes
+    the incident a dump at once, its reason naming the refusal."""
+    h = Harness(4, Features(high_availability=True, worker_reboot=True), copies=2,
+                token=TOKEN)
+    h.exited(3, 103, -9)
+    (lost,) = h.named("fault_detected")
+    assert (lost["ranks"], lost["kind"]) == ([3], "lost")
+    assert lost["message"] == "process killed by signal 9 (reported by its launcher)"
+    assert h.core.drops.counts == {}
+
+    h = Harness(4, Features(high_availability=True, worker_reboot=True), copies=2,
+                token=TOKEN)
+    h.exited(1, 101, 1, no_replacement=REFUSED)
+    h.answer("hold", {"step": 1, "status": "updated"})
+    h.answer("stop", {"step": 1, "status": "updated", "parked": True})
+    (strategy,) = h.named("strategy")
+    assert (strategy["strategy"], strategy["reason"]) == ("dump", f"no replacement: rank 1: "
+                                                                  f"{REFUSED}")
+
+
+def test_an_exit_report_needs_the_token_the_rank_key_and_the_registered_process() -> None:
+    """Dropped without the job's token, under CURVE from another key than the rank
+    registered with, and in a job with neither token nor CURVE; about another process than
+    the one registered for the rank (a report that crossed its replacement's
+    registration), ignored: no fault."""
+    h = Harness(4, Features(high_availability=True, worker_reboot=True), copies=2,
+                token=TOKEN)
+    h.exited(1, 101, -9, token="u" * 32)
+    h.exited(1, 101, -9, token=None)
+    h.core.registration.rank_keys[1] = "key-of-rank-1"
+    h.exited(1, 101, -9, key="another-key")
+    h.exited(2, 999, -9)
+    assert h.core.drops.counts == {"bad_token": 2, "rank_key": 1}
+    h.exited(1, 101, -9, key="key-of-rank-1")
+    assert [e["ranks"] for e in h.named("fault_detected")] == [[1]]
+
+    h = Harness(4, Features(high_availability=True, worker_reboot=True), copies=2)
+    h.exited(1, 101, -9)  # neither token nor CURVE: heartbeats only
+    assert h.core.drops.counts == {"bad_token": 1} and h.named("fault_detected") == []
+    h.core.registration.rank_keys[1] = "key-of-rank-1"  # CURVE without a token
+    h.exited(1, 101, -9, key="key-of-rank-1")
+    assert [e["ranks"] for e in h.named("fault_detected")] == [[1]]

@@ -46,6 +46,7 @@ def valid_messages() -> list[bytes]:
         (MsgType.RESULT, {"id": 1, "action": "stop", "ok": True, "result": {"step": 3}}),
         (MsgType.BYE, {"code": 0}),
         (MsgType.BACKUP, {"endpoint": "127.0.0.1:9", "index": 0}),
+        (MsgType.EXITED, {"pid": 1, "code": -9}),
         (MsgType.ACK, {"state": "NORMAL", "epoch": 0, "role": "active"}),
         (MsgType.ACTION, {"id": 1, "name": "exit", "timeout": 1.0, "payload": {"code": 3}}),
         (MsgType.REJECT, {"reason": "x", "retry": False}),
@@ -279,7 +280,8 @@ def test_costly_and_oversized_frames_are_refused_from_the_header() -> None:
 
 
 SCHEMAS_SENT = (MsgType.REGISTER, MsgType.HEARTBEAT, MsgType.REPORT, MsgType.RESULT,
-                MsgType.BYE, MsgType.BACKUP, MsgType.ACK, MsgType.ACTION, MsgType.SYNC)
+                MsgType.BYE, MsgType.BACKUP, MsgType.EXITED, MsgType.ACK, MsgType.ACTION,
+                MsgType.SYNC)
 
 
 def _sized(mtype: str, size: int) -> bytes:

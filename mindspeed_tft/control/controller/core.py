@@ -6,8 +6,8 @@ the incident under way and its phases (`incidents`, `incident`, `scaling`, `stra
 backups kept in sync and a backup taking charge (`backup`). It holds no socket, thread,
 clock or random source. Its inputs, each stamped with the time its feeder read it (`at`):
 
-- `on_frame`: a frame from a processor or backup connection (its routing id, the frame's
-  bytes and the `inbox.Link` it came by);
+- `on_frame`: a frame from a processor, backup or launcher connection (its routing id, the
+  frame's bytes and the `inbox.Link` it came by);
 - `on_upstream`: a frame from the active controller (a backup's link);
 - `command`: an operator's or a launcher's typed command (`Pause`, `Resume`, `ProcessExit`,
   `NoReplacement`, `NodeSilent`, `NodeBack`), `process_gone` (a process seen ended);
@@ -228,6 +228,11 @@ class ControllerCore:
             self.nodes.on_back(cmd.node)
         else:  # pragma: no cover - a new command type without its case
             raise TypeError(f"unknown controller command {cmd!r}")
+
+    def launcher_exit(self, rank: int, returncode: int, no_replacement: str | None) -> None:
+        """Another node's launcher reported `rank`'s process' end (`inbox`, `exited`): the
+        same as node 0's launcher's `ProcessExit`."""
+        self.command(ProcessExit(rank, returncode, no_replacement))
 
     def process_exit(self, rank: int, returncode: int, source: str) -> None:
         """`rank`'s process ended with `returncode`, seen by the shell (`procwatch`)."""

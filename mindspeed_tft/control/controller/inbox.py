@@ -5,10 +5,11 @@ before it is decoded (its type's size cap, and whether the connection it
 came by may send it at all), then bound to the rank registered from that connection (a
 spoofed sender or a replayed sequence number is dropped), and dispatched: heartbeats (rank
 progress, answers), registrations (`registration`), fault reports, action results (the
-incident under way), byes (a rank finished training) and backup controllers' hellos
-(`backup`). It reaches back into the core only through the `InboxHost` methods below, and
-to the connection a frame came by only through its `Link` (the shell's connection and
-admission; the simulator's connection).
+incident under way), byes (a rank finished training), backup controllers' hellos
+(`backup`) and other nodes' launchers' reports of a worker's end (`exited`). It reaches
+back into the core only through the `InboxHost` methods below, and to the connection a
+frame came by only through its `Link` (the shell's connection and admission; the
+simulator's connection).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from .states import State, StateMachine
 log = logging.getLogger("mindspeed_tft.control.controller")
 
 #: types an unregistered connection may send (anything else is dropped before decoding)
-_UNBOUND_TYPES = frozenset({MsgType.REGISTER, MsgType.BACKUP})
+_UNBOUND_TYPES = frozenset({MsgType.REGISTER, MsgType.BACKUP, MsgType.EXITED})
 
 
 class Link(Protocol):
@@ -76,6 +77,7 @@ class InboxHost(Protocol):
     def ack_frame(self) -> bytes: ...
     def order(self, rank: int, name: str, payload: Payload) -> None: ...
     def training_finished(self) -> None: ...
+    def launcher_exit(self, rank: int, returncode: int, no_replacement: str | None) -> None: ...
 
 
 class Inbox:
@@ -136,6 +138,8 @@ class Inbox:
                     server_key is None or key == server_key):
                 link.admit()  # a backup controller: it holds the job's token
             self.backups.on_backup(identity, msg, now, key)
+        elif t == MsgType.EXITED:
+            self._on_exited(msg, link)
         else:
             self.drops.drop("unexpected_type", t)
             self.host.mark_dirty()
@@ -233,6 +237,35 @@ class Inbox:
             log.error("rank %d: %s", row.rank, e)
             result = ResultMessage(p["id"], p["action"], error=f"ResultError: {e}")
         flow.on_result(row.rank, result)
+
+    def _on_exited(self, msg: Message, link: Link) -> None:
+        """A launcher without the controller (another node's) saw rank `msg.sender`'s
+        process `pid` end: the same as a report of node 0's launcher (`launcher_exit`).
+        Taken only with the job's token, under CURVE only from the key the rank registered
+        with (a job with neither token nor CURVE takes none), and only about the process
+        registered for the rank: a report that crossed its replacement's registration
+        changes nothing. The connection stays pending (the launcher closes it once the
+        frame is sent)."""
+        if self.host.role != "active":
+            return
+        p, rank = msg.payload, msg.sender
+        if not token_ok(self.config, p.get("token")) or (
+                self.config.job_token is None and link.key is None):
+            self.drops.drop("bad_token", f"exited claiming rank {rank}")
+            self.host.mark_dirty()
+            return
+        owner = self.registration.rank_keys.get(rank)
+        if link.key is not None and link.key != owner:
+            self.drops.drop("rank_key", f"exited for rank {rank} with another CURVE key")
+            self.host.mark_dirty()
+            return
+        row = self.table.get(rank)
+        if row is None or row.pid != p["pid"]:
+            log.info("rank %d: its launcher reports pid %d ended (code %d), not the process "
+                     "registered for it%s: nothing to do", rank, p["pid"], p["code"],
+                     "" if row is None else f" (pid {row.pid})")
+            return
+        self.host.launcher_exit(rank, p["code"], p.get("no_replacement"))
 
     def _on_bye(self, identity: bytes, msg: Message) -> None:
         row = self._bound(identity, msg)

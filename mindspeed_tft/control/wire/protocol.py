@@ -37,6 +37,8 @@ CONTROLLER = -1
 MAX_RANK = (1 << 24) - 1
 MAX_STEP = (1 << 62)
 MAX_TEXT = 4096
+#: the longest reason a launcher's `exited` report gives for not restarting a worker
+MAX_EXIT_REASON = 1024
 #: how far one message's `seq` may run ahead of the last one its receiver took from the same
 #: sender (a sender's messages arrive in order over one connection: far more than a rank
 #: sends in hours); one further ahead is dropped, so that a forged frame cannot push the
@@ -59,6 +61,8 @@ class MsgType:
     REPORT = "report"
     RESULT = "result"
     BYE = "bye"
+    # launcher -> controller: a worker of another node's launcher ended
+    EXITED = "exited"
     # controller -> processor
     REGISTERED = "registered"
     ACK = "ack"
@@ -232,6 +236,13 @@ SCHEMAS: dict[str, Schema] = {
         "error": (_str(MAX_TEXT), False),
     },
     MsgType.BYE: {"code": (_int(-(1 << 31), 1 << 31), True)},
+    # sender: the rank whose process ended; pid: that process (as it registered)
+    MsgType.EXITED: {
+        "pid": (_int(0, 1 << 31), True),
+        "code": (_int(-(1 << 31), 1 << 31), True),
+        "token": (_str(256), False),  # TTP_JOB_TOKEN, when the job has one
+        "no_replacement": (_str(MAX_EXIT_REASON), False),  # why its launcher will not restart it
+    },
     MsgType.REGISTERED: {
         "epoch": (_int(0, MAX_STEP), True),
         "state": (_str(32), True),
@@ -298,10 +309,10 @@ def encode(mtype: str, sender: int, seq: int, payload: dict[str, Any], *,
     return msgpack.packb([PROTOCOL_VERSION, mtype, sender, seq, payload], use_bin_type=True)
 
 
-#: what the controller's ROUTER takes (from processors and backups); anything else is dropped
-#: as `unexpected_type` before decoding
+#: what the controller's ROUTER takes (from processors, backups and other nodes' launchers);
+#: anything else is dropped as `unexpected_type` before decoding
 TO_CONTROLLER = frozenset({MsgType.REGISTER, MsgType.HEARTBEAT, MsgType.REPORT, MsgType.RESULT,
-                           MsgType.BYE, MsgType.BACKUP})
+                           MsgType.BYE, MsgType.BACKUP, MsgType.EXITED})
 _HEADER = 0x95  # a msgpack fixarray of 5 elements
 
 
@@ -330,6 +341,7 @@ class Limits:
             MsgType.HEARTBEAT: 128,
             MsgType.BYE: 64,
             MsgType.BACKUP: 1024,  # endpoint (<= 300) and job token (<= 256)
+            MsgType.EXITED: 2048,  # job token (<= 256) and the reason (<= 1024)
             MsgType.REGISTER: 4096 + 16 * (256 + per_rank),
             MsgType.REPORT: 2 * MAX_TEXT + 8192,
             MsgType.RESULT: 2 * MAX_TEXT + 65536 + 8 * per_rank,
