@@ -274,7 +274,9 @@ def _launch_node(run_dir, node_rank: int, master_port: int, ttp_port: int, extra
         run_dir, **STANDARD, ha_args=ARF_ARGS + extra,
         launcher=f"tft-run --nnodes 2 --node-rank {node_rank} --master-addr 127.0.0.1",
         env={"NPROC": "2", "MASTER_PORT": str(master_port), "TTP_PORT": str(ttp_port),
-             "TTP_LOG_PATH": str(run_dir / f"ttp_logs_node{node_rank}")}))
+             "TTP_LOG_PATH": str(run_dir / f"ttp_logs_node{node_rank}"),
+             # the replacement launcher is coming: the controller waits for it
+             "TFT_NODE_REPLACEMENT_WAIT": "120"}))
 
 
 class _Scraper:
