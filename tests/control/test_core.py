@@ -10,6 +10,8 @@ import pytest
 
 from mindspeed_tft.control.controller.core import (
     ControllerCore,
+    NodeBack,
+    NodeSilent,
     NoReplacement,
     Pause,
     ProcessExit,
@@ -225,6 +227,92 @@ def test_under_elastic_training_an_exit_not_restarted_shrinks_without_a_wait() -
     flow = h.core.flow
     assert flow is not None and flow.scaling.shrinking == {1}
     assert h.core.state is State.DUMP and [r for r, _ in h.orders("dump")] == [0, 2, 3]
+
+
+def _lose_node_1(h: Harness) -> None:
+    """Ranks 2 and 3 (node 1) fall silent: their processes are gone with their launcher."""
+    h.feed(h.core.command, ProcessExit(2, -9))
+    h.feed(h.core.command, ProcessExit(3, -9))
+    h.answer("hold", {"step": 1, "status": "updated"})
+    h.answer("stop", {"step": 1, "status": "updated", "parked": True})
+
+
+def test_a_silent_node_s_ranks_get_no_replacement_the_incident_dumps_at_once() -> None:
+    """Node 1's launcher silent (no replacement launcher coming, the default): the event says
+    `dump`, and the incident that loses its ranks dumps without a rejoin round."""
+    h = Harness(4, Features(high_availability=True, worker_reboot=True), copies=2)
+    h.feed(h.core.command, NodeSilent(1, (2, 3), 5.0))
+    (silent,) = h.named("node_silent")
+    assert (silent["node"], silent["ranks"], silent["decision"]) == (1, [2, 3], "dump")
+    _lose_node_1(h)
+    (strategy,) = h.named("strategy")
+    assert strategy["strategy"] == "dump"
+    assert strategy["reason"].startswith("no replacement: rank 2: node 1's launcher silent")
+    assert h.orders("clean") == [] and [r for r, _ in h.orders("dump")] == [0, 1]
+    assert h.orders("dump")[0][1]["payload"]["claim"] == "controller - epoch 0"
+
+
+def test_a_node_silent_after_the_decision_ends_the_rejoin_round_at_once() -> None:
+    """The ranks were lost first (recover, waiting for restarts); the launcher's silence then
+    ends the rejoin round at once: the dump instead of a wait of TFT_REPLACEMENT_WAIT."""
+    h = Harness(4, Features(high_availability=True, worker_reboot=True), copies=2)
+    _lose_node_1(h)
+    assert [e["strategy"] for e in h.named("strategy")] == ["recover"]
+    h.answer("clean")
+    assert h.core.flow is not None and h.core.flow.phase.name == "rejoin"
+    h.feed(h.core.command, NodeSilent(1, (2, 3), 5.0))
+    (failed,) = h.named("repair_failed")
+    assert "rank 2: no replacement (node 1's launcher silent for 5.0s)" in failed["reason"]
+    assert h.core.state is State.DUMP
+
+
+def test_under_elastic_training_a_silent_node_shrinks_the_job() -> None:
+    h = Harness(4, Features(high_availability=True, worker_reboot=True, elastic=True),
+                copies=2)
+    h.feed(h.core.command, NodeSilent(1, (2, 3), 5.0))
+    assert h.named("node_silent")[0]["decision"] == "shrink"
+    _lose_node_1(h)
+    h.answer("clean")
+    flow = h.core.flow
+    assert flow is not None and flow.scaling.shrinking == {2, 3}
+    assert h.core.state is State.DUMP
+
+
+def test_a_replacement_launcher_is_waited_for_then_given_up_on() -> None:
+    """TFT_NODE_REPLACEMENT_WAIT: the ranks wait that long for a replacement launcher (the
+    event says `wait`); a launcher heard again cancels it, a second silence past the wait
+    refuses their replacement."""
+    h = Harness(4, Features(high_availability=True, worker_reboot=True), copies=2)
+    h.core.config = h.core.nodes.config = h.core.config.replace(node_replacement_wait=30.0)
+    h.feed(h.core.command, NodeSilent(1, (2, 3), 5.0))
+    (silent,) = h.named("node_silent")
+    assert (silent["decision"], silent["wait_s"]) == ("wait", 30.0)
+    assert h.core.next_deadline() <= h.now + 30.0
+    h.feed(h.core.command, NodeBack(1))
+    assert [e["node"] for e in h.named("node_back")] == [1]
+    assert h.core.nodes.unreplaceable == {}
+    h.feed(h.core.command, NodeSilent(1, (2, 3), 5.0))
+    h.now += 31.0
+    h.feed(h.core.tick)
+    assert set(h.core.nodes.unreplaceable) == {2, 3}
+    assert "no replacement launcher for node 1 within 30s" in h.core.nodes.unreplaceable[2]
+
+
+def test_a_shrink_to_fewer_than_half_of_its_members_dumps_instead() -> None:
+    """A partition's minority side (here the controller's) never trains on: losing 4 of 6
+    DP replicas at once ends the job with the dump instead of a shrink to two ranks."""
+    h = Harness(6, Features(high_availability=True, worker_reboot=True, elastic=True),
+                copies=3)
+    for rank in (2, 3, 4, 5):
+        h.feed(h.core.command, ProcessExit(rank, 1, REFUSED))
+    h.answer("hold", {"step": 1, "status": "updated"})
+    h.answer("stop", {"step": 1, "status": "updated", "parked": True})
+    h.answer("clean")
+    h.answer("dump", {"written": []})
+    h.answer("rename", {"iteration": 1, "path": "/save/iter_0000001"})
+    (exit_event,) = h.named("exit")
+    assert "2 of its 6 ranks would train on: fewer than half" in exit_event["reason"]
+    assert not h.named("scale_in")
 
 
 TOKEN = "t" * 32
