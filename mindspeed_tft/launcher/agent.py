@@ -95,7 +95,8 @@ _ORIGINAL_START_PROCESSES = _local_agent.start_processes
 
 def say(message: str) -> None:
     """One line of the launcher's log (stderr, prefixed like torchrun's own lines)."""
-    print(f"[tft-run] {message}", file=sys.stderr, flush=True)
+    sys.stderr.write(f"[tft-run] {message}\n")  # one write: never split by another line
+    sys.stderr.flush()
 
 
 def _say_transition(old: Any, new: Any, reason: str) -> None:

@@ -42,6 +42,9 @@ PREFIX = "tftb"
 STATE_DIR = Path("/run/tft-testbed")
 #: the interface name inside every host
 IFNAME = "eth0"
+#: per-namespace files `ip netns exec` mounts over /etc (each host's /etc/hosts names every
+#: host of its bed, so that reverse lookups of peers answer at once)
+NETNS_ETC = Path("/etc/netns")
 
 
 class TestBedError(RuntimeError):
@@ -100,6 +103,7 @@ def _kill_namespace(space: str) -> None:
         with contextlib.suppress(ProcessLookupError, ValueError):
             os.kill(int(pid), signal.SIGKILL)
     _ip("netns", "del", space, check=False)
+    shutil.rmtree(NETNS_ETC / space, ignore_errors=True)
 
 
 def remove_stale() -> list[str]:
@@ -123,6 +127,9 @@ def remove_stale() -> list[str]:
         if not any(link.startswith(name) for name in live):
             _ip("link", "del", link, check=False)
             removed.add(link[:len(PREFIX) + 4])
+    for etc in NETNS_ETC.glob(f"{PREFIX}*") if NETNS_ETC.is_dir() else ():
+        if not any(etc.name.startswith(name) for name in live):
+            shutil.rmtree(etc, ignore_errors=True)
     for name, path in records.items():
         if name not in live:
             path.unlink(missing_ok=True)
@@ -202,6 +209,11 @@ class TestBed:
             _ip("link", "set", self.bridge, "up")
             for host in range(self.hosts):
                 self._add_host(host)
+            names = "".join(f"{self.address(h)} {self.namespace(h)}\n" for h in range(self.hosts))
+            for host in range(self.hosts):
+                etc = NETNS_ETC / self.namespace(host)
+                etc.mkdir(parents=True, exist_ok=True)
+                (etc / "hosts").write_text(f"127.0.0.1 localhost\n::1 localhost\n{names}")
         except BaseException:
             self.down()
             raise

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime
@@ -45,16 +46,23 @@ ForwardStep = Callable[[Iterator, torch.nn.Module], tuple[torch.Tensor, Callable
 DatasetsProvider = Callable[[list[int]], tuple[Any, Any, Any]]
 
 
+def _print_line(message: str) -> None:
+    """One line in one write: `print` writes the text and its newline apart, and in an
+    unbuffered process sharing its launcher's pipe another process' line can land between."""
+    sys.stdout.write(f"{message}\n")
+    sys.stdout.flush()
+
+
 def print_rank_0(message: str) -> None:
     """Print on global rank 0 only."""
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(message, flush=True)
+        _print_line(message)
 
 
 def print_rank_last(message: str) -> None:
     """Print on the last global rank only (it holds the loss with pipeline parallelism)."""
     if not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1:
-        print(message, flush=True)
+        _print_line(message)
 
 
 def is_last_rank() -> bool:
