@@ -96,10 +96,17 @@ def claim(root: str, lock_step: int, claimant: str, stale_after: float) -> str |
     directory = tmp_dir(root, lock_step)
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, CLAIM_FILENAME)
-    record = json.dumps({"claimant": claimant, "lock_step": lock_step}).encode()
+    staged = f"{path}.{os.getpid()}.{os.urandom(4).hex()}"
+    with open(staged, "wb") as f:  # complete before anyone can read it under its name
+        f.write(json.dumps({"claimant": claimant, "lock_step": lock_step}).encode())
+        f.flush()
+        os.fsync(f.fileno())
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
-    except FileExistsError:
+        try:
+            os.link(staged, path)  # exclusive: fails when the folder is claimed already
+            return None
+        except FileExistsError:
+            pass
         holder = claimant_of(directory)
         if holder == claimant:
             return None
@@ -110,20 +117,14 @@ def claim(root: str, lock_step: int, claimant: str, stale_after: float) -> str |
         if age < stale_after:
             raise DumpError(f"{directory} is being written by {holder or 'another writer'} "
                             f"(claimed {age:.1f}s ago; the other side of a partition?): this "
-                            "side writes nothing, so that the step has one checkpoint") from None
-        staged = f"{path}.{os.getpid()}"  # a dead dump's claim: taken over atomically
-        with open(staged, "wb") as f:
-            f.write(record)
-        os.replace(staged, path)
+                            "side writes nothing, so that the step has one checkpoint")
+        os.replace(staged, path)  # a dead dump's claim: taken over atomically
         if claimant_of(directory) != claimant:
-            raise DumpError(f"{directory}: another writer took the stale claim over") from None
+            raise DumpError(f"{directory}: another writer took the stale claim over")
         return None
-    try:
-        os.write(fd, record)
-        os.fsync(fd)
     finally:
-        os.close(fd)
-    return None
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(staged)
 
 
 def claimant_of(directory: str) -> str | None:

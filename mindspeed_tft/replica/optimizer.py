@@ -24,11 +24,12 @@ replicas it counts only when an optimizer asks for it.
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-from mindspeed_tft.recovery.layout import save_file
 from mindspeed_tft.replica.groups import ReplicaGroups
 
 _groups: ReplicaGroups | None = None
@@ -43,13 +44,16 @@ def _grad_stats_group(self: Any) -> dist.ProcessGroup | None:
 
 def _save_parameter_state(self: Any, filename: str) -> None:
     """Gather the parameter state on DP rank 0 of chunk 0 and write it (chunk 0 only), through
-    a file object (`layout.save_file`: fsynced, and a failed write raises its OSError, where
-    torch's writer given a path raises a RuntimeError without the errno)."""
+    a file object, fsynced (a failed write raises its OSError, where torch's writer given a
+    path raises a RuntimeError without the errno), as `recovery.layout.save_file` does."""
     if self.distributed_optimizer_instance_id != 0:
         return
     state_dict = self.get_parameter_state_dp_zero()
     if dist.get_rank(self.data_parallel_group) == 0:
-        save_file(state_dict, filename)
+        with open(filename, "wb") as f:
+            torch.save(state_dict, f)
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def _count_zeros_when_asked(count_zeros: Any) -> Any:

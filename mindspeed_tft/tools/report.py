@@ -93,6 +93,17 @@ def _describe(event: dict[str, Any]) -> str | None:
                 f"of iteration {event['iteration']} from rank {event['source']}")
     if name == "dump_saved":
         return f"dying-gasp checkpoint of iteration {event['iteration']} saved in {event['path']}"
+    if name == "dump_not_published":
+        return (f"rank {event['rank']}: iteration {event['iteration']}'s checkpoint was "
+                f"published by {event['published_by']} (the other side of a partition): "
+                "not written again")
+    if name == "node_silent":
+        then = {"wait": f"waits up to {event.get('wait_s')}s for a replacement launcher",
+                "dump": "no replacement: the dump", "shrink": "no replacement: the shrink"}
+        return (f"node {event['node']}'s launcher silent for {event['silent_s']}s (ranks "
+                f"{event['ranks']}): {then.get(event['decision'], event['decision'])}")
+    if name == "node_back":
+        return f"node {event['node']}'s launcher heard again (ranks {event['ranks']})"
     if name == "checkpoint_failed":
         return (f"rank {event['rank']}: {event['what']} of iteration {event['iteration']} not "
                 f"written: {event['path']}: {event['reason']} ({event['free']} bytes free of "

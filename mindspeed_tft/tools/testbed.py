@@ -264,16 +264,19 @@ class TestBed:
         _ip("-n", self.namespace(host), "link", "set", IFNAME, "up")
 
     def slow(self, host: int, rate: str = "10mbit") -> None:
-        """`host`'s outgoing traffic limited to `rate` (a token bucket); `rate=""` lifts it."""
-        space = self.namespace(host)
-        subprocess.run(["tc", "-n", space, "qdisc", "del", "dev", IFNAME, "root"],
-                       capture_output=True, timeout=30)
-        if rate:
-            done = subprocess.run(["tc", "-n", space, "qdisc", "add", "dev", IFNAME, "root",
-                                   "tbf", "rate", rate, "burst", "32kbit", "latency", "400ms"],
+        """`host`'s link limited to `rate` both ways (a token bucket on its `eth0` for what it
+        sends, on the bridge's end of its link for what it receives); `rate=""` lifts it."""
+        for namespace, dev in ((["-n", self.namespace(host)], IFNAME), ([], self._veth(host))):
+            subprocess.run(["tc", *namespace, "qdisc", "del", "dev", dev, "root"],
+                           capture_output=True, timeout=30)
+            if not rate:
+                continue
+            done = subprocess.run(["tc", *namespace, "qdisc", "add", "dev", dev, "root", "tbf",
+                                   "rate", rate, "burst", "32kbit", "latency", "400ms"],
                                   capture_output=True, text=True, timeout=30)
             if done.returncode != 0:
-                raise TestBedError(f"tc tbf {rate} on host {host}: {done.stderr.strip()}")
+                raise TestBedError(f"tc tbf {rate} on host {host} ({dev}): "
+                                   f"{done.stderr.strip()}")
 
     def pids(self, host: int) -> list[int]:
         """The processes running on `host`."""
