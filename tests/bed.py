@@ -43,8 +43,13 @@ class Cluster:
     """The launchers of one job on a bed, started host by host; `end()` kills what is left."""
 
     def __init__(self, bed: TestBed, run_dir: Path, *, nnodes: int, ha_args: str,
-                 megatron_lm: Path | None = None, **job: Any) -> None:
+                 megatron_lm: Path | None = None, kubernetes: bool = False,
+                 **job: Any) -> None:
         self.bed, self.run_dir, self.nnodes = bed, run_dir, nnodes
+        #: the Kubernetes route's addresses too (configs/k8s): each node's controller binds
+        #: its own address (`CONTROLLER_ADDR`), processors connect to node 0's
+        #: (`PROCESSOR_ADDR`)
+        self.kubernetes = kubernetes
         self.ha_args, self.megatron_lm, self.job = ha_args, megatron_lm, job
         self.token = secrets.token_hex(32)
         self.keys = generate_keys(str(run_dir / "keys"))
@@ -62,6 +67,9 @@ class Cluster:
             "TTP_LOG_PATH": str(self.run_dir / f"ttp_logs_node{node}"),
             **self.keys[role], **(extra or {}),
         }
+        if self.kubernetes:
+            settings = {"CONTROLLER_ADDR": self.bed.address(node), "PROCESSOR_ADDR": addr0,
+                        **settings}
         if self.megatron_lm is not None:
             settings.update({"MEGATRON_LM": str(self.megatron_lm), "ENTRY": "",
                              "SCRIPT": "pretrain_gpt.py"})

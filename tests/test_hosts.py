@@ -98,7 +98,8 @@ def test_repairs_across_hosts_are_bit_exact(reference_job, tmp_path):
 
 
 def test_a_lost_host_rejoins_through_a_replacement_host(reference_job, tmp_path):
-    """As Kubernetes recreates a pod: the host dies (processes killed, link down), and a
+    """As Kubernetes recreates a pod, with its route's addresses (`CONTROLLER_ADDR` each
+    host's own, `PROCESSOR_ADDR` node 0's): the host dies (processes killed, link down), and a
     replacement with its address starts 8 s later; the controller waits for it
     (`TFT_NODE_REPLACEMENT_WAIT`), its launcher takes the node's record, and the job ends
     bit-identical."""
@@ -106,7 +107,7 @@ def test_a_lost_host_rejoins_through_a_replacement_host(reference_job, tmp_path)
     wait = {"TFT_NODE_REPLACEMENT_WAIT": "120"}
     with make_bed(2) as bed:
         cluster = Cluster(bed, tmp_path, nnodes=2, layout="dp4", ha_args=REBOOT,
-                          env=wait, **STANDARD)
+                          env=wait, kubernetes=True, **STANDARD)
         try:
             cluster.start(0)
             cluster.start(1)
