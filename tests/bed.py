@@ -22,20 +22,26 @@ import pytest
 
 from mindspeed_tft.control.wire.keys import generate_keys
 from mindspeed_tft.tools.testbed import IFNAME, TestBed, unavailable
-from tests.jobs import MEGATRON_LM_SCRIPT, REPO, TINY_SCRIPT, tiny_job_env
+from tests.jobs import MEGATRON_LM_SCRIPT, REPO, TINY_SCRIPT, tiny_job_env, wait_event
 
 #: the ports of the job: every host has a TCP stack of its own, so fixed ones do
 MASTER_PORT, TTP_PORT = 29500, 8000
 
 
+def need(reason: str | None) -> None:
+    """A test the machine cannot run (`reason`, one line) fails with it; under
+    TFT_TESTBED=off it is skipped with it. None: it can run."""
+    if reason is None:
+        return
+    if os.environ.get("TFT_TESTBED") == "off":
+        pytest.skip(f"TFT_TESTBED=off: {reason}")
+    pytest.fail(f"{reason} (TFT_TESTBED=off skips the multi-node cells)", pytrace=False)
+
+
 def make_bed(hosts: int) -> TestBed:
     """A bed of `hosts`, or the test fails (skips under TFT_TESTBED=off) with the reason."""
     reason = unavailable()
-    if reason is not None:
-        if os.environ.get("TFT_TESTBED") == "off":
-            pytest.skip(f"TFT_TESTBED=off: {reason}")
-        pytest.fail(f"no test bed of hosts on this machine: {reason} "
-                    "(TFT_TESTBED=off skips the multi-node cells)", pytrace=False)
+    need(None if reason is None else f"no test bed of hosts on this machine: {reason}")
     return TestBed(hosts)
 
 
@@ -102,6 +108,17 @@ class Cluster:
                                  f"output tail:\n{output[-4000:]}") from None
         self._keep(node, output)
         return proc.returncode
+
+    def replace_host(self, node: int) -> None:
+        """Host `node` dies (its processes killed, its link down) and, once node 0's
+        controller has said its launcher is silent (`node_silent`), comes back with a new
+        launcher for the node, as Kubernetes recreates a lost pod."""
+        self.bed.kill_host(node)
+        self.wait(node, 30)
+        wait_event(self.events, lambda e: e["event"] == "node_silent" and e["node"] == node,
+                   60)
+        self.bed.restore(node)
+        self.start(node)
 
     def _keep(self, node: int, output: str) -> None:
         self.outputs[node] = self.outputs.get(node, "") + output

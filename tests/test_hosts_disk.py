@@ -31,7 +31,7 @@ import pytest
 from mindspeed_tft.recovery import manifest
 from mindspeed_tft.recovery.layout import TRACKER_FILENAME
 from mindspeed_tft.tools.testbed import small_folder
-from tests.bed import Cluster, make_bed
+from tests.bed import Cluster, make_bed, need
 from tests.clones import VERSIONS, clone
 from tests.jobs import HA_ARGS, REPO, STANDARD, free_port, read_events_if_any, run_tiny_job
 
@@ -172,11 +172,7 @@ for iteration in (1, 2):
 def _need_root() -> None:
     """A small folder (tmpfs) needs root: elsewhere the test fails with the reason, a skip
     under TFT_TESTBED=off (as the bed's cells)."""
-    if os.geteuid() != 0:
-        reason = "a small folder (a tmpfs mount) needs root"
-        if os.environ.get("TFT_TESTBED") == "off":
-            pytest.skip(f"TFT_TESTBED=off: {reason}")
-        pytest.fail(f"{reason} (TFT_TESTBED=off skips it)", pytrace=False)
+    need("a small folder (a tmpfs mount) needs root" if os.geteuid() != 0 else None)
 
 
 @pytest.mark.parametrize("version", VERSIONS)

@@ -75,6 +75,7 @@ from mindspeed_tft.events import store_refused
 
 from ..procfs import killed_returncode
 from .exit_report import ExitReporter
+from .heartbeat import NodeBeat, NodeWatch
 from .lifetime import TiedSubprocessHandler
 from .options import MAX_RESTARTS_OPTION, LauncherError, LaunchOptions
 from .pool import SparePool
@@ -339,7 +340,7 @@ class TFTElasticAgent(LocalElasticAgent):
         self.controller: Any = None
         self.backup_controller: Any = None
         #: node 0: the other launchers' beats (`heartbeat.NodeWatch`); others: its own beat
-        self.heartbeat: Any = None
+        self.heartbeat: NodeWatch | NodeBeat | None = None
         #: nodes other than 0: worker exits go to the controller over the network
         self.exit_reporter: ExitReporter | None = None
         self.pool: SparePool | None = None
@@ -539,8 +540,6 @@ class TFTElasticAgent(LocalElasticAgent):
     def _start_heartbeat(self, worker_group: WorkerGroup) -> None:
         """Several nodes with worker reboot: node 0's launcher watches the others' beats and
         tells its controller who fell silent; the others beat (`heartbeat`)."""
-        from .heartbeat import NodeBeat, NodeWatch
-
         handler = worker_group.spec.rdzv_handler
         nodes = worker_group.group_world_size
         if (self.heartbeat is not None or not self.options.worker_reboot or nodes is None
@@ -737,8 +736,6 @@ class TFTElasticAgent(LocalElasticAgent):
         """torch's wait (`--exit-barrier-timeout`, 300 s) for every node's launcher to end,
         except for launchers known gone: node 0 does not wait for nodes whose launchers fell
         silent, nor a node for the others when it is cut off from node 0's store."""
-        from .heartbeat import NodeBeat, NodeWatch
-
         beat = self.heartbeat
         if isinstance(beat, NodeWatch) and beat.reported:
             say(f"not waiting for nodes {sorted(beat.reported)} to end: their launchers fell "

@@ -148,9 +148,9 @@ class ControllerCore:
         self.registration = Registration(
             self, config=config, world_size=world_size, table=self.table, sm=self.sm,
             drops=self.drops, elasticity=self.elasticity, watch=watch or _NoWatch())
-        #: the incident under way, the orders it sends, its counters (`incidents.Incidents`)
         #: silent launchers of other nodes, and the ranks that get no replacement (`nodes`)
         self.nodes = Nodes(self, config)
+        #: the incident under way, the orders it sends, its counters (`incidents.Incidents`)
         self.incidents = Incidents(self, config=config, table=self.table, sm=self.sm,
                                    planner=self.planner, elasticity=self.elasticity,
                                    unreplaceable=self.nodes.unreplaceable)
