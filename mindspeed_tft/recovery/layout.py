@@ -270,7 +270,10 @@ def full_folder_line(folder: str, reason: str) -> str:
     """`<folder>: <reason> (<free> bytes free of <total>)`: the save folder, what stopped a
     write there and the space its file system has left now (what a periodic save and a dump
     that failed say)."""
-    space = disk_space(folder)
+    return _folder_line(folder, reason, disk_space(folder))
+
+
+def _folder_line(folder: str, reason: str, space: tuple[int, int] | None) -> str:
     left = "free space unknown" if space is None else f"{space[0]} bytes free of {space[1]}"
     return f"{folder}: {reason} ({left})"
 
@@ -298,11 +301,11 @@ class CheckpointWriteError(OSError):
         kept = (f"the last checkpoint stays iteration {last} "
                 f"({os.path.join(self.root, iteration_dir_name(last))})" if last is not None
                 else f"there is no earlier checkpoint under {self.root}")
+        space = disk_space(self.root)  # read once: the line and the event say the same
         line = (f"[mindspeed-tft] ERROR: {self.what} of iteration {self.iteration} not "
-                f"written: {full_folder_line(self.root, self.reason)}; nothing of it was "
-                f"published, {kept}")
+                f"written: {_folder_line(self.root, self.reason, space)}; nothing of it "
+                f"was published, {kept}")
         print(line, file=sys.stderr, flush=True)
-        space = disk_space(self.root)
         emit("checkpoint_failed", rank, what=self.what, iteration=self.iteration,
              path=self.root, reason=self.reason, free=None if space is None else space[0],
              total=None if space is None else space[1], last=last)
