@@ -19,11 +19,12 @@ import threading
 import time
 from typing import Any
 
+from .records import CONTROLLER_RANK, RECORD_FIELDS, iteration_record, validate_record  # noqa: F401
+
 #: the Stable API of this module: the events file's check (the schema is docs/design.md,
 #: section 11, "Events file"); the rest is internal
 __all__ = ["validate_record"]
 
-CONTROLLER_RANK = -1
 #: the environment variable naming the events file (`--tft-events-file` wins over it)
 EVENTS_FILE_ENV = "TFT_EVENTS_FILE"
 
@@ -133,7 +134,6 @@ def read_events_if_any(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 
 #: the fields of an iteration record besides `iteration` (SPEC 11, `iteration` event)
-RECORD_FIELDS = ("loss", "grad_norm", "lr", "consumed_samples")
 #: the store key holding the highest iteration the logging rank logged
 LOGGED_KEY = "tft/iterations/logged"
 
@@ -183,7 +183,7 @@ class IterationLog:
 
     def prepare(self, iteration: int, **fields: Any) -> None:
         """The step's loss is known and its update is about to run."""
-        self.pending = _record(iteration, fields)
+        self.pending = iteration_record(iteration, fields)
 
     def records(self) -> list[dict[str, Any]]:
         """What this rank knows of its last iterations (for the controller)."""
@@ -236,7 +236,7 @@ class IterationLog:
     def record(self, iteration: int, *, logger: bool, **fields: Any) -> bool:
         """Keep the step's record; on the logging rank emit it. False: a recomputed
         iteration, whose log line the host skips."""
-        self.latest = _record(iteration, fields)
+        self.latest = iteration_record(iteration, fields)
         if not logger:
             return True
         if iteration <= self.highest_logged():
@@ -256,7 +256,7 @@ class IterationLog:
         filled, highest = [], self.highest_logged(refresh=True)
         for rec in sorted(records, key=lambda r: r["iteration"]):
             if rec["iteration"] > highest:
-                self._logged(_record(rec["iteration"], rec))
+                self._logged(iteration_record(rec["iteration"], rec))
                 # one write: other ranks print to the same stream at this moment
                 print(_fill_line(rec, train_iters, why) + "\n", end="", flush=True)
                 filled.append(highest := rec["iteration"])
@@ -277,10 +277,6 @@ def _rank() -> int:
     return dist.get_rank() if dist is not None and dist.is_initialized() else 0
 
 
-def _record(iteration: int, fields: dict[str, Any]) -> dict[str, Any]:
-    return {"iteration": int(iteration), **{k: fields.get(k) for k in RECORD_FIELDS}}
-
-
 def _fill_line(rec: dict[str, Any], train_iters: int | None, why: str) -> str:
     """Megatron-LM's log line for an iteration logged after the repair (or at the exit)."""
     from datetime import datetime
@@ -294,30 +290,6 @@ def _fill_line(rec: dict[str, Any], train_iters: int | None, why: str) -> str:
     if rec.get("grad_norm") is not None:
         line += f" grad norm: {rec['grad_norm']:.3f} |"
     return line + f" ({why}) |"
-
-
-def validate_record(value: Any) -> dict[str, Any] | None:
-    """Check an iteration record (an ``iteration`` event's fields) from an untrusted source.
-
-    Args:
-        value: the decoded record, e.g. one line of the events file or a network message.
-
-    Returns:
-        The record with its known keys (``iteration``, ``loss``, ``grad_norm``, ``lr``,
-        ``consumed_samples``), or None when it is not one: another type, an unknown key, an
-        iteration below 1, or a value that is not an int or float where one is required.
-    """
-    if not isinstance(value, dict) or set(value) - {"iteration", *RECORD_FIELDS}:
-        return None
-    iteration = value.get("iteration")
-    if type(iteration) is not int or iteration < 1 or type(value.get("loss")) not in (int, float):
-        return None
-    for key in ("grad_norm", "lr", "consumed_samples"):
-        if value.get(key) is not None and type(value[key]) not in (int, float):
-            return None
-    if value.get("consumed_samples") is not None and type(value["consumed_samples"]) is not int:
-        return None
-    return _record(iteration, value)
 
 
 #: the largest whole number a store value may hold unless its reader knows a smaller bound

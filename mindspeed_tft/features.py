@@ -13,9 +13,11 @@ It depends on nothing, so every layer may import it.
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the type of `from_args`'s argument only
+    import argparse
 
 DEFAULT_OPTIMIZER_REPLICA_NUM = 2
 

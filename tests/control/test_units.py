@@ -38,7 +38,7 @@ from mindspeed_tft.control.wire.protocol import (
     encode,
 )
 from mindspeed_tft.control.wire.transport import CurveKeys
-from mindspeed_tft.events import configure_events, read_events
+from mindspeed_tft.events import configure_events, emit, read_events
 
 # -- protocol ---------------------------------------------------------------------------------
 
@@ -215,7 +215,7 @@ def test_state_machine_checks_and_emits(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.delenv("TFT_EVENTS_FILE", raising=False)
     configure_events(str(path))
     try:
-        sm = StateMachine()
+        sm = StateMachine(emit)
         sm.to(State.NORMAL, "registered")
         with pytest.raises(IllegalTransition):
             sm.to(State.REPAIR)

@@ -47,13 +47,13 @@ import dataclasses
 import logging
 from typing import Any, Protocol
 
-from ...events import CONTROLLER_RANK
 from ...features import Features
+from ...records import CONTROLLER_RANK
 from ..wire.classify import FaultKind
-from ..wire.config import ControlConfig, parse_hostport
+from ..wire.config import ControlConfig
 from ..wire.order_types import ExitOrder, Payload
+from ..wire.peers import hostport, parse_hostport, token_ok
 from ..wire.protocol import CONTROLLER, DropCounter, Message, MsgType, ProtocolError, decode, encode
-from ..wire.transport import hostport, token_ok
 from .ranktable import CONNECTED, Health, RankInfo, RankTable
 from .states import INCIDENT_STATES, State, StateMachine
 

@@ -27,8 +27,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ...events import CONTROLLER_RANK
 from ...features import Features
+from ...records import CONTROLLER_RANK
 from ..wire.classify import FaultKind
 from ..wire.config import ControlConfig
 from ..wire.order_types import ExitOrder, PauseOrder, Payload, ResumeOrder
@@ -125,7 +125,7 @@ class ControllerCore:
         self.endpoint = endpoint
         self.out = Outbox()
         self.table = RankTable(world_size)
-        self.sm = StateMachine(State.INIT, emit_events=False, sink=self.out.emit)
+        self.sm = StateMachine(self.out.emit, State.INIT, emit_events=False)
         self.sm.listeners.append(self._on_transition)
         self.drops = DropCounter(log)
         #: per-type frame caps and msgpack limits for this world size (protocol.Limits)

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from ..wire.classify import FaultKind
 from ..wire.config import ControlConfig
 from ..wire.order_types import ExitOrder, Payload, ResumeOrder
+from ..wire.peers import token_ok
 from ..wire.protocol import (
     SEQ_WINDOW,
     TO_CONTROLLER,
@@ -33,7 +34,6 @@ from ..wire.protocol import (
     seq_in_window,
 )
 from ..wire.results import ReportMessage, ResultError, ResultMessage
-from ..wire.transport import token_ok
 from .backup import BackupSync
 from .incident import IncidentFlow
 from .ranktable import CONNECTED, Health, RankInfo, RankTable

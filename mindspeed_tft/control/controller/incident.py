@@ -58,7 +58,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from ...events import CONTROLLER_RANK, validate_record
+from ...records import CONTROLLER_RANK, validate_record
 from ..wire.classify import FaultKind
 from ..wire.config import ControlConfig
 from ..wire.order_types import ExitOrder, HoldOrder, Payload, ResumeOrder

@@ -25,8 +25,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ...events import CONTROLLER_RANK
 from ...features import Features
+from ...records import CONTROLLER_RANK
 from ..wire.config import ControlConfig
 from .incident import IncidentFlow
 

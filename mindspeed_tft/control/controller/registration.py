@@ -16,8 +16,8 @@ from typing import Any, Protocol
 
 from ...features import Features
 from ..wire.config import ControlConfig
+from ..wire.peers import REFUSED, REFUSED_FOR_NOW, token_ok
 from ..wire.protocol import DropCounter, Message, MsgType, seq_in_window
-from ..wire.transport import REFUSED, REFUSED_FOR_NOW, token_ok
 from .elasticity import Elasticity
 from .ranktable import CONNECTED, Health, RankInfo, RankTable
 from .states import State, StateMachine

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from ...events import CONTROLLER_RANK
+from ...records import CONTROLLER_RANK
 from ..wire.config import ControlConfig
 from ..wire.order_types import ExitOrder, Payload, ScaleInOrder, ScaleOutOrder
 from ..wire.results import ActionResult, ScaleResult

@@ -18,12 +18,11 @@ consequence of what a peer sent).
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from enum import Enum
 from typing import Any, Protocol
 
-from ...events import CONTROLLER_RANK, emit
+from ...records import CONTROLLER_RANK
 
 log = logging.getLogger("mindspeed_tft.control.states")
 
@@ -62,7 +61,8 @@ INCIDENT_STATES = frozenset({State.ABNORMAL, State.ENV_CLEAR, State.REPAIR, Stat
 
 
 class EventSink(Protocol):
-    """Where events go: `events.emit`, or the controller core's `outbox.Outbox.emit`."""
+    """Where its `state` events go (the controller core's `outbox.Outbox.emit`: the shell
+    writes them; `events.emit` writes them at once)."""
 
     def __call__(self, event: str, rank: int, **fields: Any) -> dict[str, Any]: ...
 
@@ -74,12 +74,11 @@ class IllegalTransition(RuntimeError):
 class StateMachine:
     """Current state plus checked transitions; listeners run after each transition."""
 
-    def __init__(self, initial: State = State.INIT, *, emit_events: bool = True,
-                 sink: EventSink = emit) -> None:
+    def __init__(self, sink: EventSink, initial: State = State.INIT, *,
+                 emit_events: bool = True) -> None:
         self._state = initial
         #: where its `state` events go (the controller's core: its outbox)
         self._sink = sink
-        self._lock = threading.Lock()
         self._emit = emit_events
         self.history: list[State] = [initial]
         self.listeners: list[Callable[[State, State, str], None]] = []
@@ -107,12 +106,11 @@ class StateMachine:
 
     def to(self, new: State, reason: str = "") -> None:
         """Move to `new` (raises IllegalTransition when the table does not allow it)."""
-        with self._lock:
-            old = self._state
-            if new not in TRANSITIONS[old]:
-                raise IllegalTransition(f"{old} -> {new} is not a transition of SPEC 5 ({reason})")
-            self._state = new
-            self.history.append(new)
+        old = self._state
+        if new not in TRANSITIONS[old]:
+            raise IllegalTransition(f"{old} -> {new} is not a transition of SPEC 5 ({reason})")
+        self._state = new
+        self.history.append(new)
         log.info("state %s -> %s (%s)", old, new, reason)
         if self._emit:
             self._sink("state", CONTROLLER_RANK, state=new.value, prev=old.value, reason=reason)
@@ -121,10 +119,9 @@ class StateMachine:
 
     def force(self, new: State, reason: str = "") -> None:
         """Set the state without a transition (a backup taking over a synced state)."""
-        with self._lock:
-            old = self._state
-            self._state = new
-            self.history.append(new)
+        old = self._state
+        self._state = new
+        self.history.append(new)
         log.info("state set %s -> %s (%s)", old, new, reason)
         if self._emit:
             self._sink("state", CONTROLLER_RANK, state=new.value, prev=old.value, reason=reason)

@@ -61,6 +61,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .peers import (  # noqa: F401  (re-exported: callers name them config's)
+    ControlConfigError,
+    parse_hostport,
+    parse_ip,
+    parse_port,
+)
 from .priority import NICE_RANGE, RTPRIO_RANGE
 
 log = logging.getLogger("mindspeed_tft.control")
@@ -73,39 +79,6 @@ LOG_FILE = "ttp_log.log"
 MAX_BACKUPS = 2
 METRICS_PORT_ENV = "TFT_METRICS_PORT"
 METRICS_ADDR_ENV = "TFT_METRICS_ADDR"
-
-
-class ControlConfigError(ValueError):
-    """A configuration value that cannot be used (the message names it and what is allowed)."""
-
-
-def parse_ip(value: str, name: str, *, allow_wildcard: bool = True) -> str:
-    """Validate an IPv4/IPv6 literal (brackets allowed around IPv6); returns it unbracketed."""
-    text = value.strip()
-    if text.startswith("[") and text.endswith("]"):
-        text = text[1:-1]
-    try:
-        ip = ipaddress.ip_address(text)
-    except ValueError:
-        raise ControlConfigError(
-            f"{name}={value!r} is not an IPv4 or IPv6 address (e.g. 127.0.0.1, 10.0.0.5, ::1)"
-        ) from None
-    if ip.is_unspecified and not allow_wildcard:
-        raise ControlConfigError(
-            f"{name}={value!r} is a wildcard address; processors need the controller's real address"
-        )
-    return str(ip)
-
-
-def parse_port(value: str | int, name: str = "TTP_PORT", *, allow_any: bool = False) -> int:
-    """Validate a TCP port (1..65535; 0 = any free port where `allow_any`)."""
-    try:
-        port = int(str(value).strip())
-    except ValueError:
-        raise ControlConfigError(f"{name}={value!r} is not an integer port (allowed: 1..65535)") from None
-    if not (0 if allow_any else 1) <= port <= 65535:
-        raise ControlConfigError(f"{name}={value!r} is out of range (allowed: 1..65535)")
-    return port
 
 
 def port_in_use(addr: str, port: int, what: str = "the controller",
@@ -135,22 +108,6 @@ def check_port_free(addr: str, port: int, what: str = "the controller",
             if error.errno == errno.EADDRINUSE:
                 raise port_in_use(addr, port, what, variable) from None
             raise
-
-
-def parse_hostport(value: str, name: str) -> tuple[str, int]:
-    """Parse `ip:port` or `[ipv6]:port` into (ip, port)."""
-    text = value.strip()
-    if text.startswith("["):
-        host, sep, port = text[1:].partition("]:")
-        if not sep:
-            raise ControlConfigError(f"{name}: {value!r} is not '[ipv6]:port'")
-    else:
-        host, sep, port = text.rpartition(":")
-        if not sep or ":" in host:
-            raise ControlConfigError(
-                f"{name}: {value!r} is not 'ip:port' (write IPv6 as '[addr]:port')"
-            )
-    return parse_ip(host, name, allow_wildcard=False), parse_port(port, name)
 
 
 def _metrics_port(env: Mapping[str, str]) -> int:

@@ -32,7 +32,6 @@ Which connections a controller keeps, and for how long, is `admission.py`'s busi
 
 from __future__ import annotations
 
-import hmac
 import ipaddress
 import logging
 import os
@@ -45,15 +44,19 @@ import zmq
 from zmq.utils import z85
 
 from .config import ControlConfig, ControlConfigError
+from .peers import (  # noqa: F401  (re-exported: the shells' names for them)
+    REFUSED,
+    REFUSED_FOR_NOW,
+    STORM_ALLOWANCE_S,
+    hostport,
+    is_ipv6,
+    storm_allowance,
+    token_ok,
+)
 
 log = logging.getLogger("mindspeed_tft.control.transport")
 
 ZAP_DOMAIN = "ttp"
-
-
-def is_ipv6(addr: str) -> bool:
-    """True for an IPv6 literal."""
-    return ipaddress.ip_address(addr.strip("[]")).version == 6
 
 
 def endpoint(addr: str, port: int | str) -> str:
@@ -61,12 +64,6 @@ def endpoint(addr: str, port: int | str) -> str:
     addr = addr.strip("[]")
     host = f"[{addr}]" if is_ipv6(addr) else addr
     return f"tcp://{host}:{port}"
-
-
-def hostport(addr: str, port: int) -> str:
-    """`ip:port` or `[ipv6]:port` (the form `TTP_BACKUP_ADDRS` takes)."""
-    addr = addr.strip("[]")
-    return f"[{addr}]:{port}" if is_ipv6(addr) else f"{addr}:{port}"
 
 
 def new_routing_id() -> bytes:
@@ -241,22 +238,6 @@ def user_id(frame: Any) -> str | None:
 
 
 #: the REJECT payloads: they name what the peer may check on its side, nothing of the job
-REFUSED: dict[str, Any] = {
-    "reason": "the controller refused this registration (wrong TTP_JOB_TOKEN or CURVE key, "
-              "or a rank or world size this job does not have; the controller's log says "
-              "which)", "retry": False}
-REFUSED_FOR_NOW: dict[str, Any] = {
-    "reason": "the controller refused this registration for now (the rank is still held by a "
-              "live connection); retrying", "retry": True}
-
-
-def token_ok(config: ControlConfig, given: Any) -> bool:
-    """Does a peer's token match the job's `TTP_JOB_TOKEN` (always, when none is set)?"""
-    if config.job_token is None:
-        return True
-    return type(given) is str and hmac.compare_digest(given.encode(), config.job_token.encode())
-
-
 def check_bind(config: ControlConfig, addr: str, what: str) -> str | None:
     """Refuse an unauthenticated controller on a non-loopback address.
 
@@ -386,18 +367,6 @@ TCP_MAXRT_MS = 20000
 HANDSHAKE_IVL_MS = 5000
 #: the same on a processor's side: longer than any controller's
 DEALER_HANDSHAKE_IVL_MS = 30000
-#: seconds of handshake (and registration) work each connection made at the same time may
-#: queue ahead of another: a CURVE handshake costs ~0.5 ms of a controller's I/O thread
-#: here (3/4 of it libsodium's guarded memory for the keys), a NULL one 0.07 ms. Waits
-#: that may cover a registration storm grow by this per rank or pending connection.
-STORM_ALLOWANCE_S = 0.001
-
-
-def storm_allowance(connections: int) -> float:
-    """Seconds `connections` handshakes made at once may take beyond the usual."""
-    return STORM_ALLOWANCE_S * connections
-
-
 def _common(sock: zmq.Socket, addr: str, max_bytes: int, handshake_ms: int = HANDSHAKE_IVL_MS,
             keepalive: tuple[int, int, int] = TCP_KEEPALIVE, maxrt_ms: int = TCP_MAXRT_MS,
             ) -> None:
