@@ -499,8 +499,7 @@ class TFTElasticAgent(LocalElasticAgent):
             controller = Controller(worker_group.workers[0].world_size, config,
                                     features=Features.from_args(self.options.tft_args),
                                     watch_processes=False, role="backup", backup_index=index,
-                                    bind_addr=addr, port=0)
-            controller.backups.absent_ranks_return = False
+                                    bind_addr=addr, port=0, absent_ranks_return=False)
             controller.start()
             self.backup_controller = controller
             endpoint = controller.endpoint

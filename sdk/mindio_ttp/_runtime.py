@@ -180,9 +180,7 @@ class Runtime:
         controller = self.controller
         if controller is None:
             return
-        features = dataclasses.replace(controller.features, **changes)
-        controller.features = features
-        controller.planner.features = features
+        controller.update_features(dataclasses.replace(controller.features, **changes))
 
     def destroy_controller(self) -> None:
         controller, self.controller = self.controller, None

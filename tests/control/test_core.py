@@ -8,32 +8,25 @@ from typing import Any
 
 import pytest
 
-from mindspeed_tft.control.controller.core import (
-    ControllerCore,
+from mindspeed_tft.control.controller.core import ControllerCore
+from mindspeed_tft.control.controller.incident import Incident, IncidentFlow
+from mindspeed_tft.control.controller.inputs import (
+    Frame,
+    Input,
     NodeBack,
     NodeSilent,
     NoReplacement,
     Pause,
     ProcessExit,
     Resume,
+    Start,
+    Tick,
 )
-from mindspeed_tft.control.controller.incident import Incident, IncidentFlow
 from mindspeed_tft.control.controller.states import State
 from mindspeed_tft.control.sim.job import sim_config
 from mindspeed_tft.control.wire.classify import FaultKind
 from mindspeed_tft.control.wire.protocol import MsgType, decode, encode
 from mindspeed_tft.features import Features
-
-
-class _Link:
-    def __init__(self, key: str | None = None) -> None:
-        self.key = key
-
-    def admit(self) -> bool:
-        return True
-
-    def known(self) -> None:
-        return None
 
 
 class Harness:
@@ -49,7 +42,7 @@ class Harness:
         self.seq = {r: 0 for r in range(world)}
         self.sent: list[tuple[int, str, dict[str, Any]]] = []
         self.events: list[dict[str, Any]] = []
-        self.feed(self.core.start)
+        self.feed(Start())
         for r in range(world):
             chunk = world // copies  # `copies` replicas of the optimizer state
             replica = {"dense": {"dp_index": r, "dp_size": world, "replica_num": copies,
@@ -60,11 +53,20 @@ class Harness:
                                              "status": "updated",
                                              **({"token": token} if token else {})})
 
-    def feed(self, fn: Any, *args: Any) -> None:
+    def feed(self, event: Input) -> None:
         self.now += 0.01
-        self.core.at(self.now, self.now)
+        out = self.core.handle(event, self.now)
+        self.absorb(out)
+
+    def call(self, fn: Any, *args: Any) -> None:
+        """Drive a part of the core by hand (a flow built by a test), then take what it
+        decided, as `handle` would."""
+        self.now += 0.01
+        self.core.out.at(self.now)
         fn(*args)
-        out = self.core.take()
+        self.absorb(self.core.out.take())
+
+    def absorb(self, out: Any) -> None:
         self.events += out.events
         for identity, frame in out.frames:
             msg = decode(frame)
@@ -72,8 +74,7 @@ class Harness:
 
     def frame(self, rank: int, mtype: str, payload: dict[str, Any]) -> None:
         self.seq[rank] += 1
-        self.feed(self.core.on_frame, str(rank).encode(), encode(mtype, rank, self.seq[rank],
-                                                                 payload), _Link())
+        self.feed(Frame(str(rank).encode(), encode(mtype, rank, self.seq[rank], payload)))
 
     def exited(self, rank: int, pid: int, code: int, key: str | None = None,
                **payload: Any) -> None:
@@ -82,7 +83,7 @@ class Harness:
         payload = {"pid": pid, "code": code, "token": self.token, **payload}
         frame = encode(MsgType.EXITED, rank, 1, {k: v for k, v in payload.items()
                                                  if v is not None})
-        self.feed(self.core.on_frame, b"launcher", frame, _Link(key))
+        self.feed(Frame(b"launcher", frame, key))
 
     def orders(self, name: str) -> list[tuple[int, dict[str, Any]]]:
         return [(r, p) for r, t, p in self.sent if t == MsgType.ACTION and p["name"] == name]
@@ -111,8 +112,8 @@ def test_registration_and_operator_commands_are_inputs_and_outputs() -> None:
     assert h.core.state is State.NORMAL
     assert [(r, t) for r, t, _ in h.sent] == [(0, MsgType.REGISTERED), (1, MsgType.REGISTERED)]
     assert [e["state"] for e in h.named("state")] == ["INIT", "NORMAL"]
-    h.feed(h.core.command, Pause())
-    h.feed(h.core.command, Resume())
+    h.feed(Pause())
+    h.feed(Resume())
     assert [r for r, _ in h.orders("pause")] == [0, 1] == [r for r, _ in h.orders("resume")]
     assert h.core.state is State.NORMAL and h.core.next_deadline() > h.now
 
@@ -123,7 +124,7 @@ def test_an_incident_flow_built_by_hand_repairs_a_uce() -> None:
     h = Harness(2, Features(high_availability=True, hbm_repair=True), copies=2)
     flow = IncidentFlow(h.core.incidents, Incident(1, h.now))
     h.core.incidents.flow = flow
-    h.feed(flow.begin, 1, FaultKind.UCE, "UCE ERROR")
+    h.call(flow.begin, 1, FaultKind.UCE, "UCE ERROR")
     h.answer("hold", {"step": 1, "status": "updated"})
     h.answer("stop", {"step": 1, "status": "updated", "parked": True})
     (strategy,) = h.named("strategy")
@@ -157,13 +158,13 @@ def test_a_failed_rollback_after_a_checkpoint_reload_dumps_nothing() -> None:
 
 def test_no_replacement_for_a_lost_rank_ends_its_rejoin_round() -> None:
     h = Harness(2, Features(high_availability=True, worker_reboot=True))
-    h.feed(h.core.process_exit, 1, -9, "test")
+    h.feed(ProcessExit(1, -9, source="test"))
     h.answer("hold", {"step": 1, "status": "updated"})
     h.answer("stop", {"step": 1, "status": "updated", "parked": True})
     h.answer("clean")
     assert h.core.flow is not None and h.core.flow.phase is not None
     assert h.core.flow.phase.name == "rejoin"
-    h.feed(h.core.command, NoReplacement(1, "budget"))
+    h.feed(NoReplacement(1, "budget"))
     assert h.core.state in (State.EXIT, State.FINAL, State.DUMP)
 
 
@@ -204,7 +205,7 @@ def test_an_exit_its_launcher_will_not_restart_dumps_at_once() -> None:
     """The launcher's exit report says it will not restart the rank: the incident decides a
     dump at once, the `strategy` event's reason naming the refusal; no clean, no rejoin."""
     h = Harness(4, Features(high_availability=True, worker_reboot=True), copies=2)
-    h.feed(h.core.command, ProcessExit(1, 1, REFUSED))
+    h.feed(ProcessExit(1, 1, REFUSED))
     h.answer("hold", {"step": 1, "status": "updated"})
     h.answer("stop", {"step": 1, "status": "updated", "parked": True})
     (strategy,) = h.named("strategy")
@@ -218,7 +219,7 @@ def test_under_elastic_training_an_exit_not_restarted_shrinks_without_a_wait() -
     rank at once (no wait for its replacement), and the job shrinks from a dump."""
     h = Harness(4, Features(high_availability=True, worker_reboot=True, elastic=True),
                 copies=2)
-    h.feed(h.core.command, ProcessExit(1, 1, REFUSED))
+    h.feed(ProcessExit(1, 1, REFUSED))
     h.answer("hold", {"step": 1, "status": "updated"})
     h.answer("stop", {"step": 1, "status": "updated", "parked": True})
     (strategy,) = h.named("strategy")
@@ -231,8 +232,8 @@ def test_under_elastic_training_an_exit_not_restarted_shrinks_without_a_wait() -
 
 def _lose_node_1(h: Harness) -> None:
     """Ranks 2 and 3 (node 1) fall silent: their processes are gone with their launcher."""
-    h.feed(h.core.command, ProcessExit(2, -9))
-    h.feed(h.core.command, ProcessExit(3, -9))
+    h.feed(ProcessExit(2, -9))
+    h.feed(ProcessExit(3, -9))
     h.answer("hold", {"step": 1, "status": "updated"})
     h.answer("stop", {"step": 1, "status": "updated", "parked": True})
 
@@ -241,7 +242,7 @@ def test_a_silent_node_s_ranks_get_no_replacement_the_incident_dumps_at_once() -
     """Node 1's launcher silent (no replacement launcher coming, the default): the event says
     `dump`, and the incident that loses its ranks dumps without a rejoin round."""
     h = Harness(4, Features(high_availability=True, worker_reboot=True), copies=2)
-    h.feed(h.core.command, NodeSilent(1, (2, 3), 5.0))
+    h.feed(NodeSilent(1, (2, 3), 5.0))
     (silent,) = h.named("node_silent")
     assert (silent["node"], silent["ranks"], silent["decision"]) == (1, [2, 3], "dump")
     _lose_node_1(h)
@@ -260,7 +261,7 @@ def test_a_node_silent_after_the_decision_ends_the_rejoin_round_at_once() -> Non
     assert [e["strategy"] for e in h.named("strategy")] == ["recover"]
     h.answer("clean")
     assert h.core.flow is not None and h.core.flow.phase.name == "rejoin"
-    h.feed(h.core.command, NodeSilent(1, (2, 3), 5.0))
+    h.feed(NodeSilent(1, (2, 3), 5.0))
     (failed,) = h.named("repair_failed")
     assert "rank 2: no replacement (node 1's launcher silent for 5.0s)" in failed["reason"]
     assert h.core.state is State.DUMP
@@ -269,7 +270,7 @@ def test_a_node_silent_after_the_decision_ends_the_rejoin_round_at_once() -> Non
 def test_under_elastic_training_a_silent_node_shrinks_the_job() -> None:
     h = Harness(4, Features(high_availability=True, worker_reboot=True, elastic=True),
                 copies=2)
-    h.feed(h.core.command, NodeSilent(1, (2, 3), 5.0))
+    h.feed(NodeSilent(1, (2, 3), 5.0))
     assert h.named("node_silent")[0]["decision"] == "shrink"
     _lose_node_1(h)
     h.answer("clean")
@@ -284,16 +285,16 @@ def test_a_replacement_launcher_is_waited_for_then_given_up_on() -> None:
     refuses their replacement."""
     h = Harness(4, Features(high_availability=True, worker_reboot=True), copies=2)
     h.core.config = h.core.nodes.config = h.core.config.replace(node_replacement_wait=30.0)
-    h.feed(h.core.command, NodeSilent(1, (2, 3), 5.0))
+    h.feed(NodeSilent(1, (2, 3), 5.0))
     (silent,) = h.named("node_silent")
     assert (silent["decision"], silent["wait_s"]) == ("wait", 30.0)
     assert h.core.next_deadline() <= h.now + 30.0
-    h.feed(h.core.command, NodeBack(1))
+    h.feed(NodeBack(1))
     assert [e["node"] for e in h.named("node_back")] == [1]
     assert h.core.nodes.unreplaceable == {}
-    h.feed(h.core.command, NodeSilent(1, (2, 3), 5.0))
+    h.feed(NodeSilent(1, (2, 3), 5.0))
     h.now += 31.0
-    h.feed(h.core.tick)
+    h.feed(Tick())
     assert set(h.core.nodes.unreplaceable) == {2, 3}
     assert "no replacement launcher for node 1 within 30s" in h.core.nodes.unreplaceable[2]
 
@@ -304,7 +305,7 @@ def test_a_shrink_to_fewer_than_half_of_its_members_dumps_instead() -> None:
     h = Harness(6, Features(high_availability=True, worker_reboot=True, elastic=True),
                 copies=3)
     for rank in (2, 3, 4, 5):
-        h.feed(h.core.command, ProcessExit(rank, 1, REFUSED))
+        h.feed(ProcessExit(rank, 1, REFUSED))
     h.answer("hold", {"step": 1, "status": "updated"})
     h.answer("stop", {"step": 1, "status": "updated", "parked": True})
     h.answer("clean")

@@ -209,6 +209,11 @@ class Admission:
     def is_pending(self, fd: int) -> bool:
         return fd in self.pending
 
+    def has_room(self, fd: int) -> bool:
+        """May the connection `fd` be admitted (it is already, or fewer than `rank_cap`
+        are)? A frame's input says so to the core (`inputs.Frame.room`)."""
+        return fd in self.admitted or len(self.admitted) < self.rank_cap
+
     def admit(self, fd: int) -> bool:
         """A frame from `fd` proved it belongs to the job: admit it (True), or refuse it
         (False) while `rank_cap` connections are admitted. An fd the monitor has not

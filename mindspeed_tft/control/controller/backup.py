@@ -78,7 +78,7 @@ class BackupHost(Protocol):
     def next_seq(self) -> int: ...
     def raw_send(self, identity: bytes, frame: bytes) -> None: ...
     def mark_dirty(self) -> None: ...
-    def broadcast(self, name: str, payload: Payload) -> None: ...
+    def broadcast(self, payload: Payload) -> None: ...
     def send_registered(self, row: RankInfo) -> None: ...
     def fault(self, rank: int, kind: FaultKind, message: str) -> None: ...
     def emit(self, event: str, rank: int, **fields: Any) -> dict[str, Any]: ...
@@ -91,7 +91,7 @@ class BackupSync:
 
     def __init__(self, host: BackupHost, *, config: ControlConfig, table: RankTable,
                  sm: StateMachine, drops: DropCounter, world_size: int,
-                 backup_index: int) -> None:
+                 backup_index: int, absent_ranks_return: bool = True) -> None:
         self.host = host
         self.config = config
         self.table = table
@@ -102,7 +102,7 @@ class BackupSync:
         #: addresses a backup may announce (`TTP_BACKUP_ADDRS`)
         self.allowed = {hostport(a, p) for a, p in config.backups}
         #: CURVE: the ZAP User-Id a backup must present (the server's public key: backups
-        #: hold the server pair); set by the controller, None without CURVE
+        #: hold the server pair); from the `Start` input, None without CURVE
         self.server_key: str | None = None
         #: on the active controller: the backups that joined, by connection
         self.peers: dict[bytes, dict[str, Any]] = {}
@@ -114,7 +114,7 @@ class BackupSync:
         self._next_hello = 0.0
         self._next_sync = 0.0
         #: whether ranks absent at a takeover may come back (see the module docstring)
-        self.absent_ranks_return = True
+        self.absent_ranks_return = absent_ranks_return
         #: the takeover was dump-only
         self.dump_only = False
 
@@ -314,7 +314,7 @@ class BackupSync:
         faulty = self._survey(now)
         if synced in (State.EXIT, State.FINAL):
             self.sm.force(State.EXIT, "took over a job that was exiting")
-            host.broadcast("exit", ExitOrder(self.config.failure_exit_code,
+            host.broadcast(ExitOrder(self.config.failure_exit_code,
                                              "controller failover during exit"))
             self.sm.to(State.FINAL, "took over a job that was exiting")
         else:

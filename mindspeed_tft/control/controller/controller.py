@@ -55,12 +55,28 @@ from ..wire.priority import raise_priority
 from ..wire.transport import connect_dealer, hostport, new_routing_id
 from .admission import PENDING_MARGIN, Admission
 from .backup import SYNC_MAX_BYTES, BackupSync
-from .core import Command, ControllerCore, NodeBack, NodeSilent, Pause, ProcessExit, Resume
+from .core import ControllerCore
 from .incident import IncidentFlow
+from .inputs import (
+    Command,
+    Frame,
+    Input,
+    NewFeatures,
+    NodeBack,
+    NodeSilent,
+    Pause,
+    ProcessExit,
+    ProcessGone,
+    Resume,
+    Start,
+    Tick,
+    Upstream,
+)
 from .liveness import LOST_DRAIN
+from .outbox import Outputs
 from .procwatch import LocalProcesses
 from .ranktable import Health, RankTable
-from .sockets import DRAIN_BATCH, DRAIN_SLICE, ControllerSockets, FrameLink
+from .sockets import DRAIN_BATCH, DRAIN_SLICE, ControllerSockets
 from .states import State, StateMachine
 from .strategy import StrategyPlanner
 
@@ -97,7 +113,8 @@ class Controller:
     def __init__(self, world_size: int, config: ControlConfig | None = None, *,
                  features: Features | None = None, planner: StrategyPlanner | None = None,
                  role: str = "active", backup_index: int = 0, bind_addr: str | None = None,
-                 port: int | None = None, watch_processes: bool = True) -> None:
+                 port: int | None = None, watch_processes: bool = True,
+                 absent_ranks_return: bool = True) -> None:
         if world_size < 1:
             raise ValueError(f"world_size={world_size} must be >= 1")
         if role not in ("active", "backup"):
@@ -108,13 +125,13 @@ class Controller:
         self._port_wanted = self.config.port if port is None else port
         self.port: int | None = None
         #: ranks whose processes run in this pid namespace, watched in /proc
-        self.processes = LocalProcesses(lambda: self.core.table, watch_processes)
+        self.processes = LocalProcesses(watch_processes)
         #: every decision (`core.ControllerCore`)
         self.core = ControllerCore(world_size, self.config,
                                    features=features or Features(high_availability=True),
                                    planner=planner, role=role, backup_index=backup_index,
                                    endpoint=hostport(self.bind_addr, self._port_wanted),
-                                   watch=self.processes)
+                                   absent_ranks_return=absent_ranks_return)
         #: the ROUTER's connections by class: admitted (showed the job's token; at most a
         #: connection per rank twice over, for replacements while the old connection times
         #: out, two backups and a margin) and pending (their own bound and deadline)
@@ -135,6 +152,8 @@ class Controller:
         self._stopping = False
         self._error: BaseException | None = None
         self._snapshot_path: str | None = None
+        #: something the snapshot shows changed since it was last written
+        self._dirty = True
         self._next_snapshot = 0.0
 
     # -- the core's parts, as before the split (tests, launchers, metrics read them) ---------
@@ -154,10 +173,10 @@ class Controller:
     def features(self) -> Features:
         return self.core.features
 
-    @features.setter
-    def features(self, features: Features) -> None:
-        """Features learnt later (the SDK's runtime: before training starts)."""
-        self.core.features = features
+    def update_features(self, features: Features) -> None:
+        """Features learnt later (the SDK's runtime: before training starts); the loop
+        thread hands them to the core (`NewFeatures`)."""
+        self._command(NewFeatures(features))
 
     @property
     def planner(self) -> StrategyPlanner:
@@ -320,9 +339,8 @@ class Controller:
         cfg = self.config
         self.port = self.sockets.open(self.world_size, self.bind_addr, self._port_wanted,
                                       self.role)
-        self.core.endpoint = self.endpoint
-        if self.sockets.curve is not None:  # backups hold the server pair
-            self.backups.server_key = self.sockets.curve.server_user_id
+        # backups hold the server pair: the key they show under CURVE
+        server_key = None if self.sockets.curve is None else self.sockets.curve.server_user_id
         self.sockets.now = time.monotonic()
         if self.role == "backup":
             assert self.sockets.ctx is not None
@@ -335,7 +353,7 @@ class Controller:
                 curve=None if curve is None else curve.as_backup_client())
         log.info("%s controller for %d ranks listening on %s", self.role, self.world_size,
                  self.endpoint)
-        self._feed(self.core.start)
+        self._feed(Start(self.endpoint, server_key, time.time() - time.monotonic()))
         if self.role == "active" and cfg.metrics_port:
             from .metrics import serve  # served from its own threads; it reads `snapshot()`
 
@@ -401,14 +419,10 @@ class Controller:
                 time.sleep(_BATCH_WAIT)
 
     # -- feeding the core ---------------------------------------------------------------
-    def _feed(self, step: Any, *args: Any) -> None:
+    def _feed(self, event: Input) -> Outputs:
         """One input to the core at the loop's clock; then its events, then its frames."""
-        core = self.core
-        core.at(self.sockets.now, time.time())
-        step(*args)
-        if core.out.empty:
-            return
-        out = core.take()
+        out = self.core.handle(event, self.sockets.now)
+        self._dirty |= out.dirty
         for record in out.events:
             write_record(record)
         for identity, frame in out.frames:
@@ -421,13 +435,22 @@ class Controller:
                     pass
         if out.close_upstream:
             self._close_upstream(0)
+        for rank, pid, proc in out.watch:
+            self.processes.watch(rank, pid, proc)
+        return out
 
     def _on_frame(self, identity: bytes, part: zmq.Frame, extra: int) -> None:
-        self._feed(self.core.on_frame, identity, part.bytes,
-                   FrameLink(self.sockets, self.admit, part), extra)
+        try:
+            fd: int | None = part.get(zmq.SRCFD)
+        except zmq.ZMQError:  # a frame that names no connection (libzmq's small messages)
+            fd = None
+        out = self._feed(Frame(identity, part.bytes, self.sockets.key(part),
+                               fd is None or self._room(fd), extra))
+        if out.admit is not None and fd is not None:
+            self._admit(fd, out.admit)
 
     def _on_upstream(self, frames: list[bytes]) -> None:
-        self._feed(self.core.on_upstream, frames)
+        self._feed(Upstream(tuple(frames)))
 
     def drain_router(self, budget: float = DRAIN_SLICE) -> int:
         """Handle what processors and backups sent, for at most `budget` seconds (0: the
@@ -437,11 +460,11 @@ class Controller:
     def process_exit(self, rank: int, returncode: int, source: str) -> None:
         """`procwatch.ProcessEnds`: a bye or report it sent before it ended comes first."""
         self.drain_router()
-        self._feed(self.core.process_exit, rank, returncode, source)
+        self._feed(ProcessExit(rank, returncode, source=source))
 
     def process_gone(self, rank: int, how: str, source: str) -> None:
         self.drain_router()
-        self._feed(self.core.process_gone, rank, how, source)
+        self._feed(ProcessGone(rank, how, source))
 
     def _run_commands(self) -> None:
         while True:
@@ -457,16 +480,16 @@ class Controller:
             else:
                 if isinstance(cmd, ProcessExit):
                     self.drain_router()  # a bye or report it sent before it ended comes first
-                self._feed(self.core.command, cmd)
+                self._feed(cmd)
 
     def _tick(self, now: float) -> None:
         if self.role == "active":
-            self.processes.poll(now, self)
+            self.processes.poll(now, self.core.table, self)
             if self.core.overdue(now):
                 # their heartbeats may be queued behind other input: read it first (bounded)
                 self.drain_router(LOST_DRAIN)
             self.sockets.now = now
-        self._feed(self.core.tick)
+        self._feed(Tick(time.time() - time.monotonic()))
         if self.sockets.router is not None and self.admission.due(now):
             self.make_room(now)
         self._write_snapshot()
@@ -478,17 +501,31 @@ class Controller:
         self.drain_router(LOST_DRAIN)
         self.admission.enforce(now)
 
-    def admit(self, part: zmq.Frame) -> bool:
-        """The connection `part` came by showed the job's token: admit it (False: the rank
-        cap is reached)."""
+    def _room(self, fd: int) -> bool:
+        """Is the connection `fd` admitted, or may it be (the cap not reached)? What a frame's
+        input says of its connection (`inputs.Frame.room`)."""
+        admission = self.admission
+        if fd in admission.admitted or not admission.pending:
+            return True
         if self.sockets.monitor is not None:  # its accept was announced before the frame came
             self.sockets.drain(self.sockets.monitor, self._on_monitor)  # counts, closes none
-        return self.admission.admit(part.get(zmq.SRCFD))
+        return admission.has_room(fd)
+
+    def _admit(self, fd: int, how: str) -> None:
+        """The core admitted the connection `fd` (`Outputs.admit`)."""
+        admission = self.admission
+        if how == "known":  # a registered rank's frame: admitted if still pending
+            if admission.pending and admission.is_pending(fd):
+                admission.admit(fd)
+                # thousands of ranks cost hundreds of wake-ups a second, not thousands
+                time.sleep(_BATCH_WAIT)
+        else:
+            admission.admit(fd)
 
     def _on_monitor(self, frames: list[bytes]) -> None:
         """Connection events (`ControllerSockets.on_monitor`)."""
         if self.sockets.on_monitor(frames):
-            self.core.dirty = True
+            self._dirty = True
 
     # -- snapshots ------------------------------------------------------------------------
     def _snapshot(self) -> dict[str, Any]:
@@ -515,10 +552,10 @@ class Controller:
 
     def _write_snapshot(self, force: bool = False) -> None:
         path = self._snapshot_path
-        if path is None or not (self.core.dirty or force) or (
+        if path is None or not (self._dirty or force) or (
                 not force and self._now < self._next_snapshot):
             return
-        self.core.dirty = False
+        self._dirty = False
         self._next_snapshot = self._now + 0.1
         tmp = f"{path}.tmp{os.getpid()}"
         with open(tmp, "w", encoding="utf-8") as f:

@@ -4,27 +4,23 @@
 (`registration`), silent and ended ranks (`liveness`), what each message means (`inbox`),
 the incident under way and its phases (`incidents`, `incident`, `scaling`, `strategy`),
 backups kept in sync and a backup taking charge (`backup`). It holds no socket, thread,
-clock or random source. Its inputs, each stamped with the time its feeder read it (`at`):
+clock or random source, and calls nothing outside itself.
 
-- `on_frame`: a frame from a processor, backup or launcher connection (its routing id, the
-  frame's bytes and the `inbox.Link` it came by);
-- `on_upstream`: a frame from the active controller (a backup's link);
-- `command`: an operator's or a launcher's typed command (`Pause`, `Resume`, `ProcessExit`,
-  `NoReplacement`, `NodeSilent`, `NodeBack`), `process_gone` (a process seen ended);
-- `tick`: time passed (deadlines of phases, silences, INIT, syncs).
-
-Its outputs (`take`): frames to send to routing ids, event records to write, frames for the
-active controller; and `next_deadline`, when the next tick is due. The running controller
-(`controller.Controller`) is the shell around it: a ROUTER, its loop thread, the real clock,
-admission of connections, /proc watching and the metrics endpoint. The simulator
-(`control.sim`) feeds the same core from its virtual network and clock.
+Its one entry point is `handle(input, now) -> Outputs` (h11's shape): an input of
+`inputs` (a frame with what the shell knows of its connection, frames from the active
+controller, a command, a tick) at `now` on the loop's clock, and what it decided: frames
+to send to routing ids, event records to write, frames for the active controller, the
+admission of the frame's connection, processes to watch, whether a snapshot changed.
+`next_deadline()` says when the next `Tick` is due. The running controller
+(`controller.Controller`) is the shell around it: a ROUTER, its loop thread, the real
+clock, admission of connections, /proc watching and the metrics endpoint. The simulator
+(`control.sim`) feeds the same core from its virtual network and clock, the same call.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 from typing import Any
 
 from ...features import Features
@@ -35,14 +31,30 @@ from ..wire.order_types import ExitOrder, PauseOrder, Payload, ResumeOrder
 from ..wire.protocol import CONTROLLER, DropCounter, Limits, MsgType, encode
 from .backup import BackupSync
 from .elasticity import Elasticity
-from .inbox import Inbox, Link
+from .inbox import Inbox
 from .incident import IncidentFlow
 from .incidents import Incidents
+from .inputs import (
+    Command,
+    Frame,
+    Input,
+    NewFeatures,
+    NodeBack,
+    NodeSilent,
+    NoReplacement,
+    Pause,
+    ProcessExit,
+    ProcessGone,
+    Resume,
+    Start,
+    Tick,
+    Upstream,
+)
 from .liveness import Liveness
 from .nodes import Nodes
 from .outbox import Outbox, Outputs
 from .ranktable import RankInfo, RankTable
-from .registration import ProcessWatch, Registration
+from .registration import Registration
 from .states import State, StateMachine
 from .strategy import StrategyPlanner
 
@@ -52,69 +64,13 @@ log = logging.getLogger("mindspeed_tft.control.controller")
 ACTION_ID_BITS = 40
 
 
-# -- commands (from an operator or a launcher, through the shell's command queue) ------------
-@dataclass(frozen=True)
-class Pause:
-    """Operator pause: NORMAL -> PAUSE, ranks hold before their next update."""
-
-
-@dataclass(frozen=True)
-class Resume:
-    """End an operator pause: PAUSE -> NORMAL."""
-
-
-@dataclass(frozen=True)
-class ProcessExit:
-    """A launcher saw `rank`'s process end with `returncode`; `no_replacement`: why it will
-    not restart it (None: it may), known to the incident before it decides."""
-
-    rank: int
-    returncode: int
-    no_replacement: str | None = None
-
-
-@dataclass(frozen=True)
-class NoReplacement:
-    """A launcher will not restart lost `rank`."""
-
-    rank: int
-    why: str
-
-
-@dataclass(frozen=True)
-class NodeSilent:
-    """Node 0's launcher has not heard node `node`'s launcher (holding `ranks`) for
-    `silent_for` seconds (`nodes.Nodes`)."""
-
-    node: int
-    ranks: tuple[int, ...]
-    silent_for: float
-
-
-@dataclass(frozen=True)
-class NodeBack:
-    """Node `node`'s launcher, silent before, is heard again."""
-
-    node: int
-
-
-Command = Pause | Resume | ProcessExit | NoReplacement | NodeSilent | NodeBack
-
-
-class _NoWatch:
-    """No process is watched (the simulator; a launcher reports its workers' deaths)."""
-
-    def watch(self, row: RankInfo, proc: Any) -> None:
-        return None
-
-
 class ControllerCore:
     """A controller's decision logic (see the module docstring)."""
 
     def __init__(self, world_size: int, config: ControlConfig, *, features: Features,
                  planner: StrategyPlanner | None = None, role: str = "active",
                  backup_index: int = 0, endpoint: str = "",
-                 watch: ProcessWatch | None = None) -> None:
+                 absent_ranks_return: bool = True) -> None:
         self.config = config
         self.world_size = world_size
         self.features = features
@@ -134,20 +90,19 @@ class ControllerCore:
         #: elastic training: home replicas, the global batch in micro-batches (scale-out)
         self.elasticity = Elasticity()
         self.exit_code: int | None = None
-        #: something a snapshot shows changed since the shell last wrote one
-        self.dirty = True
         self.started = 0.0
         self._seq = 0
         self._ack_frame: bytes | None = None
         self.backups = BackupSync(self, config=config, table=self.table, sm=self.sm,
                                   drops=self.drops, world_size=world_size,
-                                  backup_index=backup_index)
+                                  backup_index=backup_index,
+                                  absent_ranks_return=absent_ranks_return)
         #: silent ranks and ended processes (`liveness.Liveness`, through `LivenessHost`)
         self.liveness = Liveness(self, config=config, table=self.table, sm=self.sm)
         #: registrations and the INIT roll call (`registration.Registration`)
         self.registration = Registration(
             self, config=config, world_size=world_size, table=self.table, sm=self.sm,
-            drops=self.drops, elasticity=self.elasticity, watch=watch or _NoWatch())
+            drops=self.drops, elasticity=self.elasticity)
         #: silent launchers of other nodes, and the ranks that get no replacement (`nodes`)
         self.nodes = Nodes(self, config)
         #: the incident under way, the orders it sends, its counters (`incidents.Incidents`)
@@ -182,42 +137,51 @@ class ControllerCore:
         return self.out.emit(event, rank, **fields)
 
     # -- inputs -------------------------------------------------------------------------
-    def at(self, now: float, wall: float) -> None:
-        """The time of the next input (loop clock, events clock)."""
-        self.out.at(now, wall)
+    def handle(self, event: Input, now: float) -> Outputs:
+        """The core's one entry point: `event` at `now` (loop clock), and what it decided."""
+        self.out.at(now)
+        if isinstance(event, Frame):
+            self.inbox.on_frame(event)
+        elif isinstance(event, Tick):
+            self.out.wall_offset = event.wall_offset
+            self._tick()
+        elif isinstance(event, Upstream):
+            self.backups.on_upstream(list(event.frames), now)
+        elif isinstance(event, Start):
+            self._start(event)  # before anything is emitted: its offset stamps the events
+        else:
+            self._command(event)
+        return self.out.take()
 
-    def start(self) -> None:
-        """The controller listens (at the time set by `at`)."""
+    def _start(self, start: Start) -> None:
+        """The controller listens."""
         self.started = self.now
+        self.out.wall_offset = start.wall_offset
+        self.endpoint = start.endpoint or self.endpoint
+        self.backups.server_key = start.server_key
         if self.role == "backup":
             self.backups.linked(self.now)
         else:
             self.sm.emit_events = True
             self.sm.announce("controller started")
 
-    def on_frame(self, identity: bytes, frame: bytes, link: Link, extra: int = 0) -> None:
-        """A frame from a processor or backup connection (`extra`: frames more it had)."""
-        self.inbox.on_frame(identity, frame, link, extra)
-
-    def on_upstream(self, frames: list[bytes]) -> None:
-        """A frame from the active controller (a backup's link)."""
-        self.backups.on_upstream(frames, self.now)
-
-    def command(self, cmd: Command) -> None:
+    def _command(self, cmd: Command) -> None:
         """An operator's or a launcher's command."""
         state = self.sm.state
         if isinstance(cmd, Pause):
             if state is State.NORMAL and self.role == "active":
                 self.sm.to(State.PAUSE, "operator pause")
-                self.broadcast("pause", PauseOrder("operator pause"))
+                self.broadcast(PauseOrder("operator pause"))
         elif isinstance(cmd, Resume):
             if state is State.PAUSE:
                 self.sm.to(State.NORMAL, "operator resume")
-                self.broadcast("resume", ResumeOrder(0, None, "none", True))
+                self.broadcast(ResumeOrder(0, None, "none", True))
         elif isinstance(cmd, ProcessExit):
-            self.liveness.on_process_exit(cmd.rank, cmd.returncode)
+            self.liveness.on_process_exit(cmd.rank, cmd.returncode, cmd.source)
             if cmd.no_replacement is not None and self.flow is not None:
                 self.flow.no_replacement(cmd.rank, cmd.no_replacement)
+        elif isinstance(cmd, ProcessGone):
+            self.liveness.process_gone(cmd.rank, cmd.how, cmd.source)
         elif isinstance(cmd, NoReplacement):
             if self.flow is not None:
                 self.flow.no_replacement(cmd.rank, cmd.why)
@@ -226,28 +190,22 @@ class ControllerCore:
                 self.nodes.on_silent(cmd.node, tuple(cmd.ranks), cmd.silent_for, self.now)
         elif isinstance(cmd, NodeBack):
             self.nodes.on_back(cmd.node)
-        else:  # pragma: no cover - a new command type without its case
-            raise TypeError(f"unknown controller command {cmd!r}")
+        elif isinstance(cmd, NewFeatures):
+            self.adopt(self.epoch, cmd.features)
+        else:  # pragma: no cover - a new input type without its case
+            raise TypeError(f"unknown controller input {cmd!r}")
 
     def launcher_exit(self, rank: int, returncode: int, no_replacement: str | None) -> None:
         """Another node's launcher reported `rank`'s process' end (`inbox`, `exited`): the
         same as node 0's launcher's `ProcessExit`."""
-        self.command(ProcessExit(rank, returncode, no_replacement))
-
-    def process_exit(self, rank: int, returncode: int, source: str) -> None:
-        """`rank`'s process ended with `returncode`, seen by the shell (`procwatch`)."""
-        self.liveness.on_process_exit(rank, returncode, source)
-
-    def process_gone(self, rank: int, how: str, source: str) -> None:
-        """`rank`'s process `how` ("ended": no code known), seen by the shell."""
-        self.liveness.process_gone(rank, how, source)
+        self._command(ProcessExit(rank, returncode, no_replacement))
 
     def overdue(self, now: float) -> bool:
         """Would a tick at `now` find silent ranks? (The shell reads its input first.)"""
         return self.role == "active" and bool(self.table.overdue(now, self.config.lost_after))
 
-    def tick(self) -> None:
-        """Time passed (to the time set by `at`): deadlines, silences, syncs."""
+    def _tick(self) -> None:
+        """Time passed: deadlines, silences, syncs."""
         now = self.now
         state = self.sm.state
         if self.role == "active":
@@ -284,10 +242,6 @@ class ControllerCore:
                 times.append(self.now)
         return min(times)
 
-    def take(self) -> Outputs:
-        """What the inputs since the last `take` decided."""
-        return self.out.take()
-
     # -- InboxHost, RegistrationHost, LivenessHost, IncidentsHost, BackupHost ----------------
     def rank_restarted(self, row: RankInfo) -> None:
         self.incidents.rank_restarted(row)
@@ -295,8 +249,8 @@ class ControllerCore:
     def rank_returned(self, row: RankInfo, replica: dict[str, Any] | None) -> None:
         self.incidents.rank_returned(row, replica)
 
-    def order(self, rank: int, name: str, payload: Payload) -> None:
-        self.incidents.order(rank, name, payload)
+    def order(self, rank: int, payload: Payload) -> None:
+        self.incidents.order(rank, payload)
 
     def ack_frame(self) -> bytes:
         """The answer to a heartbeat (encoded once per state, epoch and role)."""
@@ -348,7 +302,7 @@ class ControllerCore:
         code = self.config.failure_exit_code
         self.exit_code = code
         self.emit("exit", CONTROLLER_RANK, code=code, reason=reason)
-        self.broadcast("exit", ExitOrder(code, reason))
+        self.broadcast(ExitOrder(code, reason))
         self.sm.to(State.FINAL, reason)
 
     def incident_lock_step(self) -> int | None:
@@ -374,7 +328,7 @@ class ControllerCore:
 
     def mark_dirty(self) -> None:
         """Something a snapshot shows changed."""
-        self.dirty = True
+        self.out.mark_dirty()
 
     # -- sending ----------------------------------------------------------------------------
     def next_seq(self) -> int:
@@ -393,12 +347,13 @@ class ControllerCore:
     def close_upstream(self) -> None:
         self.out.close_upstream()
 
-    def broadcast(self, name: str, payload: Payload) -> None:
+    def broadcast(self, payload: Payload) -> None:
+        """One order to every connected rank."""
         self.incidents.send_action_many([r.rank for r in self.table.connected()],
-                                        self.incidents.new_action_id(), name, payload,
+                                        self.incidents.new_action_id(), payload,
                                         self.config.action_time_limit)
 
     def _on_transition(self, old: State, new: State, reason: str) -> None:
         self._ack_frame = None
-        self.dirty = True
+        self.out.mark_dirty()
         self.backups.sync_soon()

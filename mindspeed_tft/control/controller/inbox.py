@@ -8,8 +8,8 @@ progress, answers), registrations (`registration`), fault reports, action result
 incident under way), byes (a rank finished training), backup controllers' hellos
 (`backup`) and other nodes' launchers' reports of a worker's end (`exited`). It reaches
 back into the core only through the `InboxHost` methods below, and to the connection a
-frame came by only through its `Link` (the shell's connection and admission; the
-simulator's connection).
+frame came by only through what the input (`inputs.Frame`) says of it: its CURVE key and
+whether it has room to be admitted; an admission is an output (`Outputs.admit`).
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ from ..wire.protocol import (
 from ..wire.results import ReportMessage, ResultError, ResultMessage
 from .backup import BackupSync
 from .incident import IncidentFlow
+from .inputs import Frame
+from .outbox import Outbox
 from .ranktable import CONNECTED, Health, RankInfo, RankTable
 from .registration import Registration
 from .states import State, StateMachine
@@ -46,24 +48,11 @@ log = logging.getLogger("mindspeed_tft.control.controller")
 _UNBOUND_TYPES = frozenset({MsgType.REGISTER, MsgType.BACKUP, MsgType.EXITED})
 
 
-class Link(Protocol):
-    """The connection a frame came by (the shell's `sockets.FrameLink`; the simulator's)."""
-
-    @property
-    def key(self) -> str | None:
-        """CURVE: the sender's public key (the ZAP User-Id of its frame); None without."""
-
-    def admit(self) -> bool:
-        """It showed the job's token: admit the connection (False: the rank cap is reached)."""
-
-    def known(self) -> None:
-        """A registered rank's frame (maybe over a new connection): admit it if pending."""
-
-
 class InboxHost(Protocol):
     """What `Inbox` needs from its controller (all from the controller's loop thread)."""
 
     role: str
+    out: Outbox
 
     @property
     def flow(self) -> IncidentFlow | None: ...
@@ -75,7 +64,7 @@ class InboxHost(Protocol):
     def send(self, identity: bytes, mtype: str, payload: dict[str, Any]) -> None: ...
     def raw_send(self, identity: bytes, frame: bytes) -> None: ...
     def ack_frame(self) -> bytes: ...
-    def order(self, rank: int, name: str, payload: Payload) -> None: ...
+    def order(self, rank: int, payload: Payload) -> None: ...
     def training_finished(self) -> None: ...
     def launcher_exit(self, rank: int, returncode: int, no_replacement: str | None) -> None: ...
 
@@ -95,20 +84,20 @@ class Inbox:
         self.registration = registration
         self.backups = backups
 
-    def on_frame(self, identity: bytes, frame: bytes, link: Link, extra: int = 0) -> None:
-        """One message from the ROUTER: the sender's routing id, its frame and the connection
-        it came by (`extra`: how many frames more it had)."""
-        if extra:
-            self.drops.drop("frames", f"{extra + 1} frames")
+    def on_frame(self, frame: Frame) -> None:
+        """One message from the ROUTER, and what the shell knows of its connection."""
+        if frame.extra:
+            self.drops.drop("frames", f"{frame.extra + 1} frames")
             return
+        identity = frame.identity
         bound = self.table.lookup(identity)
         try:
             # the type from the header, its size cap, and whether this connection may send
             # it at all, before anything is decoded: a refused frame costs microseconds
-            t = peek(frame, self.limits, TO_CONTROLLER)
+            t = peek(frame.data, self.limits, TO_CONTROLLER)
             if t not in _UNBOUND_TYPES and bound is None:
                 raise ProtocolError("unregistered", t)
-            msg = decode(frame, limits=self.limits, mtype=t)
+            msg = decode(frame.data, limits=self.limits, mtype=t)
         except ProtocolError as e:
             self.drops.drop(e.reason, e.detail)
             self.host.mark_dirty()
@@ -116,15 +105,15 @@ class Inbox:
         if bound is not None:
             # a registered rank's process, maybe on a new connection (a reconnect keeps its
             # routing id): that connection is admitted
-            link.known()
-        self._dispatch(t, identity, msg, link)
+            self.host.out.admit("known")
+        self._dispatch(t, identity, msg, frame)
 
-    def _dispatch(self, t: str, identity: bytes, msg: Message, link: Link) -> None:
+    def _dispatch(self, t: str, identity: bytes, msg: Message, frame: Frame) -> None:
         now = self.host.now
         if t == MsgType.HEARTBEAT:
             self._on_heartbeat(identity, msg)
         elif t == MsgType.REGISTER:
-            self.registration.on_register(identity, msg, now, link.key, link)
+            self.registration.on_register(identity, msg, now, frame.key, frame.room)
         elif t == MsgType.REPORT:
             self._on_report(identity, msg)
         elif t == MsgType.RESULT:
@@ -132,14 +121,14 @@ class Inbox:
         elif t == MsgType.BYE:
             self._on_bye(identity, msg)
         elif t == MsgType.BACKUP and self.host.role == "active":
-            key = link.key
+            key = frame.key
             server_key = self.backups.server_key
             if token_ok(self.config, msg.payload.get("token")) and (
                     server_key is None or key == server_key):
-                link.admit()  # a backup controller: it holds the job's token
+                self.host.out.admit("token")  # a backup controller: it holds the job's token
             self.backups.on_backup(identity, msg, now, key)
         elif t == MsgType.EXITED:
-            self._on_exited(msg, link)
+            self._on_exited(msg, frame.key)
         else:
             self.drops.drop("unexpected_type", t)
             self.host.mark_dirty()
@@ -183,7 +172,7 @@ class Inbox:
                 if self.sm.state is State.INIT:
                     self.registration.arrived(row.rank)
             else:  # declared lost and handled as such: this process must go
-                self.host.order(row.rank, "exit", ExitOrder(self.config.failure_exit_code,
+                self.host.order(row.rank, ExitOrder(self.config.failure_exit_code,
                                                             "this rank was declared lost"))
                 row.health = Health.EXITING
                 return
@@ -213,7 +202,7 @@ class Inbox:
         if kind is FaultKind.NORMAL:
             if flow is None and self.sm.state in (State.NORMAL, State.PAUSE):
                 # a rank stopped itself with no incident under way: let it go on
-                self.host.order(row.rank, "resume", ResumeOrder(0, row.step, "none", True))
+                self.host.order(row.rank, ResumeOrder(0, row.step, "none", True))
             return
         if row.health not in CONNECTED:
             return
@@ -238,7 +227,7 @@ class Inbox:
             result = ResultMessage(p["id"], p["action"], error=f"ResultError: {e}")
         flow.on_result(row.rank, result)
 
-    def _on_exited(self, msg: Message, link: Link) -> None:
+    def _on_exited(self, msg: Message, key: str | None) -> None:
         """A launcher without the controller (another node's) saw rank `msg.sender`'s
         process `pid` end: the same as a report of node 0's launcher (`launcher_exit`).
         Taken only with the job's token, under CURVE only from the key the rank registered
@@ -250,12 +239,12 @@ class Inbox:
             return
         p, rank = msg.payload, msg.sender
         if not token_ok(self.config, p.get("token")) or (
-                self.config.job_token is None and link.key is None):
+                self.config.job_token is None and key is None):
             self.drops.drop("bad_token", f"exited claiming rank {rank}")
             self.host.mark_dirty()
             return
         owner = self.registration.rank_keys.get(rank)
-        if link.key is not None and link.key != owner:
+        if key is not None and key != owner:
             self.drops.drop("rank_key", f"exited for rank {rank} with another CURVE key")
             self.host.mark_dirty()
             return

@@ -220,10 +220,9 @@ class FlowHost(Protocol):
     def now(self) -> float: ...
     def emit(self, event: str, rank: int, **fields: Any) -> dict[str, Any]: ...
     def new_action_id(self) -> int: ...
-    def send_action(self, rank: int, action_id: int, name: str, payload: Payload,
-                    timeout: float) -> None: ...
-    def send_action_many(self, ranks: list[int], action_id: int, name: str,
-                         payload: Payload, timeout: float) -> None: ...
+    def send_action(self, rank: int, action_id: int, payload: Payload, timeout: float) -> None: ...
+    def send_action_many(self, ranks: list[int], action_id: int, payload: Payload,
+                         timeout: float) -> None: ...
     def flow_finished(self, flow: IncidentFlow) -> None: ...
     def claim(self) -> str: ...
 
@@ -353,7 +352,7 @@ class IncidentFlow:
         state = self.host.sm.state
         if self.done or state in (State.DUMP, State.EXIT, State.FINAL) or (
                 inc.strategy is not None and inc.strategy is not Strategy.RECOVER):
-            self.send_order(rank, "exit", ExitOrder(self.host.config.failure_exit_code,
+            self.send_order(rank, ExitOrder(self.host.config.failure_exit_code,
                                                "the job is not being recovered"))
             row = self.host.table.get(rank)
             if row is not None:
@@ -431,9 +430,9 @@ class IncidentFlow:
             self._record(rank, FaultKind.HANG, "training thread did not come back when stopped")
         row.step, row.status = result.step, result.status
 
-    def send_order(self, rank: int, name: str, payload: Payload, action_id: int | None = None) -> None:
+    def send_order(self, rank: int, payload: Payload, action_id: int | None = None) -> None:
         aid = self.host.new_action_id() if action_id is None else action_id
-        self.host.send_action(rank, aid, name, payload, self.host.config.action_time_limit)
+        self.host.send_action(rank, aid, payload, self.host.config.action_time_limit)
 
     def start_phase(self, name: str, targets: list[int], payload: Payload | None = None,
                      per_rank: Mapping[int, Payload] | None = None) -> None:
@@ -443,10 +442,10 @@ class IncidentFlow:
         self.host.emit("action", CONTROLLER_RANK, action=name, targets=len(targets), incident=self.incident.id)
         if per_rank is None:
             assert payload is not None
-            self.host.send_action_many(list(targets), aid, name, payload, limit)
+            self.host.send_action_many(list(targets), aid, payload, limit)
         else:
             for r in targets:
-                self.host.send_action(r, aid, name, per_rank[r], limit)
+                self.host.send_action(r, aid, per_rank[r], limit)
         if not targets:
             self._phase_done()
 
@@ -545,7 +544,7 @@ class IncidentFlow:
                 if kind in PROCESS_KINDS and row is not None and (
                         not row.fresh or r in inc.unreplaceable):
                     if row.connected:  # hung: end the process so its launcher restarts it
-                        self.send_order(r, "exit", ExitOrder(self.host.config.reboot_exit_code,
+                        self.send_order(r, ExitOrder(self.host.config.reboot_exit_code,
                                                         "hung rank restarted (ARF)"))
                         row.health = Health.EXITING
                     inc.awaiting.add(r)
@@ -646,7 +645,7 @@ class IncidentFlow:
             row.step = step
             row.status = "updated"
             row.last_seen = host.now()
-        host.send_action_many([r.rank for r in rows], host.new_action_id(), "resume", payload,
+        host.send_action_many([r.rank for r in rows], host.new_action_id(), payload,
                               host.config.action_time_limit)
         host.sm.to(State.NORMAL, "false alarm" if false_alarm else f"repaired ({inc.strategy})")
         self._finish()
@@ -725,7 +724,7 @@ class IncidentFlow:
             inc = self.incident
             payload = ExitOrder(code, reason, tuple(inc.iterations[i] for i in sorted(
                 inc.iterations) if i <= inc.lock_step), logger=max(waiting))
-        host.send_action_many([r.rank for r in rows], host.new_action_id(), "exit", payload,
+        host.send_action_many([r.rank for r in rows], host.new_action_id(), payload,
                               host.config.action_time_limit)
         for row in rows:
             row.health = Health.EXITING

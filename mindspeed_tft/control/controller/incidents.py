@@ -100,10 +100,9 @@ class Incidents:
         """The lock step of the incident under way; None when there is none."""
         return self.flow.incident.lock_step if self.flow is not None else None
 
-    def order(self, rank: int, name: str, payload: Payload) -> None:
+    def order(self, rank: int, payload: Payload) -> None:
         """One order to one rank, with a new action id and the action time limit."""
-        self.send_action(rank, self.new_action_id(), name, payload,
-                         self.config.action_time_limit)
+        self.send_action(rank, self.new_action_id(), payload, self.config.action_time_limit)
 
     def rank_restarted(self, row: RankInfo) -> None:
         """A restarted process registered for `row`'s rank: it joins the recovery under
@@ -111,7 +110,7 @@ class Incidents:
         if self.flow is not None:
             self.flow.on_registered(row.rank)
         else:
-            self.order(row.rank, "exit", ExitOrder(
+            self.order(row.rank, ExitOrder(
                 self.config.failure_exit_code,
                 f"rank {row.rank} restarted while no recovery was under way"))
             row.health = Health.EXITING
@@ -132,20 +131,20 @@ class Incidents:
         """Action ids from now on are above `base` (a backup taking charge)."""
         self._action_id = max(self._action_id, base)
 
-    def send_action(self, rank: int, action_id: int, name: str, payload: Payload,
-                    timeout: float) -> None:
+    def send_action(self, rank: int, action_id: int, payload: Payload, timeout: float) -> None:
+        """One order to one rank (its name is its type's: `KIND`)."""
         row = self.table.get(rank)
         if row is None or not row.identity:
             return
         self.host.send(row.identity, MsgType.ACTION,
-                       {"id": action_id, "name": name, "timeout": float(timeout),
+                       {"id": action_id, "name": payload.KIND, "timeout": float(timeout),
                         "payload": to_wire(payload)})
 
-    def send_action_many(self, ranks: list[int], action_id: int, name: str,
-                         payload: Payload, timeout: float) -> None:
+    def send_action_many(self, ranks: list[int], action_id: int, payload: Payload,
+                         timeout: float) -> None:
         """The same order to many ranks (encoded once)."""
         frame = encode(MsgType.ACTION, CONTROLLER, self.host.next_seq(),
-                       {"id": action_id, "name": name, "timeout": float(timeout),
+                       {"id": action_id, "name": payload.KIND, "timeout": float(timeout),
                         "payload": to_wire(payload)})
         for rank in ranks:
             row = self.table.get(rank)
@@ -205,5 +204,5 @@ class Incidents:
     def dismiss_returning(self, reason: str) -> None:
         """The job ends: returning ranks still waiting to join exit cleanly."""
         for rank in sorted(self.returning):
-            self.order(rank, "exit", ExitOrder(0, reason))
+            self.order(rank, ExitOrder(0, reason))
         self.returning.clear()

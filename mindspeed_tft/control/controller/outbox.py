@@ -6,9 +6,9 @@ what it decided here, and whoever fed it the input takes it (`take`): the runnin
 its ROUTER and its link to the active controller; the simulator (`control.sim`) delivers
 them over its virtual network and checks the events against the protocol's invariants.
 
-The input's times are set by whoever feeds it (`at`): `now` on the loop's clock (the shell's
-`time.monotonic()`, the simulator's virtual time), `wall` on the events clock (the shell's
-`time.time()`): an event is stamped with the time of the input it answers.
+An event is stamped with the time of the input it answers (`ControllerCore.handle`'s `now`,
+on the loop's clock: the shell's `time.monotonic()`, the simulator's virtual time), shifted
+to the events clock by the offset the last `Start` or `Tick` input gave (`wall_offset`).
 """
 
 from __future__ import annotations
@@ -29,6 +29,14 @@ class Outputs:
     upstream: list[bytes] = field(default_factory=list)
     #: a backup took charge: its link to the active controller closes
     close_upstream: bool = False
+    #: the connection the input's frame came by is admitted: "token" (it showed the job's
+    #: token), "known" (a registered rank's frame over a connection still pending)
+    admit: str | None = None
+    #: registered ranks whose processes the shell may watch: (rank, pid, where it runs as
+    #: the registration said: `procfs.identity()`, or None)
+    watch: list[tuple[int, int, str | None]] = field(default_factory=list)
+    #: something a snapshot of the controller shows changed
+    dirty: bool = False
 
 
 class Outbox:
@@ -36,17 +44,17 @@ class Outbox:
 
     def __init__(self) -> None:
         self.now = 0.0
-        self.wall = 0.0
+        #: the events clock minus the loop clock (`inputs.Tick.wall_offset`)
+        self.wall_offset = 0.0
         self._out = Outputs()
 
-    def at(self, now: float, wall: float) -> None:
-        """The time of the input about to be handled."""
+    def at(self, now: float) -> None:
+        """The time of the input about to be handled (loop clock)."""
         self.now = now
-        self.wall = wall
 
     def emit(self, event: str, rank: int, **fields: Any) -> dict[str, Any]:
         """An event record (the signature and record of `events.emit`)."""
-        record: dict[str, Any] = {"time": self.wall, "event": event, "rank": rank, **fields}
+        record: dict[str, Any] = {"time": self.now + self.wall_offset, "event": event, "rank": rank, **fields}
         self._out.events.append(record)
         return record
 
@@ -59,10 +67,16 @@ class Outbox:
     def close_upstream(self) -> None:
         self._out.close_upstream = True
 
-    @property
-    def empty(self) -> bool:
-        out = self._out
-        return not (out.frames or out.events or out.upstream or out.close_upstream)
+    def admit(self, how: str) -> None:
+        """Admit the connection the input's frame came by ("token" or "known")."""
+        if self._out.admit is None:
+            self._out.admit = how
+
+    def watch(self, rank: int, pid: int, proc: str | None) -> None:
+        self._out.watch.append((rank, pid, proc))
+
+    def mark_dirty(self) -> None:
+        self._out.dirty = True
 
     def take(self) -> Outputs:
         """What was decided since the last `take`."""

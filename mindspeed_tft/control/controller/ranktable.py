@@ -42,8 +42,7 @@ class RankInfo:
     """One row of the rank table."""
 
     __slots__ = ("rank", "identity", "host", "pid", "step", "status", "progress", "health",
-                 "last_seen", "registered_at", "replica", "last_seq", "fresh", "incarnation",
-                 "start", "gone_since")
+                 "last_seen", "registered_at", "replica", "last_seq", "fresh", "incarnation")
 
     def __init__(self, rank: int, identity: bytes, host: str, pid: int, now: float,
                  replica: dict[str, Any] | None, step: int = 0, status: str = "updated") -> None:
@@ -62,11 +61,6 @@ class RankInfo:
         #: a restarted process (ARF) that holds no training state yet
         self.fresh = False
         self.incarnation = 0
-        #: its process' start time when it runs in the controller's pid namespace (the
-        #: controller then sees its death in /proc); else None
-        self.start: int | None = None
-        #: when the controller first found that process gone without a signal (loop time)
-        self.gone_since: float | None = None
 
     @property
     def connected(self) -> bool:

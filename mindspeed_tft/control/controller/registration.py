@@ -6,7 +6,8 @@ does not have, or beyond the admitted connections' rank cap; binds a rank to the
 (and, under CURVE, the key) it registered from; tells a repeated registration from a
 restarted process and a failing-over one; and keeps the set of ranks INIT still waits for
 (NORMAL once it is empty). It reaches back into the controller only through the
-`RegistrationHost` methods below, and into process watching through `ProcessWatch`.
+`RegistrationHost` methods below; the connection's admission and the watch over a
+registered process are outputs (`Outputs.admit`, `Outputs.watch`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from ..wire.config import ControlConfig
 from ..wire.peers import REFUSED, REFUSED_FOR_NOW, token_ok
 from ..wire.protocol import DropCounter, Message, MsgType, seq_in_window
 from .elasticity import Elasticity
+from .outbox import Outbox
 from .ranktable import CONNECTED, Health, RankInfo, RankTable
 from .states import State, StateMachine
 
@@ -30,6 +32,7 @@ class RegistrationHost(Protocol):
 
     role: str
     features: Features
+    out: Outbox
 
     def mark_dirty(self) -> None: ...
     def send(self, identity: bytes, mtype: str, payload: dict[str, Any]) -> None: ...
@@ -38,24 +41,12 @@ class RegistrationHost(Protocol):
     def rank_restarted(self, row: RankInfo) -> None: ...
 
 
-class Admit(Protocol):
-    """The connection a registration came by (`inbox.Link`)."""
-
-    def admit(self) -> bool: ...
-
-
-class ProcessWatch(Protocol):
-    """Where a registered rank's process is watched (`liveness.Liveness`)."""
-
-    def watch(self, row: RankInfo, proc: Any) -> None: ...
-
-
 class Registration:
     """Registrations and the INIT roll call (see the module docstring)."""
 
     def __init__(self, host: RegistrationHost, *, config: ControlConfig, world_size: int,
                  table: RankTable, sm: StateMachine, drops: DropCounter,
-                 elasticity: Elasticity, watch: ProcessWatch) -> None:
+                 elasticity: Elasticity) -> None:
         self.host = host
         self.config = config
         self.world_size = world_size
@@ -63,7 +54,6 @@ class Registration:
         self.sm = sm
         self.drops = drops
         self.elasticity = elasticity
-        self.watch = watch
         #: CURVE: the client key each rank first registered with (rank -> z85 key)
         self.rank_keys: dict[int, str] = {}
         #: ranks not (or no longer) registered during INIT; NORMAL when it is empty
@@ -90,7 +80,7 @@ class Registration:
             return now - row.last_seen > self.config.lost_after
         return row.health not in CONNECTED
 
-    def refused(self, identity: bytes, msg: Message, link: Admit | None) -> bool:
+    def refused(self, identity: bytes, msg: Message, room: bool) -> bool:
         """Refuse a registration without the job's token, for a rank or world size this
         job does not have, or beyond the rank cap of admitted connections (True: refused).
         A refusal says nothing about the job (no world size, no rank state): the details
@@ -105,18 +95,19 @@ class Registration:
                             f"(this job: {self.world_size})")
             self.host.send(identity, MsgType.REJECT, REFUSED)
             return True
-        if link is not None and not link.admit():  # its connection shows the token
+        if not room:  # its connection shows the token, but the cap is reached
             self.drops.drop("over_cap", f"register claiming rank {rank}")
             self.host.send(identity, MsgType.REJECT, REFUSED_FOR_NOW)
             return True
+        self.host.out.admit("token")
         return False
 
     def on_register(self, identity: bytes, msg: Message, now: float, key: str | None = None,
-                    link: Admit | None = None) -> None:
-        """A rank registers; `key`: its CURVE public key (None without CURVE); `link`: the
-        connection it came by (admitted once the token matches)."""
+                    room: bool = True) -> None:
+        """A rank registers; `key`: its CURVE public key (None without CURVE); `room`: its
+        connection is admitted or may be (it is, once the token matches: `Outputs.admit`)."""
         rank = msg.sender
-        if self.refused(identity, msg, link):
+        if self.refused(identity, msg, room):
             return
         bound = self.table.lookup(identity)
         if bound is not None and bound.rank != rank:
@@ -181,7 +172,7 @@ class Registration:
                                    p.get("step", 0), p.get("status", "updated"))
         info.last_seq = msg.seq
         info.fresh = fresh
-        self.watch.watch(info, p.get("proc"))
+        self.host.out.watch(rank, p["pid"], p.get("proc"))
         self.elasticity.note_registration(rank, p.get("replica"))
         if key is not None:
             self.rank_keys.setdefault(rank, key)

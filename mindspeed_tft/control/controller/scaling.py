@@ -65,8 +65,7 @@ class ScaleFlow(Protocol):
     def incident(self) -> _Numbered: ...
     @property
     def host(self) -> _ScaleHost: ...
-    def send_order(self, rank: int, name: str, payload: Payload,
-                   action_id: int | None = None) -> None: ...
+    def send_order(self, rank: int, payload: Payload, action_id: int | None = None) -> None: ...
     def start_phase(self, name: str, targets: list[int], payload: Payload | None = None,
                     per_rank: Mapping[int, Payload] | None = None) -> None: ...
     def end_job(self, code: int, reason: str) -> None: ...
@@ -122,7 +121,7 @@ class Scaling:
         for rank in self.leaving:  # the lost ranks' peers in their replicas leave too
             row = host.table.get(rank)
             if row is not None and row.connected:
-                flow.send_order(rank, "exit", ExitOrder(0, "left the job: elastic training "
+                flow.send_order(rank, ExitOrder(0, "left the job: elastic training "
                                                    f"shrank it without data-parallel replica(s) "
                                                    f"of ranks {sorted(self.shrinking)}"))
                 row.health = Health.EXITING
@@ -139,7 +138,7 @@ class Scaling:
         staying = sorted(r for r, res in results.items() if res.stays)
         standby = sorted(r for r in results if r not in staying)
         for rank in standby:  # the DP size the global batch splits evenly over is smaller
-            flow.send_order(rank, "exit", ExitOrder(0, "left the job: the global batch "
+            flow.send_order(rank, ExitOrder(0, "left the job: the global batch "
                                                f"splits evenly over {len(staying)} ranks only"))
         for rank in [*self.leaving, *standby]:
             row = host.table.get(rank)
@@ -168,7 +167,7 @@ class Scaling:
         back later) and stay out of the job."""
         host = self.flow.host
         for rank in self.joining:
-            self.flow.send_order(rank, "exit", ExitOrder(host.config.failure_exit_code,
+            self.flow.send_order(rank, ExitOrder(host.config.failure_exit_code,
                                                     f"the job did not grow by this rank: {why}"))
             row = host.table.get(rank)
             if row is not None:

@@ -240,30 +240,3 @@ class ControllerSockets:
             self.router.send_multipart([identity, frame], zmq.NOBLOCK)  # type: ignore[union-attr]
         except zmq.ZMQError:
             self.send_errors += 1
-
-
-class FrameLink:
-    """The connection a frame came by, as the core sees it (`inbox.Link`): its CURVE key,
-    and its admission (`admit`: the shell's, which reads the monitor's accepts first)."""
-
-    __slots__ = ("_sockets", "_admit", "_part")
-
-    def __init__(self, sockets: ControllerSockets, admit: Callable[[zmq.Frame], bool],
-                 part: zmq.Frame) -> None:
-        self._sockets = sockets
-        self._admit = admit
-        self._part = part
-
-    @property
-    def key(self) -> str | None:
-        return self._sockets.key(self._part)
-
-    def admit(self) -> bool:
-        return self._admit(self._part)
-
-    def known(self) -> None:
-        admission = self._sockets.admission
-        if admission.pending:
-            fd = self._part.get(zmq.SRCFD)
-            if admission.is_pending(fd):
-                admission.admit(fd)

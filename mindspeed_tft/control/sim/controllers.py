@@ -11,11 +11,11 @@ FIFO link), and every event to the job's invariants. When the backup takes charg
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Protocol
 
 from ...features import Features
 from ..controller.core import ControllerCore
+from ..controller.inputs import Command, Frame, Input, Start, Tick, Upstream
 from ..controller.outbox import Outputs
 from ..controller.states import State
 from ..wire.config import ControlConfig
@@ -27,21 +27,6 @@ ACTIVE_ENDPOINT = "127.0.0.1:9000"
 BACKUP_ADDR = ("127.0.0.2", 9001)
 #: the routing id of the backup's link to the active controller
 BACKUP_ID = b"backup-0"
-
-
-class _Link:
-    """The connection a simulated frame came by (`inbox.Link`): no CURVE, always admitted."""
-
-    key = None
-
-    def admit(self) -> bool:
-        return True
-
-    def known(self) -> None:
-        return None
-
-
-LINK = _Link()
 
 
 class ControllerHost(Protocol):
@@ -77,8 +62,8 @@ class SimControllers:
                                                      endpoint=ACTIVE_ENDPOINT))]
         if backup:
             core = ControllerCore(world, config, features=features, role="backup",
-                                  endpoint=f"{BACKUP_ADDR[0]}:{BACKUP_ADDR[1]}")
-            core.backups.absent_ranks_return = False  # as tft-run's backups
+                                  endpoint=f"{BACKUP_ADDR[0]}:{BACKUP_ADDR[1]}",
+                                  absent_ranks_return=False)  # as tft-run's backups
             self.list.append(SimController(1, core))
         self.active = 0
 
@@ -89,7 +74,7 @@ class SimControllers:
 
     def start(self) -> None:
         for c in self.list:
-            self.feed(c, c.core.start)
+            self.feed(c, Start())
 
     def kill(self, index: int) -> None:
         if index < len(self.list):
@@ -98,25 +83,24 @@ class SimControllers:
     # -- inputs -----------------------------------------------------------------------------
     def frame_from_rank(self, index: int, identity: bytes, frame: bytes) -> None:
         c = self.list[index]
-        self.feed(c, c.core.on_frame, identity, frame, LINK)
+        self.feed(c, Frame(identity, frame))
 
-    def command(self, cmd: Any) -> None:
+    def command(self, cmd: Command) -> None:
         c = self.list[self.active]
-        self.feed(c, c.core.command, cmd)
+        self.feed(c, cmd)
 
-    def feed(self, c: SimController, fn: Callable[..., None], *args: Any) -> None:
+    def feed(self, c: SimController, event: Input) -> None:
         core = c.core
         if not c.alive or core.state is State.FINAL:
             return  # a dead or stopped controller reads nothing
-        now = self.job.loop.now
-        core.at(now, now)
         try:
-            fn(*args)
+            out = core.handle(event, self.job.loop.now)
         except Violation:
             raise
         except Exception as e:  # a bug of the core: the run fails with it
             self.job.violation(f"controller {c.index} raised {type(e).__name__}: {e}")
-        self._route(c, core.take())
+            out = core.out.take()
+        self._route(c, out)
         self._schedule_tick(c)
 
     # -- outputs ----------------------------------------------------------------------------
@@ -136,11 +120,11 @@ class SimControllers:
 
     def _to_backup(self, frame: bytes) -> None:
         backup = self.list[1]
-        self.feed(backup, backup.core.on_upstream, [frame])
+        self.feed(backup, Upstream((frame,)))
 
     def _from_backup(self, frame: bytes) -> None:
         active = self.list[0]
-        self.feed(active, active.core.on_frame, BACKUP_ID, frame, LINK)
+        self.feed(active, Frame(BACKUP_ID, frame))
 
     def _schedule_tick(self, c: SimController) -> None:
         loop = self.job.loop
@@ -154,4 +138,4 @@ class SimControllers:
         if token != c.token:
             return
         c.tick_at = float("inf")
-        self.feed(c, c.core.tick)
+        self.feed(c, Tick())
