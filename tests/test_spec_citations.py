@@ -2,7 +2,8 @@
 
 The code cites the design contract as ``SPEC n`` (``SPEC 3, 7``, ``SPEC 1, 2 and 10``) and the
 docs as ``docs/design.md, section n``, sometimes with a part of it in quotes (``section 11,
-"Exit codes"``): that part must be a heading or a bold lead-in of that section.
+"Exit codes"``): that part must be a heading or a bold lead-in of that section. The opening of
+docs/design.md says how its sections are numbered ("1 to N, with 9a"): that must be its headings.
 """
 
 from __future__ import annotations
@@ -26,6 +27,26 @@ def sections(design: str) -> dict[str, str]:
     marks = list(_HEADING.finditer(design))
     return {m[1]: design[m.start(): marks[i + 1].start() if i + 1 < len(marks) else len(design)]
             for i, m in enumerate(marks)}
+
+
+def _order(number: str) -> tuple[int, str]:
+    return int(number.rstrip("abcdefghijklmnopqrstuvwxyz")), number.lstrip("0123456789")
+
+
+def count_problems(design: str) -> list[str]:
+    """What `design`'s opening says of its numbering ("The sections are numbered 1 to N, with
+    9a ... between 9 and 10") against its ``## n.`` headings, in their order."""
+    flat = re.sub(r"\s+", " ", design)
+    said = re.search(r"The sections are numbered 1 to (\d+)([^;.]*)", flat)
+    if said is None:
+        return ['docs/design.md does not say "The sections are numbered 1 to N"']
+    stated = sorted([str(n) for n in range(1, int(said[1]) + 1)]
+                    + re.findall(r"\b(\d+[a-z])\b", said[2]), key=_order)
+    headings = list(sections(design))
+    if headings == stated:
+        return []
+    return [f"docs/design.md says its sections are {', '.join(stated)}; its headings are "
+            f"{', '.join(headings)}"]
 
 
 def citations(text: str) -> list[tuple[str, str | None]]:
@@ -88,6 +109,25 @@ def test_a_missing_section_fails() -> None:
         'b.py: cites "Events file" in section 2 of docs/design.md, which has no heading or '
         "bold lead-in of that name",
     ]
+
+
+def test_the_stated_section_count_is_the_headings() -> None:
+    assert count_problems(DESIGN.read_text()) == []
+
+
+def test_a_wrong_section_count_fails() -> None:
+    headings = "## 1. One\n## 2. Two\n## 2a. Two and a half\n## 3. Three\n"
+    assert count_problems("The sections are numbered 1 to 3, with 2a (half)\nbetween 2 and 3.\n"
+                          + headings) == []
+    assert count_problems("The sections are numbered 1 to 2, with 2a (half).\n" + headings) == [
+        "docs/design.md says its sections are 1, 2, 2a; its headings are 1, 2, 2a, 3"]
+    assert count_problems("The sections are numbered 1 to 3.\n" + headings) == [
+        "docs/design.md says its sections are 1, 2, 3; its headings are 1, 2, 2a, 3"]
+    assert count_problems("Numbered as you like.\n" + headings) == [
+        'docs/design.md does not say "The sections are numbered 1 to N"']
+    swapped = "## 1. One\n## 3. Three\n## 2. Two\n"
+    assert count_problems("The sections are numbered 1 to 3.\n" + swapped) == [
+        "docs/design.md says its sections are 1, 2, 3; its headings are 1, 3, 2"]
 
 
 #: a part of another page cited by its title: docs/usage.md, "Environment variables"

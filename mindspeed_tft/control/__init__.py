@@ -1,25 +1,20 @@
-"""The control plane: a ZeroMQ controller and one processor per rank (SPEC 4, 5, 6), in three
-subpackages by role.
+"""The control plane: a ZeroMQ controller and one processor per rank (SPEC 4, 5, 6).
 
-- `wire/` (both sides): `protocol` (msgpack frames with a version and a schema per message
-  type), `transport` (ROUTER/DEALER sockets over TCP, IPv4/IPv6, optional CURVE; `keys` makes
-  keys), `config` (`ControlConfig.from_env()`: TTP_ADDR, TTP_PORT, timeouts, TTP_LOG_*),
-  `classify` (fault kinds, error classification, `ForceStop`), `priority` (thread priorities),
-  `local` (controllers hosted by this process: an exiting rank lets them finish)
-- `controller/`: `controller` (the controller, active or backup, `python -m
-  mindspeed_tft.control.controller`), `incident` (the phases of one fault's handling: stop,
-  clean, repair, rollback / dump, exit), `strategy` (strategy choice, SPEC 6, and the planner of
-  action payloads, SPEC 7), `backup` (backup controllers kept in sync, failover with a majority
-  of ranks), `states` (the SPEC 5 state machine as a transition table), `ranktable` (per-rank
-  connection, step, data status and health), `metrics`, `elasticity`, `admission`
-- `processor/`: `processor` (the per-rank agent, made of a `channel` to the controller, a `gate`
-  for the training thread and the `orders` worker threads; `watchdog`: hang detection),
-  `handler` (the exception wrapper around the training function), `termination` (SIGTERM and
-  decided exits)
+Each side's decisions are cores without I/O (`controller.core.ControllerCore`;
+`processor.core.ProcessorCore` and `processor.link.LinkCore`) in shells of sockets, threads
+and clocks; the simulator (`sim/`) feeds the same cores on virtual time.
 
 Wiring, in short: rank 0 (or the node-0 launcher) runs `Controller(world_size).start()`;
 every rank runs `p = Processor(rank, world_size, replica=...)`, registers callbacks,
 `p.start()`, then `run_with_fault_tolerance(train, p)` and finally `p.stop()`.
+
+Modules:
+
+- `wire/`: what both sides share: frames, typed orders and results, sockets, configuration
+- `controller/`: the controller, active or backup: its core, the core's parts, its shell
+- `processor/`: the agent in every training process: its cores and their shell
+- `sim/`: `tft-sim`, a deterministic simulator of the control plane under faults
+- `keys`: `python -m mindspeed_tft.control.keys`, the key tool's stable name (`wire.keys`)
 """
 
 from ..features import Features

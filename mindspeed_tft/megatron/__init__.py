@@ -14,6 +14,13 @@ Three ways to switch it on, all with the user's unchanged training script and fl
 ``megatron-lm`` patches (`adaptor`) and, on CPU, the ``megatron-lm-cpu`` ones (`cpu`).
 Megatron-LM itself comes from wherever the script finds it (a user's clone first on the
 path); the megatron-core wheel's `megatron.core` is the same code.
+
+Modules:
+
+- `adaptor`: the ``megatron-lm`` patches: mindspeed-tft inside `megatron.training`'s loop
+- `cpu`: the ``megatron-lm-cpu`` patches: Megatron-LM's loop on CPU (gloo)
+- `helpers`: whether Megatron-LM can build its dataset helpers here, asked before it tries
+- `__main__`: ``python -m mindspeed_tft.megatron SCRIPT ARGS``: a script run unchanged
 """
 
 from __future__ import annotations

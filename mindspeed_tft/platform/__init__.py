@@ -9,6 +9,13 @@ megatron-core falls back to torch's own Adam, the checkpoint fix of `native_adam
 `import_megatron_core()` is the first import of megatron-core in a process (entry points call
 it before anything else imports it): it refuses a megatron-core outside the supported range
 (`megatron_version`: exit 2, one line), and on CPU keeps its fused helpers eager (see there).
+
+Modules:
+
+- `cpu_adaptor`: megatron-core on CPU with gloo: `torch.cuda` means the CPU in this process
+- `gloo_device`: one gloo transport device per process; lazy connection for larger groups
+- `megatron_version`: which megatron-core this process runs on, and the range supported
+- `native_adam`: megatron-core with torch's own Adam (no Apex, no Transformer Engine)
 """
 
 from __future__ import annotations

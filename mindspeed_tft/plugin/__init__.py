@@ -27,6 +27,11 @@ honoured with or without high availability) and, with `--tft-check-replicas-inte
 replica consistency check. Layers below the plugin (control, recovery, replica) never call
 back into it: recovery gets the training state through its `RecoverableState` protocol and
 the group rebuild as one callable.
+
+Modules:
+
+- `state`: `TrainingState`, what recovery may act on (half of a host's interface)
+- `hooks`: `TrainerHooks`, the points of a step where the plugin acts (the other half)
 """
 
 from __future__ import annotations

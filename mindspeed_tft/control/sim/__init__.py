@@ -11,10 +11,18 @@ with a trainer model (update start and end, step reports, the fault handler, the
 callbacks' effects on the state they hold); launchers restart (or do not restart) their
 workers. After every event the protocol's invariants (`invariants`) are checked. Nothing
 here reads a socket, a wall clock or an unseeded random source: a seed replays exactly.
+It imports the control plane's core and wire only, never hosts, the plugin or torch.
 
-Modules: `loop` (virtual clock, network), `rank` (a simulated process: the processor's
-cores in a shell of virtual time), `trainer` (its training thread and callbacks), `launcher`,
-`schedule` (layouts, faults, the seeded generator, shrinking), `invariants`, `job` (one run),
-`cli` (`tft-sim`). It imports the control plane's core and wire only, never hosts, the
-plugin or torch.
+Modules:
+
+- `job`: one run: the real controller core, W simulated ranks, launchers, a network
+- `schedule`: what a run does (layout, network, faults) from a seed; the generator; shrinking
+- `loop`: the virtual clock and network
+- `rank`: a simulated process: the processor's real cores in a shell of virtual time
+- `trainer`: the trainer model of a simulated rank: its training thread and callbacks
+- `launcher`: a simulated launcher per node: its workers' ends and their replacements
+- `controllers`: the simulated controller processes: the active one and a backup
+- `invariants`: the protocol's invariants, checked after every event
+- `cli`: `tft-sim`: many seeds, or one schedule replayed
+- `__main__`: `python -m mindspeed_tft.control.sim`, the same as `tft-sim`
 """

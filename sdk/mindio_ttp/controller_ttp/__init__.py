@@ -1,4 +1,10 @@
-"""The controller side of the SDK's API (`mindio_ttp.controller_ttp`)."""
+"""The controller side of the SDK's API (`mindio_ttp.controller_ttp`).
+
+Modules:
+
+- `ttp_controller`: mindspeed-tft's `Controller` started in this process, the SDK's way
+- `ttp_mindx_api`: the SDK's interface to MindCluster's ClusterD (notices, strategies)
+"""
 
 from .ttp_controller import (
     tft_destroy_controller,

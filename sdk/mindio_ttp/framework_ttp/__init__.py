@@ -3,6 +3,10 @@ it; the controller functions are here too, as in the SDK.
 
 Imported by the installed `torchrun` script (the usage guide's step), it also routes
 torchrun's launches with high availability through mindspeed-tft's launcher (`_torchrun`).
+
+Modules:
+
+- `ttp_decorator`: the processor side of the SDK's API and its exception decorator
 """
 
 from .. import _torchrun
