@@ -19,6 +19,7 @@ Modules:
 - `features`: `Features`, the one object saying which features a job switched on
 - `envvars`: every environment variable read or set, in one table
 - `events`: the JSON Lines event stream (SPEC 11)
+- `records`: the events' vocabulary without I/O: the controller's rank, an iteration record's check
 - `faults`: fault injection, the `TFT_INJECT` contract (SPEC 11)
 - `elastic`: the smaller world a job continues in when a lost rank gets no replacement
 - `goodput`: a job's goodput and what each incident cost, read from its events

@@ -7,6 +7,7 @@ parts it hands each input to; `controller.Controller` is its shell. Imports `wir
 Modules:
 
 - `core`: `ControllerCore`, every decision of a controller, a state machine without I/O
+- `inputs`: what the core takes in, one typed value per kind of input (`handle`'s)
 - `outbox`: what the core decides in answer to one input: frames, events, the upstream
 - `registration`: which connection speaks for which rank, and the roll call of INIT
 - `liveness`: which connected ranks are gone, from their silence or their processes

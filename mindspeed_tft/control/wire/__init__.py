@@ -9,6 +9,7 @@ Modules:
 - `results`: typed results and reports, what a rank sends back
 - `callbacks`: `RecoveryCallbacks`, the typed Protocol of what a rank does for each order
 - `classify`: fault kinds and the classification of a training process's errors (SPEC 6)
+- `peers`: who a peer is, without I/O: addresses, the job token's check, refusals
 - `config`: `ControlConfig`, the control plane's settings from the environment (SPEC 4)
 - `transport`: ZeroMQ sockets: a ROUTER on controllers, a DEALER per processor, CURVE
 - `keys`: CURVE key files for the control plane, one folder per role
