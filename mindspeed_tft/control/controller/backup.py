@@ -45,17 +45,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ...features import Features
 from ...records import CONTROLLER_RANK
 from ..wire.classify import FaultKind
-from ..wire.config import ControlConfig
 from ..wire.order_types import ExitOrder, Payload
 from ..wire.peers import hostport, parse_hostport, token_ok
 from ..wire.protocol import CONTROLLER, DropCounter, Message, MsgType, ProtocolError, decode, encode
 from .ranktable import CONNECTED, Health, RankInfo, RankTable
 from .states import INCIDENT_STATES, State, StateMachine
+
+if TYPE_CHECKING:  # the type only: its module reads the environment
+    from ..wire.config import ControlConfig
 
 log = logging.getLogger("mindspeed_tft.control.backup")
 

@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...features import Features
 from ...records import CONTROLLER_RANK
 from ..wire.classify import FaultKind
-from ..wire.config import ControlConfig
 from ..wire.order_types import ExitOrder, PauseOrder, Payload, ResumeOrder
 from ..wire.protocol import CONTROLLER, DropCounter, Limits, MsgType, encode
 from .backup import BackupSync
@@ -57,6 +56,9 @@ from .ranktable import RankInfo, RankTable
 from .registration import Registration
 from .states import State, StateMachine
 from .strategy import StrategyPlanner
+
+if TYPE_CHECKING:  # the type only: its module reads the environment
+    from ..wire.config import ControlConfig
 
 log = logging.getLogger("mindspeed_tft.control.controller")
 

@@ -15,10 +15,9 @@ whether it has room to be admitted; an admission is an output (`Outputs.admit`).
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..wire.classify import FaultKind
-from ..wire.config import ControlConfig
 from ..wire.order_types import ExitOrder, Payload, ResumeOrder
 from ..wire.peers import token_ok
 from ..wire.protocol import (
@@ -41,6 +40,9 @@ from .outbox import Outbox
 from .ranktable import CONNECTED, Health, RankInfo, RankTable
 from .registration import Registration
 from .states import State, StateMachine
+
+if TYPE_CHECKING:  # the type only: its module reads the environment
+    from ..wire.config import ControlConfig
 
 log = logging.getLogger("mindspeed_tft.control.controller")
 

@@ -56,11 +56,10 @@ import statistics
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ...records import CONTROLLER_RANK, validate_record
 from ..wire.classify import FaultKind
-from ..wire.config import ControlConfig
 from ..wire.order_types import ExitOrder, HoldOrder, Payload, ResumeOrder
 from ..wire.results import (
     ActionResult,
@@ -77,6 +76,9 @@ from .ranktable import CONNECTED, Health, RankInfo, RankTable
 from .scaling import Scaling, fail_text
 from .states import State, StateMachine
 from .strategy import PROCESS_KINDS, REPAIR_STRATEGIES, PlanError, Strategy, StrategyPlanner
+
+if TYPE_CHECKING:  # the type only: its module reads the environment
+    from ..wire.config import ControlConfig
 
 log = logging.getLogger("mindspeed_tft.control.incident")
 

@@ -11,10 +11,9 @@ controller only through the `IncidentsHost` methods below.
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..wire.classify import FaultKind
-from ..wire.config import ControlConfig
 from ..wire.order_types import ExitOrder, Payload, to_wire
 from ..wire.protocol import CONTROLLER, MsgType, encode
 from .elasticity import Elasticity
@@ -22,6 +21,9 @@ from .incident import Incident, IncidentFlow, IncidentStats
 from .ranktable import Health, RankInfo, RankTable
 from .states import StateMachine
 from .strategy import StrategyPlanner
+
+if TYPE_CHECKING:  # the type only: its module reads the environment
+    from ..wire.config import ControlConfig
 
 log = logging.getLogger("mindspeed_tft.control.controller")
 

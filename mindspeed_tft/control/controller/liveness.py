@@ -12,12 +12,14 @@ through the `LivenessHost` methods below.
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..wire.classify import FaultKind
-from ..wire.config import ControlConfig
 from .ranktable import Health, RankInfo, RankTable
 from .states import State, StateMachine
+
+if TYPE_CHECKING:  # the type only: its module reads the environment
+    from ..wire.config import ControlConfig
 
 log = logging.getLogger("mindspeed_tft.control.controller")
 

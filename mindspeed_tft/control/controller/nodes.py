@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ...features import Features
 from ...records import CONTROLLER_RANK
-from ..wire.config import ControlConfig
 from .incident import IncidentFlow
+
+if TYPE_CHECKING:  # the type only: its module reads the environment
+    from ..wire.config import ControlConfig
 
 
 class NodesHost(Protocol):

@@ -13,16 +13,18 @@ registered process are outputs (`Outputs.admit`, `Outputs.watch`).
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ...features import Features
-from ..wire.config import ControlConfig
 from ..wire.peers import REFUSED, REFUSED_FOR_NOW, token_ok
 from ..wire.protocol import DropCounter, Message, MsgType, seq_in_window
 from .elasticity import Elasticity
 from .outbox import Outbox
 from .ranktable import CONNECTED, Health, RankInfo, RankTable
 from .states import State, StateMachine
+
+if TYPE_CHECKING:  # the type only: its module reads the environment
+    from ..wire.config import ControlConfig
 
 log = logging.getLogger("mindspeed_tft.control.controller")
 

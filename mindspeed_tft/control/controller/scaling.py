@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ...records import CONTROLLER_RANK
-from ..wire.config import ControlConfig
 from ..wire.order_types import ExitOrder, Payload, ScaleInOrder, ScaleOutOrder
 from ..wire.results import ActionResult, ScaleResult
 from .elasticity import Elasticity
 from .ranktable import Health, RankTable
 from .states import State, StateMachine
+
+if TYPE_CHECKING:  # the type only: its module reads the environment
+    from ..wire.config import ControlConfig
 
 log = logging.getLogger("mindspeed_tft.control.incident")
 
