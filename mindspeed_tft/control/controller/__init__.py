@@ -14,6 +14,8 @@ Modules:
 - `inbox`: what the controller does with each message a processor or a backup sends
 - `incidents`: the incident under way, the incident counters and the orders that carry it
 - `incident`: `IncidentFlow`, the phases of one fault's handling (SPEC 5)
+- `phases`: an incident's stages and their transitions as a table, and the decisions' reasons
+- `dumping`: the dying-gasp checkpoint's stages of an incident: dump, then rename
 - `scaling`: elastic training's phases: shrink or grow from the lock step's dump
 - `strategy`: `StrategyPlanner`, the strategy (SPEC 6) and the payload of every order
 - `states`: the controller's state machine (SPEC 5) as a transition table

@@ -40,8 +40,9 @@ error of a rank the stop was already sent to: stopped ranks shut their connectio
 peers' collectives fail before their own stop arrives (withdrawn at once). No phase waits longer
 than its deadline, so nothing hangs.
 
-A phase ends in the flow's `_after` table (phase name -> the method that takes its results);
-the elastic phases (scale_in, scale_out) are `scaling.Scaling`'s.
+A phase ends in the method that takes its results (`_ends`; the elastic phases, scale_in
+and scale_out, are `scaling.Scaling`'s), which returns how it ended and why
+(`phases.Turn`); the stage that follows is the table's (`phases.NEXT`), started by `_starts`.
 
 When a flow ends (`resume`, `end_job`), its `outcome` says how: the kind of its first fault, the
 strategy, the outcome, the time to recover and the iterations lost. The controller's
@@ -55,7 +56,7 @@ import logging
 import statistics
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ...records import CONTROLLER_RANK, validate_record
@@ -66,12 +67,13 @@ from ..wire.results import (
     CleanResult,
     EmptyResult,
     HoldResult,
-    RenameResult,
     ResultMessage,
     RollbackResult,
     StopResult,
 )
+from .dumping import Dumping
 from .elasticity import Elasticity
+from .phases import PhaseEnd, Stage, Turn, Why, done, failed, next_stage
 from .ranktable import CONNECTED, Health, RankInfo, RankTable
 from .scaling import Scaling, fail_text
 from .states import State, StateMachine
@@ -193,7 +195,7 @@ class IncidentStats:
 class Phase:
     """One action sent to a set of ranks, and what came back."""
 
-    name: str
+    name: Stage
     action_id: int
     deadline: float
     pending: set[int]
@@ -244,25 +246,40 @@ class IncidentFlow:
         self.host = host
         self.incident = incident
         self.phase: Phase | None = None
-        self.writers: set[int] = set()
-        self.renamer: int | None = None
         #: elastic training: a shrink or a grow of the job (`scaling`)
-        self.scaling = Scaling(self)
+        self.scaling = Scaling(self, host)
+        #: the dying-gasp checkpoint's stages (`dumping`)
+        self.dumping = Dumping(self, host)
         self.done = False
         #: a repair that reloads the last checkpoint was sent (the lock step is gone)
         self.reloaded = False
         self.exit_code: int | None = None
         #: the time (events clock) of the event after which training resumed
         self.resumed_at: float | None = None
-        #: how it ended, for the controller's counters (set by `resume` and `end_job`)
+        #: how it ended, for the controller's counters (set by `_resume` and `end_job`)
         self.outcome: Outcome | None = None
-        #: what runs when a phase ends (all its ranks answered, or its deadline passed)
-        self._after: dict[str, Callable[[Phase], None]] = {
-            "hold": self._after_hold, "stop": self._after_stop, "clean": self._after_clean,
-            "rejoin": self._after_rejoin, "repair": self._after_repair,
-            "rollback": self._after_rollback, "dump": self._after_dump,
-            "rename": self._after_rename, "scale_in": self.scaling.after_scale_in,
-            "scale_out": self.scaling.after_scale_out}
+        #: the phase that ended last (its results and failures), for the stage after it
+        self.ended: Phase | None = None
+        #: the last decision: the stage it led to and why (the snapshot shows it)
+        self.last_turn: tuple[Stage, Why | None] | None = None
+        self._ends: dict[Stage, Callable[[Phase], Turn]] = {
+            Stage.HOLD: self._end_hold, Stage.STOP: self._end_stop,
+            Stage.CLEAN: self._end_clean, Stage.REJOIN: self._end_rejoin,
+            Stage.REPAIR: self._end_repair, Stage.ROLLBACK: self._end_rollback,
+            Stage.DUMP: self.dumping.after_dump, Stage.RENAME: self.dumping.after_rename,
+            Stage.SCALE_IN: self.scaling.after_scale_in,
+            Stage.SCALE_OUT: self.scaling.after_scale_out}
+        self._starts: dict[Stage, Callable[[Turn], Turn | None]] = {
+            Stage.STOP: self._start_stop, Stage.CLEAN: self._start_clean,
+            Stage.REJOIN: self._start_rejoin, Stage.REPAIR: self._start_repair,
+            Stage.ROLLBACK: self._start_rollback, Stage.DUMP: self.dumping.start_dump,
+            Stage.RENAME: self.dumping.start_rename,
+            Stage.SCALE_IN: lambda turn: self.scaling.start_scale_in(turn.path or ""),
+            Stage.SCALE_OUT: lambda turn: self.scaling.start_scale_out(turn.path or ""),
+            Stage.RESUME: self._resume, Stage.REPAIR_FAILED: self._repair_failed,
+            # the job ends with the dump code (the dump holds the lock step), or the failure's
+            Stage.EXIT_DUMPED: lambda turn: self._exit(self.host.config.dump_exit_code, turn),
+            Stage.EXIT_FAILED: lambda turn: self._exit(self.host.config.failure_exit_code, turn)}
 
     # -- inputs ---------------------------------------------------------------------
     def begin(self, rank: int, kind: FaultKind, message: str) -> None:
@@ -273,16 +290,8 @@ class IncidentFlow:
 
     def begin_scale_out(self, world: list[int], dp_size: int, joining: list[int]) -> None:
         """Elastic training: grow the job to `world` (DP `dp_size`) with the returning
-        ranks `joining`: hold every member at its next update (ABNORMAL, stop), as a fault
-        would, then dump the lock step and reload it in the larger world."""
-        scaling = self.scaling
-        scaling.growing = (list(world), dp_size)
-        scaling.joining = list(joining)
-        self.incident.detected = self.host.emit(
-            "scale_out_started", CONTROLLER_RANK, world_size=len(world), dp_size=dp_size,
-            joining=scaling.joining, incident=self.incident.id)["time"]
-        self.host.sm.to(State.ABNORMAL, f"scale-out: ranks {scaling.joining} came back; the job "
-                                        f"grows to DP {dp_size}")
+        ranks `joining` (`Scaling.begin`), then hold every member as a fault would."""
+        self.incident.detected = self.scaling.begin(world, dp_size, joining, self.incident.id)
         self._hold_every_rank()
 
     def add_fault(self, rank: int, kind: FaultKind, message: str) -> None:
@@ -307,14 +316,17 @@ class IncidentFlow:
             self.on_gone(rank, "lost")
         if expected or state is State.ABNORMAL or self.done or self.host.sm.state is not state:
             return
-        if self.phase is not None and self.phase.name in ("scale_in", "scale_out"):
+        phase = self.phase
+        if phase is not None and phase.name in (Stage.SCALE_IN, Stage.SCALE_OUT):
             # the dump of the lock step is published: end there rather than dump again from
             # ranks that are tearing their state down
-            change = "shrink" if self.phase.name == "scale_in" else "grow"
-            self.scaling.end_with_the_dump(f"{kind} on rank {rank} during the {change}")
-            return
-        if state in (State.ENV_CLEAR, State.REPAIR):
-            self._repair_failed(f"cascading fault: {kind} on rank {rank} during {state}")
+            change = "shrink" if phase.name is Stage.SCALE_IN else "grow"
+            self._interrupt(Why("fault_during_scaling", f"{kind} on rank {rank} during the "
+                                f"{change}; dying-gasp checkpoint saved at iteration "
+                                f"{self.incident.lock_step}", (rank,)))
+        elif state in (State.ENV_CLEAR, State.REPAIR):
+            self._interrupt(Why("cascading_fault", f"cascading fault: {kind} on rank {rank} "
+                                f"during {state}", (rank,)))
 
     def clear_fault(self, rank: int) -> None:
         """A hung rank made progress again before the decision (false alarm for it)."""
@@ -362,7 +374,7 @@ class IncidentFlow:
             return
         inc.awaiting.discard(rank)
         phase = self.phase
-        if phase is not None and phase.name == "rejoin" and rank in phase.pending:
+        if phase is not None and phase.name is Stage.REJOIN and rank in phase.pending:
             phase.pending.discard(rank)
             phase.results[rank] = EmptyResult()
             if not phase.pending:
@@ -372,7 +384,7 @@ class IncidentFlow:
         """The launcher of lost `rank` will not restart it: stop waiting for it."""
         self.incident.unreplaceable[rank] = why
         phase = self.phase
-        if phase is not None and phase.name == "rejoin" and rank in phase.pending:
+        if phase is not None and phase.name is Stage.REJOIN and rank in phase.pending:
             phase.pending.discard(rank)
             phase.failures[rank] = f"no replacement ({why})"
             if not phase.pending:
@@ -382,7 +394,7 @@ class IncidentFlow:
         phase = self.phase
         if phase is not None and now >= phase.deadline and phase.pending:
             config = self.host.config
-            limit = (config.effective_replacement_wait if phase.name == "rejoin"
+            limit = (config.effective_replacement_wait if phase.name is Stage.REJOIN
                      else config.action_time_limit)
             for r in phase.pending:
                 phase.failures[r] = f"no result for {phase.name} within {limit:g}s"
@@ -432,18 +444,21 @@ class IncidentFlow:
             self._record(rank, FaultKind.HANG, "training thread did not come back when stopped")
         row.step, row.status = result.step, result.status
 
-    def send_order(self, rank: int, payload: Payload, action_id: int | None = None) -> None:
-        aid = self.host.new_action_id() if action_id is None else action_id
-        self.host.send_action(rank, aid, payload, self.host.config.action_time_limit)
+    def send_order(self, rank: int, payload: Payload) -> None:
+        self.host.send_action(rank, self.host.new_action_id(), payload,
+                              self.host.config.action_time_limit)
 
-    def start_phase(self, name: str, targets: list[int], payload: Payload | None = None,
-                     per_rank: Mapping[int, Payload] | None = None) -> None:
+    def start_phase(self, name: Stage, targets: list[int], payload: Payload | None = None,
+                    per_rank: Mapping[int, Payload] | None = None) -> None:
+        """Send `name`'s order to `targets` (one `payload`, or one each: `per_rank`); the
+        phase ends when every one answered or at its deadline."""
         aid = self.host.new_action_id()
         limit = self.host.config.action_time_limit
         self.phase = Phase(name, aid, self.host.now() + limit, set(targets))
-        self.host.emit("action", CONTROLLER_RANK, action=name, targets=len(targets), incident=self.incident.id)
+        self.host.emit("action", CONTROLLER_RANK, action=name.value, targets=len(targets),
+                       incident=self.incident.id)
         if per_rank is None:
-            assert payload is not None
+            assert payload is not None and payload.KIND == name.value
             self.host.send_action_many(list(targets), aid, payload, limit)
         else:
             for r in targets:
@@ -455,25 +470,50 @@ class IncidentFlow:
         phase = self.phase
         assert phase is not None
         self.phase = None
-        self._after[phase.name](phase)
+        self.ended = phase
+        self._advance(phase.name, self._ends[phase.name](phase))
 
+    def _advance(self, stage: Stage, turn: Turn) -> None:
+        """`stage` ended with `turn`: run the stages that follow (`phases.NEXT`) until one
+        waits for the ranks or the incident ends."""
+        while True:
+            stage = next_stage(stage, turn.end)
+            self.last_turn = (stage, turn.why)
+            after = self._starts[stage](turn)
+            if after is None:
+                return
+            turn = after
+
+    def _interrupt(self, why: Why) -> None:
+        """A fault arrived during the stage under way: it ends with `FAULT`."""
+        stage = self.phase.name if self.phase is not None else Stage.REPAIR
+        self.phase = None
+        self._advance(stage, Turn(PhaseEnd.FAULT, why))
+
+    # -- ABNORMAL: hold, stop, decide ---------------------------------------------------
     def _hold_every_rank(self) -> None:
         """ABNORMAL, first round: hold every rank before its next update and learn its
-        exact step (heartbeats are up to an interval old); `_after_hold` sends the stop."""
+        exact step (heartbeats are up to an interval old); then the stop."""
         targets = [r.rank for r in self.host.table.connected() if not r.fresh]
-        self.start_phase("hold", targets, HoldOrder(self.incident.id))
+        self.start_phase(Stage.HOLD, targets, HoldOrder(self.incident.id))
 
-    def _after_hold(self, phase: Phase) -> None:
-        """Second round: stop the held ranks with the provisional lock step their answers
-        give (a rank behind it catches up). A rank that did not answer is hung."""
+    def _end_hold(self, phase: Phase) -> Turn:
+        """A rank that did not answer the hold is hung."""
         self._mark_hung(phase, "could not be held")
+        return done()
+
+    def _start_stop(self, turn: Turn) -> None:
+        """Second round: stop the held ranks with the provisional lock step their answers
+        give (a rank behind it catches up)."""
+        held = self.ended
+        failed_hold = held.failures if held is not None else {}
         targets = [r.rank for r in self.host.table.connected()
-                   if not r.fresh and r.rank not in phase.failures]
+                   if not r.fresh and r.rank not in failed_hold]
         self.incident.stopped.update(targets)
         payload = self.host.planner.stop_payload(self.incident, self.host.table)
         log.info("incident %d: stop sent to %d ranks, provisional lock step %d",
                  self.incident.id, len(targets), payload.lock_step)
-        self.start_phase("stop", targets, payload)
+        self.start_phase(Stage.STOP, targets, payload)
 
     def _mark_hung(self, phase: Phase, why: str) -> None:
         for r, err in phase.failures.items():
@@ -482,61 +522,42 @@ class IncidentFlow:
                 row.health = Health.HUNG
                 self._record(r, FaultKind.HANG, f"{why}: {err}")
 
-    def _after_stop(self, phase: Phase) -> None:
+    def _end_stop(self, phase: Phase) -> Turn:
         self._mark_hung(phase, "could not be stopped")
         if self.scaling.growing is not None:
             if not self.incident.faults:
                 self.incident.lock_step = self.host.planner.lock_step(self.incident,
                                                                       self.host.table)
-                self._enter_dump(f"scale-out to DP {self.scaling.growing[1]}: the lock step is "
-                                 "saved first and reloaded in the larger world")
-                return
+                return Turn(PhaseEnd.DUMP, Why(
+                    "scale_out", f"scale-out to DP {self.scaling.growing[1]}: the lock step is "
+                    "saved first and reloaded in the larger world", tuple(self.scaling.joining)))
             self.scaling.send_joining_away("a fault arrived while the job was about to grow")
-        self._decide()
+        return self._decide()
 
-    def _decide(self) -> None:
+    def _decide(self) -> Turn:
+        """The planner's decision (`StrategyPlanner.decide`), and the `strategy` event."""
         inc, host = self.incident, self.host
-        inc.lock_step = host.planner.lock_step(inc, host.table)
-        strategy = host.planner.choose(inc)
-        if strategy is None:  # every fault was withdrawn: false alarm
-            self.host.emit("strategy", CONTROLLER_RANK, strategy="none", lock_step=inc.lock_step,
-                 incident=inc.id)
-            self.resume(false_alarm=True)
-            return
-        reason = "faults " + ", ".join(f"rank {r}: {k}" for r, k in sorted(inc.faults.items()))
-        refusal = self._refusal(strategy)
-        if refusal is not None:
-            strategy, reason = Strategy.DUMP, refusal
-        if inc.lock_step == 0:
-            strategy, refusal = Strategy.EXIT, None
-            reason = ("no optimizer update completed yet (lock step 0): there is nothing to "
-                      "repair or dump")
-        inc.strategy = strategy
-        inc.source = host.planner.repair_source(strategy, inc)
-        self.host.emit("strategy", CONTROLLER_RANK, strategy=strategy.value, lock_step=inc.lock_step,
-             source=inc.source, faults={str(r): k.value for r, k in inc.faults.items()},
-             incident=inc.id, **({} if refusal is None else {"reason": refusal}))
+        decision = host.planner.decide(inc, host.table)
+        inc.lock_step = decision.lock_step
+        if decision.strategy is None:  # every fault was withdrawn: false alarm
+            host.emit("strategy", CONTROLLER_RANK, strategy="none", lock_step=inc.lock_step,
+                      incident=inc.id)
+            return Turn(PhaseEnd.FALSE_ALARM, decision.why)
+        strategy, refusal = decision.strategy, decision.refusal
+        inc.strategy, inc.source = strategy, decision.source
+        host.emit("strategy", CONTROLLER_RANK, strategy=strategy.value, lock_step=inc.lock_step,
+                  source=inc.source, faults={str(r): k.value for r, k in inc.faults.items()},
+                  incident=inc.id, **({} if refusal is None else {"reason": refusal.text}))
         log.warning("incident %d: strategy %s at lock step %d (%s)", inc.id, strategy,
-                    inc.lock_step, reason)
+                    inc.lock_step, decision.why.text)
         if strategy in REPAIR_STRATEGIES:
-            host.sm.to(State.ENV_CLEAR, f"{strategy} at step {inc.lock_step}")
-            self._start_clean()
-        else:
-            self._enter_dump(reason)
+            return Turn(PhaseEnd.REPAIR, decision.why)
+        return Turn(PhaseEnd.EXIT if strategy is Strategy.EXIT else PhaseEnd.DUMP, decision.why)
 
-    def _refusal(self, strategy: Strategy) -> str | None:
-        """Why a recover would wait in vain, without elastic training (then the incident
-        dumps at once): the launcher of a rank whose process is gone said it will not
-        restart it (`no_replacement`). None: no such rank, or another strategy."""
-        inc = self.incident
-        refused = {r: why for r, why in inc.unreplaceable.items()
-                   if inc.faults.get(r) in PROCESS_KINDS}
-        if strategy is not Strategy.RECOVER or not refused or self.host.planner.features.elastic:
-            return None
-        return "no replacement: " + "; ".join(f"rank {r}: {w}" for r, w in sorted(refused.items()))
-
-    def _start_clean(self) -> None:
+    # -- ENV_CLEAR and REPAIR: clean, rejoin, repair, rollback ---------------------------
+    def _start_clean(self, turn: Turn) -> None:
         inc, table = self.incident, self.host.table
+        self.host.sm.to(State.ENV_CLEAR, f"{inc.strategy} at step {inc.lock_step}")
         if inc.strategy is Strategy.RECOVER:
             for r, kind in inc.faults.items():
                 row = table.get(r)
@@ -547,17 +568,16 @@ class IncidentFlow:
                         not row.fresh or r in inc.unreplaceable):
                     if row.connected:  # hung: end the process so its launcher restarts it
                         self.send_order(r, ExitOrder(self.host.config.reboot_exit_code,
-                                                        "hung rank restarted (ARF)"))
+                                                     "hung rank restarted (ARF)"))
                         row.health = Health.EXITING
                     inc.awaiting.add(r)
             inc.awaiting -= {r for r in inc.new_ranks if (row := table.get(r)) and row.connected}
         targets = [r.rank for r in table.connected() if not r.fresh]
-        self.start_phase("clean", targets, self.host.planner.clean_payload(inc))
+        self.start_phase(Stage.CLEAN, targets, self.host.planner.clean_payload(inc))
 
-    def _after_clean(self, phase: Phase) -> None:
+    def _end_clean(self, phase: Phase) -> Turn:
         if phase.failures:
-            self._repair_failed(f"clean failed: {fail_text(phase)}")
-            return
+            return failed("phase_failed", f"clean failed: {fail_text(phase)}", list(phase.failures))
         inc = self.incident
         for rank, result in phase.results.items():
             # a faulty rank's clean may find what its fault damaged (an SDK host: a UCE
@@ -565,74 +585,87 @@ class IncidentFlow:
             if rank in inc.faults and isinstance(result, CleanResult) and result.spared:
                 inc.details.setdefault(rank, {})["target"] = "spared"
         if inc.awaiting:
-            limit = self.host.config.effective_replacement_wait
-            phase = Phase("rejoin", -1, self.host.now() + limit, set(inc.awaiting))
-            self.phase = phase
-            log.info("waiting up to %gs for ranks %s to restart", limit, sorted(inc.awaiting))
-            for rank in sorted(inc.awaiting & inc.unreplaceable.keys()):
-                phase.pending.discard(rank)
-                phase.failures[rank] = f"no replacement ({inc.unreplaceable[rank]})"
-            if not phase.pending:
-                self._phase_done()
-            return
-        self._start_repair()
+            return Turn(PhaseEnd.AWAIT, Why("restarts", "waiting for restarted workers",
+                                            tuple(sorted(inc.awaiting))))
+        return done()
 
-    def _after_rejoin(self, phase: Phase) -> None:
+    def _start_rejoin(self, turn: Turn) -> None:
+        """Recover: wait for the lost ranks' restarted processes to register."""
+        inc = self.incident
+        limit = self.host.config.effective_replacement_wait
+        phase = Phase(Stage.REJOIN, -1, self.host.now() + limit, set(inc.awaiting))
+        self.phase = phase
+        log.info("waiting up to %gs for ranks %s to restart", limit, sorted(inc.awaiting))
+        for rank in sorted(inc.awaiting & inc.unreplaceable.keys()):
+            phase.pending.discard(rank)
+            phase.failures[rank] = f"no replacement ({inc.unreplaceable[rank]})"
+        if not phase.pending:
+            self._phase_done()
+
+    def _end_rejoin(self, phase: Phase) -> Turn:
         if phase.failures and self.host.planner.features.elastic:
             self.scaling.shrinking = set(phase.failures)
-            self._enter_dump(f"elastic training: no replacement for ranks "
-                             f"{sorted(phase.failures)} ({fail_text(phase)}); the job "
-                             "shrinks without their data-parallel replicas, from a dump")
-            return
+            return Turn(PhaseEnd.SHRINK, Why(
+                "no_replacement", f"elastic training: no replacement for ranks "
+                f"{sorted(phase.failures)} ({fail_text(phase)}); the job shrinks without "
+                "their data-parallel replicas, from a dump", tuple(sorted(phase.failures))))
         if phase.failures:
-            self._repair_failed(f"restarted workers did not register: {fail_text(phase)}")
-            return
-        self._start_repair()
+            return failed("no_restart", f"restarted workers did not register: "
+                          f"{fail_text(phase)}", list(phase.failures))
+        return done()
 
-    def _start_repair(self) -> None:
+    def _start_repair(self, turn: Turn) -> Turn | None:
         inc, host = self.incident, self.host
         host.sm.to(State.REPAIR, f"{inc.strategy} from {inc.source}")
         missing = [r for r in range(host.table.world_size)
                    if (row := host.table.get(r)) is None
                    or row.health not in (*CONNECTED, Health.DONE) and not _left_before(inc, row)]
         if missing:
-            self._repair_failed(f"ranks {missing} are gone: nothing to repair them into")
-            return
+            return failed("ranks_gone", f"ranks {missing} are gone: nothing to repair them "
+                          "into", missing)
         targets = [r.rank for r in host.table.connected()]
         try:
             payloads = host.planner.repair_payloads(inc, host.table, targets)
         except PlanError as e:
-            self._repair_failed(f"repair impossible: {e}")
-            return
+            return failed("plan", f"repair impossible: {e}")
         # a repair from the checkpoint replaces the ranks' state: no dump of the lock step
         # after it has begun (found by the simulator: tft-sim --seed 656 --world 8)
         self.reloaded = inc.source == "checkpoint"
-        self.start_phase("repair", targets, per_rank=payloads)
+        self.start_phase(Stage.REPAIR, targets, per_rank=payloads)
+        return None
 
-    def _after_repair(self, phase: Phase) -> None:
+    def _end_repair(self, phase: Phase) -> Turn:
         if phase.failures:
-            self._repair_failed(f"repair failed: {fail_text(phase)}")
-            return
+            return failed("phase_failed", f"repair failed: {fail_text(phase)}",
+                          list(phase.failures))
+        return done()
+
+    def _start_rollback(self, turn: Turn) -> Turn | None:
+        repaired = self.ended
+        assert repaired is not None
         try:
-            payload = self.host.planner.rollback_payload(self.incident, phase.results)
+            payload = self.host.planner.rollback_payload(self.incident, repaired.results)
         except PlanError as e:
-            self._repair_failed(f"rollback impossible: {e}")
-            return
+            return failed("plan", f"rollback impossible: {e}")
         targets = [r.rank for r in self.host.table.connected()]
-        self.start_phase("rollback", targets, payload)
+        self.start_phase(Stage.ROLLBACK, targets, payload)
+        return None
 
-    def _after_rollback(self, phase: Phase) -> None:
+    def _end_rollback(self, phase: Phase) -> Turn:
         if phase.failures:
-            self._repair_failed(f"rollback failed: {fail_text(phase)}")
-            return
+            return failed("phase_failed", f"rollback failed: {fail_text(phase)}",
+                          list(phase.failures))
         inc = self.incident
         step = inc.rollback_step if inc.rollback_step is not None else inc.lock_step
-        self.resumed_at = self.host.emit("repaired", CONTROLLER_RANK, strategy=str(inc.strategy),
-                               lock_step=inc.lock_step, step=step, incident=inc.id)["time"]
-        self.resume(false_alarm=False)
+        at = self.host.emit("repaired", CONTROLLER_RANK, strategy=str(inc.strategy),
+                            lock_step=inc.lock_step, step=step, incident=inc.id)["time"]
+        return done(at=at)
 
-    def resume(self, *, false_alarm: bool) -> None:
+    def _resume(self, turn: Turn) -> None:
+        """Training resumes at the lock step (or the rollback's step): NORMAL."""
         inc, host = self.incident, self.host
+        false_alarm = turn.end is PhaseEnd.FALSE_ALARM
+        self.resumed_at = turn.at
         step = inc.rollback_step if inc.rollback_step is not None else inc.lock_step
         payload = ResumeOrder(inc.id, step, str(inc.strategy or "none"), false_alarm,
                               tuple(inc.iterations[i] for i in sorted(inc.iterations) if i <= step))
@@ -652,58 +685,21 @@ class IncidentFlow:
         host.sm.to(State.NORMAL, "false alarm" if false_alarm else f"repaired ({inc.strategy})")
         self._finish()
 
-    def _repair_failed(self, reason: str) -> None:
-        log.error("incident %d: %s; falling back to dump", self.incident.id, reason)
-        self.host.emit("repair_failed", CONTROLLER_RANK, reason=reason, incident=self.incident.id)
-        self._enter_dump(reason)
+    def _repair_failed(self, turn: Turn) -> Turn:
+        """The repair is abandoned: the `repair_failed` event, then the dump."""
+        assert turn.why is not None
+        log.error("incident %d: %s; falling back to dump", self.incident.id, turn.why.text)
+        self.host.emit("repair_failed", CONTROLLER_RANK, **turn.why.fields(),
+                       incident=self.incident.id)
+        return done(turn.why)
 
-    def _enter_dump(self, reason: str) -> None:
-        inc, host = self.incident, self.host
-        self.phase = None
-        host.sm.to(State.DUMP, reason)
-        if inc.strategy is Strategy.EXIT:
-            self.end_job(host.config.failure_exit_code, reason)
-            return
-        if self.reloaded:  # what the ranks hold is the checkpoint's step, or part of it
-            self.end_job(host.config.failure_exit_code,
-                         f"{reason}; no dump: the ranks were reloading the last checkpoint, "
-                         "they no longer hold the lock step")
-            return
-        targets = [r.rank for r in host.table.connected() if not r.fresh]
-        try:
-            payloads, self.renamer = host.planner.dump_payloads(inc, host.table, targets)
-        except PlanError as e:
-            self.end_job(host.config.failure_exit_code, f"dump impossible: {e}")
-            return
-        payloads = {r: replace(p, claim=host.claim()) for r, p in payloads.items()}
-        self.writers = {r for r, p in payloads.items() if p.shards}
-        self.start_phase("dump", targets, per_rank=payloads)
-
-    def _after_dump(self, phase: Phase) -> None:
-        failed = {r: e for r, e in phase.failures.items() if r in self.writers}
-        if failed:
-            text = "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))
-            self.end_job(self.host.config.failure_exit_code, f"dump failed ({text})")
-            return
-        assert self.renamer is not None
-        self.start_phase("rename", [self.renamer], self.host.planner.rename_payload(self.incident))
-
-    def _after_rename(self, phase: Phase) -> None:
-        if phase.failures:
-            self.end_job(self.host.config.failure_exit_code,
-                       f"rename of the dump failed: {fail_text(phase)}")
-            return
-        where = next((res.path for res in phase.results.values()
-                      if isinstance(res, RenameResult) and res.path), None)
-        if self.scaling.shrinking is not None and where:
-            self.scaling.start_scale_in(where)
-            return
-        if self.scaling.growing is not None and where:
-            self.scaling.start_scale_out(where)
-            return
-        self.end_job(self.host.config.dump_exit_code,
-                   f"dying-gasp checkpoint saved at iteration {self.incident.lock_step}"
-                   + (f" in {where}" if where else ""))
+    # -- EXIT ------------------------------------------------------------------------------
+    def _exit(self, code: int, turn: Turn) -> None:
+        """The job ends with `code` (DUMP first: EXIT follows it, SPEC 5)."""
+        reason = turn.why.text if turn.why is not None else "exit"
+        if self.host.sm.state is not State.DUMP:
+            self.host.sm.to(State.DUMP, reason)
+        self.end_job(code, reason)
 
     def end_job(self, code: int, reason: str) -> None:
         host = self.host

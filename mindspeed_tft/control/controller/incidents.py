@@ -85,12 +85,21 @@ class Incidents:
         flow = self.flow
         if flow is None:
             return None
+        phase, last = flow.phase, flow.last_turn
         return {
             "id": flow.incident.id,
             "faults": {str(r): k.value for r, k in flow.incident.faults.items()},
             "strategy": str(flow.incident.strategy),
             "lock_step": flow.incident.lock_step,
-            "phase": flow.phase.name if flow.phase else None,
+            "phase": phase.name.value if phase else None,
+            # what it waits for: the ranks whose answer (or, rejoin: whose restarted
+            # process) the phase still lacks, until when (loop clock)
+            "waiting_for": sorted(phase.pending) if phase else [],
+            "until": phase.deadline if phase else None,
+            # why it is in this stage: the decision that led here
+            "why": None if last is None or last[1] is None else {
+                "stage": last[0].value, "code": last[1].code, "text": last[1].text,
+                "ranks": list(last[1].ranks)},
         }
 
     def claim(self) -> str:

@@ -4,9 +4,11 @@ replicas, or grow by returning ranks, each from the dump of the lock step.
 `Scaling` is held by an `incident.IncidentFlow` (`flow.scaling`) and runs in the controller's
 loop thread. The flow decides to shrink (no replacement for a lost rank) or is opened to grow
 (`begin_scale_out`); once the dump is renamed it hands the path here: `start_scale_in` /
-`start_scale_out` send the scale order, `after_scale_in` / `after_scale_out` take the
-results and resume training in the new world. It reaches back into the flow only through
-`ScaleFlow` below.
+`start_scale_out` send the scale order (or return why they cannot), `after_scale_in` /
+`after_scale_out` take the results and return how the stage ended (`phases.Turn`): the flow
+resumes training in the new world, or ends the job with the dump (`phases.NEXT`). It
+sends orders through `ScaleFlow` below and reads the controller's state through the flow's
+context (`ScaleContext`); it writes none of the flow's fields.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from ...records import CONTROLLER_RANK
 from ..wire.order_types import ExitOrder, Payload, ScaleInOrder, ScaleOutOrder
 from ..wire.results import ActionResult, ScaleResult
 from .elasticity import Elasticity
+from .phases import Stage, Turn, done, failed
 from .ranktable import Health, RankTable
 from .states import State, StateMachine
 
@@ -35,7 +38,9 @@ class _Numbered(Protocol):
     def lock_step(self) -> int: ...
 
 
-class _ScaleHost(Protocol):
+class ScaleContext(Protocol):
+    """The controller's state a scale change reads and changes (the flow's context)."""
+
     @property
     def table(self) -> RankTable: ...
     @property
@@ -59,19 +64,13 @@ class PhaseResults(Protocol):
 
 class ScaleFlow(Protocol):
     """What `Scaling` needs from its incident flow (`incident.IncidentFlow`'s public
-    interface: send one order, start a phase, end the job, resume training)."""
-
-    resumed_at: float | None
+    interface: its incident, send one order, start a phase)."""
 
     @property
     def incident(self) -> _Numbered: ...
-    @property
-    def host(self) -> _ScaleHost: ...
-    def send_order(self, rank: int, payload: Payload, action_id: int | None = None) -> None: ...
-    def start_phase(self, name: str, targets: list[int], payload: Payload | None = None,
+    def send_order(self, rank: int, payload: Payload) -> None: ...
+    def start_phase(self, name: Stage, targets: list[int], payload: Payload | None = None,
                     per_rank: Mapping[int, Payload] | None = None) -> None: ...
-    def end_job(self, code: int, reason: str) -> None: ...
-    def resume(self, *, false_alarm: bool) -> None: ...
 
 
 def fail_text(phase: PhaseResults) -> str:
@@ -81,8 +80,9 @@ def fail_text(phase: PhaseResults) -> str:
 class Scaling:
     """A shrink or a grow of the job within one incident (see the module docstring)."""
 
-    def __init__(self, flow: ScaleFlow) -> None:
+    def __init__(self, flow: ScaleFlow, ctx: ScaleContext) -> None:
         self.flow = flow
+        self.ctx = ctx
         #: elastic training: the lost ranks the dump is shrinking the job without
         self.shrinking: set[int] | None = None
         #: ranks that leave the job in the shrink (the lost ranks' whole DP replicas)
@@ -93,14 +93,26 @@ class Scaling:
         self.joining: list[int] = []
 
     def _dp_index(self, rank: int) -> int | None:
-        row = self.flow.host.table.get(rank)
+        row = self.ctx.table.get(rank)
         dense = (row.replica or {}).get("dense") if row is not None else None
         return None if dense is None else int(dense["dp_index"])
 
-    def start_scale_in(self, path: str) -> None:
+    def begin(self, world: list[int], dp_size: int, joining: list[int], incident: int) -> float:
+        """A grow of the job to `world` (DP `dp_size`) by the returning ranks `joining`:
+        ABNORMAL, as a fault would (the flow holds and stops every member, then the lock
+        step is dumped and reloaded in the larger world). Returns the time of its
+        `scale_out_started` event."""
+        self.growing, self.joining = (list(world), dp_size), list(joining)
+        at = self.ctx.emit("scale_out_started", CONTROLLER_RANK, world_size=len(world),
+                           dp_size=dp_size, joining=self.joining, incident=incident)["time"]
+        self.ctx.sm.to(State.ABNORMAL, f"scale-out: ranks {self.joining} came back; the job "
+                                       f"grows to DP {dp_size}")
+        return float(at)
+
+    def start_scale_in(self, path: str) -> Turn | None:
         """The dump is saved: the DP replicas without a lost rank continue from it."""
         flow = self.flow
-        inc, host = flow.incident, flow.host
+        inc, host = flow.incident, self.ctx
         assert self.shrinking is not None
         lost_dp = {self._dp_index(r) for r in self.shrinking}
         members = host.table.members()
@@ -115,10 +127,9 @@ class Scaling:
                    f"{len(staying)} of its {len(members)} ranks would train on: fewer than "
                    "half may be the minority side of a network partition, which never "
                    "resumes training")
-            flow.end_job(host.config.dump_exit_code,
-                       f"elastic training cannot shrink ({why}); dying-gasp checkpoint saved "
-                       f"at iteration {inc.lock_step} in {path}")
-            return
+            return failed("cannot_shrink", f"elastic training cannot shrink ({why}); "
+                          f"dying-gasp checkpoint saved at iteration {inc.lock_step} in {path}",
+                          gone)
         host.sm.to(State.REPAIR, f"scale-in without ranks {self.leaving}")
         for rank in self.leaving:  # the lost ranks' peers in their replicas leave too
             row = host.table.get(rank)
@@ -127,15 +138,15 @@ class Scaling:
                                                    f"shrank it without data-parallel replica(s) "
                                                    f"of ranks {sorted(self.shrinking)}"))
                 row.health = Health.EXITING
-        flow.start_phase("scale_in", staying,
+        flow.start_phase(Stage.SCALE_IN, staying,
                          ScaleInOrder(inc.id, inc.lock_step, path, tuple(staying)))
+        return None
 
-    def after_scale_in(self, phase: PhaseResults) -> None:
+    def after_scale_in(self, phase: PhaseResults) -> Turn:
         flow = self.flow
-        inc, host = flow.incident, flow.host
+        inc, host = flow.incident, self.ctx
         if phase.failures:
-            self.end_with_the_dump(f"scale-in failed ({fail_text(phase)})")
-            return
+            return self._failed_with_the_dump(f"scale-in failed ({fail_text(phase)})", phase)
         results = {r: res for r, res in phase.results.items() if isinstance(res, ScaleResult)}
         staying = sorted(r for r, res in results.items() if res.stays)
         standby = sorted(r for r in results if r not in staying)
@@ -156,18 +167,18 @@ class Scaling:
         if batches is not None and batches > 0:
             host.elasticity.micro_batches = batches
         left = sorted([*self.leaving, *standby])
-        flow.resumed_at = host.emit(
+        at = host.emit(
             "scale_in", CONTROLLER_RANK, world_size=len(staying), dp_size=dp_size,
             ranks=staying, left=left, lost=sorted(self.shrinking or ()), step=inc.lock_step,
             incident=inc.id)["time"]
         log.warning("incident %d: job shrunk to %d ranks (DP %s) at step %d; left: %s", inc.id,
                     len(staying), dp_size, inc.lock_step, left)
-        flow.resume(false_alarm=False)
+        return done(at=at)
 
     def send_joining_away(self, why: str) -> None:
         """The job does not grow: the returning ranks exit (their launcher may bring them
         back later) and stay out of the job."""
-        host = self.flow.host
+        host = self.ctx
         for rank in self.joining:
             self.flow.send_order(rank, ExitOrder(host.config.failure_exit_code,
                                                     f"the job did not grow by this rank: {why}"))
@@ -176,10 +187,10 @@ class Scaling:
                 row.health = Health.LEFT
         self.growing, self.joining = None, []
 
-    def start_scale_out(self, path: str) -> None:
+    def start_scale_out(self, path: str) -> Turn | None:
         """The dump is saved: members and returning ranks reload it in the larger world."""
         flow = self.flow
-        inc, host = flow.incident, flow.host
+        inc, host = flow.incident, self.ctx
         assert self.growing is not None
         world, dp_size = self.growing
         gone = [r for r in world if r not in self.joining
@@ -189,25 +200,23 @@ class Scaling:
         if gone or joiners != self.joining:
             self.send_joining_away(f"ranks {gone or sorted(set(self.joining) - set(joiners))} "
                                    "went away before the scale-out")
-            flow.end_job(host.config.dump_exit_code,
-                       f"scale-out abandoned (ranks went away); dying-gasp checkpoint saved at "
-                       f"iteration {inc.lock_step} in {path}")
-            return
+            return failed("ranks_gone", "scale-out abandoned (ranks went away); dying-gasp "
+                          f"checkpoint saved at iteration {inc.lock_step} in {path}", gone)
         host.sm.to(State.REPAIR, f"scale-out to DP {dp_size} with ranks {self.joining}")
         for rank in self.joining:  # part of the job again, holding no state yet
             row = host.table.get(rank)
             if row is not None:
                 row.health, row.fresh = Health.ALIVE, True
-        flow.start_phase("scale_out", world,
+        flow.start_phase(Stage.SCALE_OUT, world,
                          ScaleOutOrder(inc.id, inc.lock_step, path, tuple(world), dp_size,
                                        tuple(self.joining)))
+        return None
 
-    def after_scale_out(self, phase: PhaseResults) -> None:
+    def after_scale_out(self, phase: PhaseResults) -> Turn:
         flow = self.flow
-        inc, host = flow.incident, flow.host
+        inc, host = flow.incident, self.ctx
         if phase.failures:
-            self.end_with_the_dump(f"scale-out failed ({fail_text(phase)})")
-            return
+            return self._failed_with_the_dump(f"scale-out failed ({fail_text(phase)})", phase)
         assert self.growing is not None
         world, dp_size = self.growing
         for rank, result in phase.results.items():
@@ -215,17 +224,15 @@ class Scaling:
             replica = result.replica if isinstance(result, ScaleResult) else None
             if row is not None and replica is not None:
                 row.replica = replica
-        flow.resumed_at = host.emit(
+        at = host.emit(
             "scale_out", CONTROLLER_RANK, world_size=len(world), dp_size=dp_size, ranks=world,
             joined=self.joining, step=inc.lock_step, incident=inc.id)["time"]
         log.warning("incident %d: job grown to %d ranks (DP %d) at step %d; joined: %s",
                     inc.id, len(world), dp_size, inc.lock_step, self.joining)
-        flow.resume(false_alarm=False)
+        return done(at=at)
 
-    def end_with_the_dump(self, why: str) -> None:
-        """A scale change failed after its dump was published: exit with the dump code
-        (REPAIR -> DUMP -> EXIT: the dump is the state the job ends in)."""
-        flow = self.flow
-        reason = f"{why}; dying-gasp checkpoint saved at iteration {flow.incident.lock_step}"
-        flow.host.sm.to(State.DUMP, reason)
-        flow.end_job(flow.host.config.dump_exit_code, reason)
+    def _failed_with_the_dump(self, what: str, phase: PhaseResults) -> Turn:
+        """A scale change failed after its dump was published: the job ends with that dump
+        (REPAIR -> DUMP -> EXIT, `phases.NEXT`)."""
+        return failed("phase_failed", f"{what}; dying-gasp checkpoint saved at iteration "
+                      f"{self.flow.incident.lock_step}", list(phase.failures))

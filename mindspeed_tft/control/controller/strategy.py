@@ -26,7 +26,7 @@ module does not depend on the incident flow that uses it.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any, Protocol
 
@@ -44,6 +44,7 @@ from ..wire.order_types import (
     StopOrder,
 )
 from ..wire.results import ActionResult, RepairResult
+from .phases import Why
 from .ranktable import CONNECTED, Health, RankInfo, RankTable
 
 
@@ -108,6 +109,20 @@ class IncidentFacts(Protocol):
     lost_steps: dict[int, int]
     new_ranks: set[int]
     rollback_step: int | None
+    unreplaceable: dict[int, str]
+
+
+@dataclass(frozen=True)
+class StrategyDecision:
+    """What the planner decided for an incident once every rank stopped, and why: the
+    strategy (None: every fault was withdrawn, a false alarm), the lock step, where
+    repaired state comes from, and `refusal`: why a recover became a dump at once."""
+
+    strategy: Strategy | None
+    lock_step: int
+    source: str
+    why: Why
+    refusal: Why | None = None
 
 
 class PlanError(RuntimeError):
@@ -129,6 +144,37 @@ class StrategyPlanner:
         self.features = features
 
     # -- choice ---------------------------------------------------------------------
+    def decide(self, incident: IncidentFacts, table: RankTable) -> StrategyDecision:
+        """The lock step and the strategy, with the reason for it (`StrategyDecision`)."""
+        lock_step = self.lock_step(incident, table)
+        strategy = self.choose(incident)
+        if strategy is None:
+            return StrategyDecision(None, lock_step, incident.source,
+                                    Why("false_alarm", "every fault was withdrawn"))
+        faults = incident.faults
+        why = Why("faults", "faults " + ", ".join(f"rank {r}: {k}" for r, k in
+                                                    sorted(faults.items())), tuple(sorted(faults)))
+        refusal = self._refusal(strategy, incident)
+        if refusal is not None:
+            strategy, why = Strategy.DUMP, refusal
+        if lock_step == 0:
+            strategy, refusal = Strategy.EXIT, None
+            why = Why("lock_step_0", "no optimizer update completed yet (lock step 0): there "
+                      "is nothing to repair or dump")
+        return StrategyDecision(strategy, lock_step, self.repair_source(strategy, incident),
+                                why, refusal)
+
+    def _refusal(self, strategy: Strategy, incident: IncidentFacts) -> Why | None:
+        """Why a recover would wait in vain, without elastic training (then the incident
+        dumps at once): the launcher of a rank whose process is gone said it will not
+        restart it (`no_replacement`). None: no such rank, or another strategy."""
+        refused = {r: why for r, why in incident.unreplaceable.items()
+                   if incident.faults.get(r) in PROCESS_KINDS}
+        if strategy is not Strategy.RECOVER or not refused or self.features.elastic:
+            return None
+        return Why("no_replacement", "no replacement: " + "; ".join(
+            f"rank {r}: {w}" for r, w in sorted(refused.items())), tuple(sorted(refused)))
+
     def choose(self, incident: IncidentFacts) -> Strategy | None:
         """One strategy for the incident. When a process is lost or hung, the communication
         errors of the other ranks are what its loss did to their collectives: they follow
