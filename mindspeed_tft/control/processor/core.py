@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
@@ -339,48 +340,62 @@ class ProcessorCore:
     # -- the entry point --------------------------------------------------------------------
     def handle(self, event: Input, now: float) -> list[Output]:
         """The one entry point: an input at `now` (seconds of any monotonic clock); the
-        outputs, in order."""
-        if isinstance(event, (Begin, Advance, Called)):
-            return [self._order_step(event, now)]
-        if isinstance(event, Action):
-            if event.id in self.seen:
-                return []
-            self.seen.append(event.id)
-            return [self._receive(event.id, event.name, event.wire, now + event.timeout)]
-        if isinstance(event, OwnOrder):
-            return [self._receive(event.id, event.name, event.wire, event.deadline)]
-        return self._training(event, now)
+        outputs, in order. (One method per kind of input, `_INPUTS`.)"""
+        return _INPUTS[type(event)](self, event, now)
 
-    def _order_step(self, event: Begin | Advance | Called, now: float) -> Step:
-        if isinstance(event, Begin):
-            self.rejoining = event.rejoining
-            return self._begin(event.order, now)
-        if isinstance(event, Advance):
-            return self._advance(event.run, now)
-        return self._called(event.run, now, event.result, event.error)
+    # orders
+    def _on_action(self, event: Action, now: float) -> list[Output]:
+        if event.id in self.seen:
+            return []
+        self.seen.append(event.id)
+        return [self._receive(event.id, event.name, event.wire, now + event.timeout)]
 
-    def _training(self, event: Input, now: float) -> list[Output]:
-        """The inputs of the training thread and the shell's loop."""
-        if isinstance(event, HoldPoint):
-            return [self._hold_point(event.step, now)]
-        if isinstance(event, UpdateStart):
-            self.status, self.updating_step = "updating", event.step
-        elif isinstance(event, UpdateEnd):
-            self.step, self.status, self.updating_step = event.step, "updated", None
-        elif isinstance(event, Progress):
-            self._progress(event.step, now)
-        elif isinstance(event, Training):
-            self.training = event.active
-        elif isinstance(event, Failed):
-            return [self._error(event)]
-        elif isinstance(event, InHandler):
-            self.in_handler = event.inside
-        elif isinstance(event, TakeDecision):
-            decision = self._take_decision()
-            return [] if decision is None else [decision]
-        elif isinstance(event, CheckHang):
-            return self._check_hang(now)
+    def _on_own_order(self, event: OwnOrder, now: float) -> list[Output]:
+        return [self._receive(event.id, event.name, event.wire, event.deadline)]
+
+    def _on_begin(self, event: Begin, now: float) -> list[Output]:
+        self.rejoining = event.rejoining
+        return [self._begin(event.order, now)]
+
+    def _on_advance(self, event: Advance, now: float) -> list[Output]:
+        return [self._advance(event.run, now)]
+
+    def _on_called(self, event: Called, now: float) -> list[Output]:
+        return [self._called(event.run, now, event.result, event.error)]
+
+    # the training thread, and the shell's loop
+    def _on_hold_point(self, event: HoldPoint, now: float) -> list[Output]:
+        return [self._hold_point(event.step, now)]
+
+    def _on_update_start(self, event: UpdateStart, now: float) -> list[Output]:
+        self.status, self.updating_step = "updating", event.step
         return []
+
+    def _on_update_end(self, event: UpdateEnd, now: float) -> list[Output]:
+        self.step, self.status, self.updating_step = event.step, "updated", None
+        return []
+
+    def _on_progress(self, event: Progress, now: float) -> list[Output]:
+        self._progress(event.step, now)
+        return []
+
+    def _on_training(self, event: Training, now: float) -> list[Output]:
+        self.training = event.active
+        return []
+
+    def _on_failed(self, event: Failed, now: float) -> list[Output]:
+        return [self._error(event)]
+
+    def _on_in_handler(self, event: InHandler, now: float) -> list[Output]:
+        self.in_handler = event.inside
+        return []
+
+    def _on_take_decision(self, event: TakeDecision, now: float) -> list[Output]:
+        decision = self._take_decision()
+        return [] if decision is None else [decision]
+
+    def _on_check_hang(self, event: CheckHang, now: float) -> list[Output]:
+        return self._check_hang(now)
 
     # -- what the link says about the rank (reads) ---------------------------------------
     def state(self) -> RankState:
@@ -600,6 +615,18 @@ class ProcessorCore:
             f"rank {self.rank}: no training progress for {idle:.1f}s "
             f"(timeout {limit:.1f}s) after step {self.progress_step}", self.step,
             self.status))]
+
+
+#: the method of `ProcessorCore` that takes each kind of input
+_INPUTS: dict[type, Callable[[ProcessorCore, Any, float], list[Output]]] = {
+    Action: ProcessorCore._on_action, OwnOrder: ProcessorCore._on_own_order,
+    Begin: ProcessorCore._on_begin, Advance: ProcessorCore._on_advance,
+    Called: ProcessorCore._on_called, HoldPoint: ProcessorCore._on_hold_point,
+    UpdateStart: ProcessorCore._on_update_start, UpdateEnd: ProcessorCore._on_update_end,
+    Progress: ProcessorCore._on_progress, Training: ProcessorCore._on_training,
+    Failed: ProcessorCore._on_failed, InHandler: ProcessorCore._on_in_handler,
+    TakeDecision: ProcessorCore._on_take_decision, CheckHang: ProcessorCore._on_check_hang,
+}
 
 
 def step_of(outputs: list[Output]) -> Step:
