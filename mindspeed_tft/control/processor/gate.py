@@ -123,8 +123,6 @@ class Gate:
             watchdog=ProgressWatchdog(config.hang_timeout_min, config.hang_timeout_factor,
                                       config.hang_initial_timeout))
         self._cond = threading.Condition()
-        #: the training thread waits at a hold point because the rank is paused
-        self._held = False
         self._training_thread_id: int | None = None
         self._tasks: deque[_Task] = deque()
 
@@ -170,24 +168,22 @@ class Gate:
         limit = self.config.effective_decision_timeout() if timeout is None else timeout
         deadline = time.monotonic() + limit
         waiting = WaitLog(self.rank, f"the end of a pause before update {step}", limit)
-        try:
-            while True:
-                verdict = verdict_of(self._handle_locked(HoldPoint(step)))
-                if verdict is Verdict.STOP:
-                    raise ForceStop(f"rank {self.rank} stopped by the controller before "
-                                    f"update {step}")
-                if verdict is Verdict.PASS:
-                    return
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise ForceStop(f"rank {self.rank} paused for more than {limit:g}s")
-                if not self._held:
-                    self._held = True
-                    self._cond.notify_all()
-                self._cond.wait(min(remaining, 5.0))
-                waiting.tick()
-        finally:
-            self._held = False
+        first = True
+        while True:
+            verdict = verdict_of(self._handle_locked(HoldPoint(step)))
+            if verdict is Verdict.STOP:
+                raise ForceStop(f"rank {self.rank} stopped by the controller before "
+                                f"update {step}")
+            if verdict is Verdict.PASS:
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ForceStop(f"rank {self.rank} paused for more than {limit:g}s")
+            if first:  # held (the core's `held`): a pause callback may wait for that
+                first = False
+                self._cond.notify_all()
+            self._cond.wait(min(remaining, 5.0))
+            waiting.tick()
 
     def wait_held(self, timeout: float) -> bool:
         """Wait, at most `timeout` seconds, until the training thread waits at a hold point
@@ -196,7 +192,7 @@ class Gate:
         function (an order behind this one, a stop, must not wait)."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while not self._held:
+            while not self.core.held:
                 remaining = deadline - time.monotonic()
                 core = self.core
                 if remaining <= 0 or not core.paused or core.parked or not core.training:
