@@ -16,7 +16,7 @@ from typing import Any
 
 from mindspeed_tft.control import ControlConfig, Controller
 from mindspeed_tft.control.controller.states import State
-from mindspeed_tft.control.processor.core import Run, Send
+from mindspeed_tft.control.processor.core import Action, OwnOrder, Run, Send
 from mindspeed_tft.control.processor.gate import Gate
 from mindspeed_tft.control.wire.classify import ForceStop
 from mindspeed_tft.control.wire.order_types import ExitOrder, ResumeOrder, StopOrder, TypedOrder
@@ -104,8 +104,7 @@ def test_the_hold_answers_at_once_and_holds_the_next_update() -> None:
     gate.report_update_end(4)
     gate.before_update(5)  # the training thread is inside update 5
     t0 = time.monotonic()
-    assert gate.on_action({"id": 1, "name": "hold", "timeout": 30.0,
-                           "payload": {"incident": 1}}, t0) == [
+    assert gate.handle(Action(1, "hold", {"incident": 1}, 30.0), t0) == [
         Send("result", ResultMessage(1, "hold", HoldResult(4, "updating")))]
     assert time.monotonic() - t0 < 5  # it answered: it did not wait out the park timeout
     gate.report_update_end(5)
@@ -141,8 +140,7 @@ def test_a_resume_owed_to_a_joining_process_waits_for_its_training_thread() -> N
     cfg = ControlConfig(port=0, park_timeout=5, action_time_limit=30)
     resume = ResumeOrder(1, 4, "recover", False)
     gate = Gate(0, cfg)
-    gate.core.rejoining = True
-    _run(gate, 1, resume, lambda order: None)
+    _run(gate, 1, resume, lambda order: None, rejoining=True)
     decision = gate.wait_decision(timeout=0.5)
     assert (decision.action, decision.step, decision.strategy) == ("resume", 4, "recover")
     gate = Gate(0, cfg)
@@ -150,8 +148,8 @@ def test_a_resume_owed_to_a_joining_process_waits_for_its_training_thread() -> N
     assert gate.wait_decision(timeout=0.3).action == "exit"  # nothing was held: not kept
 
 
-def _run(gate: Gate, aid: int, order: TypedOrder, call: Any) -> Send:
+def _run(gate: Gate, aid: int, order: TypedOrder, call: Any, rejoining: bool = False) -> Send:
     """Receive `order` and run it on this thread (as an order lane would)."""
-    [run] = gate.receive(aid, type(order).KIND, order.to_wire(), 1e18)
+    [run] = gate.handle(OwnOrder(aid, type(order).KIND, order.to_wire(), 1e18))
     assert isinstance(run, Run)
-    return gate.run_order(run.order, call, lambda code, deadline: None)
+    return gate.run_order(run.order, call, lambda code, deadline: None, rejoining)

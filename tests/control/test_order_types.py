@@ -12,7 +12,7 @@ import pytest
 
 from mindspeed_tft.control import ControlConfig, Processor
 from mindspeed_tft.control.controller.strategy import Strategy
-from mindspeed_tft.control.processor.core import Run
+from mindspeed_tft.control.processor.core import OwnOrder, Run
 from mindspeed_tft.control.wire.callbacks import NoRecovery
 from mindspeed_tft.control.wire.order_types import (
     ORDER_TYPES,
@@ -259,7 +259,7 @@ def _results(p: Processor) -> queue.Queue[tuple[str, dict[str, Any]]]:
 
 def _run(p: Processor, aid: int, name: str, wire: Any) -> None:
     """Receive and run one order on this thread (as an order lane would)."""
-    [run] = p._gate.receive(aid, name, wire, 1e18)
+    [run] = p._gate.handle(OwnOrder(aid, name, wire, 1e18))
     assert isinstance(run, Run)
     p._run_order(run.order)
 

@@ -12,7 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 from mindspeed_tft.control import ControlConfig, Processor
-from mindspeed_tft.control.processor.core import RELEASE_ORDERS, Received, Run, Send
+from mindspeed_tft.control.processor.core import Action, Run, Send
+from mindspeed_tft.control.processor.lanes import Received, lane_for
 from mindspeed_tft.control.processor.orders import Orders
 from mindspeed_tft.control.wire.callbacks import NoRecovery
 from mindspeed_tft.control.wire.order_types import StopOrder, from_wire
@@ -23,8 +24,7 @@ from tests.jobs import wait_for
 def _order(oid: int, name: str, limit: float = 30.0,
            payload: dict[str, Any] | None = None) -> Run:
     order = None if payload is None else from_wire(name, payload)
-    return Run(Received(oid, name, time.monotonic() + limit, order),
-               "release" if name in RELEASE_ORDERS else "work")
+    return Run(Received(oid, name, time.monotonic() + limit, order), lane_for(name))
 
 
 def _blocking_repairs(unblock: threading.Event,
@@ -81,11 +81,10 @@ def test_a_hold_is_answered_at_once_in_the_receiving_thread() -> None:
     p = _processor()
     unblock = _stuck_stop(p)
     try:
-        out = p._gate.on_action({"id": 2, "name": "hold", "timeout": 5.0,
-                                 "payload": {"incident": 1}}, time.monotonic())
+        hold = Action(2, "hold", {"incident": 1}, 5.0)
+        out = p._gate.handle(hold)
         assert out == [Send("result", ResultMessage(2, "hold", HoldResult(0, "updated")))]
-        assert p._gate.on_action({"id": 2, "name": "hold", "timeout": 5.0,
-                                  "payload": {"incident": 1}}, time.monotonic()) == []
+        assert p._gate.handle(hold) == []
     finally:
         unblock.set()
         p.close()

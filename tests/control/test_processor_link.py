@@ -1,24 +1,41 @@
 """The processor's link to its controllers without I/O (`control.processor.link`): exact
-outputs for given inputs on a virtual clock, with the real processor core as its view."""
+outputs for given inputs through its one entry point (`handle(input, now)`) on a virtual
+clock, with what it says about the rank read from the real processor core."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from mindspeed_tft.control.processor.core import ProcessorCore, Received, Run
+from mindspeed_tft.control.processor.core import (
+    Action,
+    CheckHang,
+    Failed,
+    ProcessorCore,
+    Progress,
+    Received,
+    Run,
+    Send,
+    UpdateEnd,
+)
 from mindspeed_tft.control.processor.link import (
     Accepted,
     Connect,
+    Connected,
+    FromController,
     GiveUp,
     Identity,
     LinkCore,
+    NewReplica,
+    Out,
     Refused,
+    Tick,
     Transmit,
 )
 from mindspeed_tft.control.processor.watchdog import ProgressWatchdog
 from mindspeed_tft.control.wire.classify import FaultKind
 from mindspeed_tft.control.wire.order_types import RollbackOrder
 from mindspeed_tft.control.wire.protocol import CONTROLLER, Message, MsgType
+from mindspeed_tft.control.wire.results import HoldResult, ReportMessage, ResultMessage
 
 A, B = ("10.0.0.1", 29000), ("10.0.0.2", 29000)
 STORM = 0.5
@@ -27,11 +44,22 @@ STORM = 0.5
 def _link() -> tuple[LinkCore, ProcessorCore]:
     core = ProcessorCore(1, park_wait=2.0, failure_exit_code=70, exit_grace=5.0,
                          watchdog=ProgressWatchdog(10.0, 3.0, 30.0))
-    link = LinkCore(1, Identity(4, 123, "node1", None, "tok"), core, addresses=[A, B],
+    link = LinkCore(1, Identity(4, 123, "node1", None, "tok"), addresses=[A, B],
                     interval=1.0, misses=3, controller_lost_timeout=60.0,
                     storm_allowance=STORM)
-    link.connected(0.0)
+    assert link.handle(Connected(), 0.0) == []
     return link, core
+
+
+def _tick(link: LinkCore, core: ProcessorCore, now: float) -> list[Out]:
+    return link.handle(Tick(core.state()), now)
+
+
+def _on(link: LinkCore, core: ProcessorCore, msg: Message, now: float) -> list[Out]:
+    return link.handle(FromController(msg, core.state()), now)
+
+
+HEARTBEAT = {"step": 0, "status": "updated", "progress": 0}
 
 
 def _msg(mtype: str, **payload: Any) -> Message:
@@ -48,74 +76,79 @@ REGISTER = {"world_size": 4, "pid": 123, "host": "node1", "replica": None, "fail
 
 
 def test_it_registers_every_interval_until_a_controller_answers() -> None:
-    link, _ = _link()
+    link, core = _link()
     assert link.wait(0.0) == 0.0
-    assert link.tick(0.0) == [Transmit(MsgType.REGISTER, REGISTER)]
-    assert link.tick(0.5) == []
-    assert link.tick(1.0) == [Transmit(MsgType.REGISTER, REGISTER)]
-    assert link.on_message(_registered(), 1.2) == [Accepted()]
+    assert _tick(link, core, 0.0) == [Transmit(MsgType.REGISTER, REGISTER)]
+    assert _tick(link, core, 0.5) == []
+    assert _tick(link, core, 1.0) == [Transmit(MsgType.REGISTER, REGISTER)]
+    assert _on(link, core, _registered(), 1.2) == [Accepted()]
     assert link.join_info["role"] == "active" and link.registered_here
 
 
 def test_a_registered_rank_heartbeats_asking_for_an_ack_only_when_it_needs_one() -> None:
     link, core = _link()
-    link.on_message(_registered(), 0.0)
-    core.update_end(5)
-    core.progress(5, 0.0)
+    _on(link, core, _registered(), 0.0)
+    core.handle(UpdateEnd(5), 0.0)
+    core.handle(Progress(5), 0.0)
     hb = {"step": 5, "status": "updated", "progress": 5}
-    assert link.tick(0.1) == [Transmit(MsgType.HEARTBEAT, {**hb, "ack": False})]
-    assert link.tick(0.5) == []
-    assert link.tick(1.6) == [Transmit(MsgType.HEARTBEAT, {**hb, "ack": True})]  # 1.6 >= 1.5
-    link.on_message(_msg(MsgType.ACK, state="normal", epoch=1, role="active"), 1.7)
-    assert link.tick(2.7) == [Transmit(MsgType.HEARTBEAT, {**hb, "ack": False})]
+    assert _tick(link, core, 0.1) == [Transmit(MsgType.HEARTBEAT, {**hb, "ack": False}),
+                                      CheckHang()]
+    assert _tick(link, core, 0.5) == [CheckHang()]
+    assert _tick(link, core, 1.6) == [Transmit(MsgType.HEARTBEAT, {**hb, "ack": True}),
+                                      CheckHang()]  # 1.6 >= 1.5
+    _on(link, core, _msg(MsgType.ACK, state="normal", epoch=1, role="active"), 1.7)
+    assert _tick(link, core, 2.7) == [Transmit(MsgType.HEARTBEAT, {**hb, "ack": False}),
+                                      CheckHang()]
 
 
-def test_a_hang_is_reported_once() -> None:
+def test_a_hang_is_checked_only_where_the_rank_is_registered() -> None:
+    """The link has the core check for a hang after its heartbeat, on every tick where it is
+    registered (the core reports it once: test_processor_core); not while it registers."""
     link, core = _link()
-    link.on_message(_registered(), 0.0)
-    core.progress(3, 0.0)
-    link.tick(0.0)
-    link.on_message(_msg(MsgType.ACK, state="normal", epoch=1, role="active"), 29.9)
-    link.next_heartbeat = 30.5
-    assert link.tick(30.5) == [
-        Transmit(MsgType.HEARTBEAT, {"step": 0, "status": "updated", "progress": 3,
-                                     "ack": False}),
-        Transmit(MsgType.REPORT, {"kind": "hang", "message": "rank 1: no training progress "
-                                  "for 30.5s (timeout 30.0s) after step 3", "step": 0,
-                                  "status": "updated"})]
-    assert link.tick(30.6) == []
+    core.handle(Progress(3), 0.0)
+    assert _tick(link, core, 0.0) == [Transmit(MsgType.REGISTER, REGISTER)]
+    assert _tick(link, core, 0.5) == []
+    _on(link, core, _registered(), 0.6)
+    assert _tick(link, core, 0.7) == [
+        Transmit(MsgType.HEARTBEAT, {**HEARTBEAT, "progress": 3, "ack": False}), CheckHang()]
+    _on(link, core, _msg(MsgType.ACK, state="normal", epoch=1, role="active"), 34.9)
+    assert _tick(link, core, 35.0) == [
+        Transmit(MsgType.HEARTBEAT, {**HEARTBEAT, "progress": 3, "ack": False}), CheckHang()]
+    assert core.handle(CheckHang(), 35.0) == [Send("report", ReportMessage(
+        "hang", "rank 1: no training progress for 35.0s (timeout 30.0s) after step 3", 0,
+        "updated"))]
 
 
 def test_a_silent_controller_is_left_for_the_next_and_a_redirect_sends_the_rank_back() -> None:
-    link, _ = _link()
-    link.tick(0.0)
+    link, core = _link()
+    _tick(link, core, 0.0)
     # not registered there yet: patience is interval x (misses + 1) plus the storm allowance
-    assert link.tick(4.0 + STORM) == [Transmit(MsgType.REGISTER, REGISTER)]  # still there
-    assert link.tick(4.0 + STORM + 0.01) == [Connect(1, B)]
-    link.connected(5.0)
+    assert _tick(link, core, 4.0 + STORM) == [Transmit(MsgType.REGISTER, REGISTER)]
+    assert _tick(link, core, 4.0 + STORM + 0.01) == [Connect(1, B)]
+    link.handle(Connected(), 5.0)
     assert link.failovers == 1 and not link.registered_here
-    assert link.tick(5.0) == [Transmit(MsgType.REGISTER, REGISTER)]
-    link.on_message(_msg(MsgType.REDIRECT, reason="not in charge"), 5.1)
-    assert link.tick(5.2) == [Connect(0, A)]
+    assert _tick(link, core, 5.0) == [Transmit(MsgType.REGISTER, REGISTER)]
+    _on(link, core, _msg(MsgType.REDIRECT, reason="not in charge"), 5.1)
+    assert _tick(link, core, 5.2) == [Connect(0, A)]
 
 
 def test_backups_named_by_the_controller_are_added_and_a_standby_is_not_an_acceptance(
         ) -> None:
-    link, _ = _link()
-    assert link.on_message(_registered("standby", ["10.0.0.3:29001"]), 0.0) == []
+    link, core = _link()
+    assert _on(link, core, _registered("standby", ["10.0.0.3:29001"]), 0.0) == []
     assert link.addresses == [A, B, ("10.0.0.3", 29001)]
     assert link.registered_here and not link.ever_registered
 
 
 def test_a_new_active_controller_is_told_the_unanswered_error() -> None:
     link, core = _link()
-    assert link.on_message(_registered(), 0.0) == [Accepted()]
-    core.update_end(4)
-    core.error(FaultKind.UCE, "RuntimeError: UCE")
-    link.connected(10.0)  # failed over
-    assert link.on_message(_registered(), 10.1) == [Transmit(MsgType.REPORT, {
+    assert _on(link, core, _registered(), 0.0) == [Accepted()]
+    core.handle(UpdateEnd(4), 0.0)
+    core.handle(Failed(FaultKind.UCE, "RuntimeError: UCE"), 0.0)
+    link.handle(Connected(), 10.0)  # failed over
+    assert _on(link, core, _registered(), 10.1) == [Transmit(MsgType.REPORT, {
         "kind": "uce", "message": "RuntimeError: UCE", "step": 4, "status": "updated"})]
-    assert link.registration() == {**REGISTER, "failover": True, "step": 4}
+    assert link.registration(core.state()) == {**REGISTER, "failover": True, "step": 4}
 
 
 def test_a_new_layout_told_to_the_same_controller_sends_no_error_again() -> None:
@@ -125,41 +158,51 @@ def test_a_new_layout_told_to_the_same_controller_sends_no_error_again() -> None
     job ended with its dump: 8 ranks, 4 shrinks in a row, 1 run in 2). After a failover the
     new controller is told."""
     link, core = _link()
-    link.on_message(_registered(), 0.0)
-    core.update_end(4)
-    core.error(FaultKind.COMM, "RuntimeError: Connection closed by peer")
+    _on(link, core, _registered(), 0.0)
+    core.handle(UpdateEnd(4), 0.0)
+    core.handle(Failed(FaultKind.COMM, "RuntimeError: Connection closed by peer"), 0.0)
     layout = {"dense": {"dp_index": 1, "dp_size": 3, "replica_num": 1, "shard": 1,
                         "holders": [1]}}
-    assert link.update_replica(layout) == [Transmit(MsgType.REGISTER, {
-        **REGISTER, "replica": layout, "failover": True, "step": 4})]
-    assert link.on_message(_registered(), 0.1) == []
-    link.update_replica(layout)
-    link.connected(10.0)  # failed over before the reply came
-    assert link.on_message(_registered(), 10.1) == [Transmit(MsgType.REPORT, {
+    assert link.handle(NewReplica(layout, core.state()), 0.05) == [Transmit(
+        MsgType.REGISTER, {**REGISTER, "replica": layout, "failover": True, "step": 4})]
+    assert _on(link, core, _registered(), 0.1) == []
+    link.handle(NewReplica(layout, core.state()), 0.2)
+    link.handle(Connected(), 10.0)  # failed over before the reply came
+    assert _on(link, core, _registered(), 10.1) == [Transmit(MsgType.REPORT, {
         "kind": "comm", "message": "RuntimeError: Connection closed by peer", "step": 4,
         "status": "updated"})]
 
 
 def test_orders_go_to_the_core_once_registered_and_a_refusal_ends_it() -> None:
-    link, _ = _link()
+    link, core = _link()
     action = _msg(MsgType.ACTION, id=7, name="hold", timeout=5.0, payload={"incident": 1})
-    assert link.on_message(action, 0.0) == []  # not registered: ignored
-    link.on_message(_registered(), 0.1)
-    assert link.on_message(action, 0.2) == [Transmit(MsgType.RESULT, {
-        "id": 7, "action": "hold", "ok": True, "result": {"step": 0, "status": "updated"}})]
+    assert _on(link, core, action, 0.0) == []  # not registered: ignored
+    _on(link, core, _registered(), 0.1)
+    hold = Action(7, "hold", {"incident": 1}, 5.0)
+    assert _on(link, core, action, 0.2) == [hold]
+    assert core.handle(hold, 0.2) == [Send(MsgType.RESULT, ResultMessage(
+        7, "hold", HoldResult(0, "updated")))]
     rollback = RollbackOrder(1, 0, "retry")
-    assert link.on_message(_msg(MsgType.ACTION, id=8, name="rollback", timeout=5.0,
-                                payload=rollback.to_wire()), 0.3) == [
+    [order] = _on(link, core, _msg(MsgType.ACTION, id=8, name="rollback", timeout=5.0,
+                                   payload=rollback.to_wire()), 0.3)
+    assert core.handle(order, 0.3) == [  # type: ignore[arg-type]
         Run(Received(8, "rollback", 5.3, rollback), "work")]
-    assert link.on_message(_msg(MsgType.REJECT, reason="bad token", retry=False), 0.4) == [
+    assert _on(link, core, _msg(MsgType.REJECT, reason="bad token", retry=False), 0.4) == [
         Refused("bad token")]
 
 
+def test_a_message_not_for_a_processor_is_heard_and_ignored() -> None:
+    link, core = _link()
+    _on(link, core, _registered(), 0.0)
+    assert _on(link, core, _msg(MsgType.HEARTBEAT, step=1), 3.9) == []
+    assert link.last_heard == 3.9
+
+
 def test_a_rank_that_hears_no_active_controller_gives_up_once() -> None:
-    link, _ = _link()
-    link.on_message(_registered(), 0.0)
+    link, core = _link()
+    _on(link, core, _registered(), 0.0)
     for t in range(1, 61):  # a standby answers, nobody active
-        link.on_message(_msg(MsgType.ACK, state="normal", epoch=1, role="standby"), float(t))
-        assert GiveUp not in map(type, link.tick(float(t)))
-    assert GiveUp(60.5) in link.tick(60.5)
-    assert GiveUp not in map(type, link.tick(61.0))
+        _on(link, core, _msg(MsgType.ACK, state="normal", epoch=1, role="standby"), float(t))
+        assert GiveUp not in map(type, _tick(link, core, float(t)))
+    assert GiveUp(60.5) in _tick(link, core, 60.5)
+    assert GiveUp not in map(type, _tick(link, core, 61.0))

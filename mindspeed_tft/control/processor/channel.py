@@ -13,8 +13,9 @@ Because heartbeats come from this thread, they keep flowing while the training
 thread is stuck. Each order (`action` message) is handed once to the processor's `Orders`
 lanes; nothing here waits for the training thread or for a callback.
 
-What the link reports about the training thread it reads through `link.RankView` (the
-`gate.Gate` implements it, the processor's core behind its lock).
+What the link says about the training thread it reads from the processor's core (through
+the `gate.Gate`, behind its lock) and hands in with each input; the orders the link passes
+on (`core.Action`) go to that core, and so does the link's hang check (`core.CheckHang`).
 """
 
 from __future__ import annotations
@@ -35,17 +36,21 @@ from ..wire.config import ControlConfig
 from ..wire.priority import raise_priority
 from ..wire.protocol import CONTROLLER, DropCounter, ProtocolError, decode, encode
 from ..wire.transport import CurveKeys, connect_dealer, new_routing_id, storm_allowance
-from .core import Run
+from .core import Action, CheckHang, Output, Run, Send
+from .gate import Gate
 from .link import (
     TO_PROCESSOR,
     Accepted,
     Connect,
+    Connected,
+    FromController,
     GiveUp,
     Identity,
     LinkCore,
+    NewReplica,
     Out,
-    RankView,
     Refused,
+    Tick,
     Transmit,
 )
 from .orders import Orders
@@ -63,7 +68,7 @@ class Channel:
     The public attributes say what the controller last told this rank.
     """
 
-    def __init__(self, rank: int, world_size: int, config: ControlConfig, *, view: RankView,
+    def __init__(self, rank: int, world_size: int, config: ControlConfig, *, view: Gate,
                  orders: Orders, addresses: list[tuple[str, int]],
                  replica: dict[str, Any] | None, host: str,
                  on_controller_lost: Callable[[float], None] | None = None) -> None:
@@ -72,6 +77,7 @@ class Channel:
         #: controller was heard for `config.controller_lost_timeout`
         self.on_controller_lost = on_controller_lost
         self.config = config
+        self.view = view
         self.orders = orders
         addresses = list(addresses)
         for b in config.backups:
@@ -79,7 +85,7 @@ class Channel:
                 addresses.append(b)
         self.link = LinkCore(
             rank, Identity(world_size, os.getpid(), host, procfs.identity(), config.job_token),
-            view, addresses=addresses, interval=config.heartbeat_interval,
+            addresses=addresses, interval=config.heartbeat_interval,
             misses=config.heartbeat_misses,
             controller_lost_timeout=config.controller_lost_timeout,
             storm_allowance=storm_allowance(world_size), replica=replica)
@@ -171,7 +177,7 @@ class Channel:
     def update_replica(self, replica: dict[str, Any]) -> None:
         """The rank's replica layout, learnt after it registered: registration sends it from
         now on, and a repeated registration tells the controller now."""
-        for out in self.link.update_replica(replica):
+        for out in self.link.handle(NewReplica(replica, self.view.state()), time.monotonic()):
             if isinstance(out, Transmit):
                 self.post(out.mtype, out.payload)
 
@@ -217,7 +223,7 @@ class Channel:
         self._sock = connect_dealer(ctx, addr, port, routing_id=self._routing_id,
                                     max_bytes=self.config.max_message_bytes, curve=self._curve)
         work_counts.add("connections.control")
-        self.link.connected(time.monotonic())
+        self.link.handle(Connected(), time.monotonic())
         log.info("rank %d connects to controller %s:%d", self.rank, addr, port)
         return self._sock
 
@@ -239,17 +245,22 @@ class Channel:
             if link.registered_here:
                 while self._outbox:
                     self._send(*self._outbox.popleft())
-            for out in link.tick(now):
+            for out in link.handle(Tick(self.view.state()), now):
                 if isinstance(out, Connect):
                     poller.unregister(self._sock)
                     poller.register(self._connect(ctx), zmq.POLLIN)
                 else:
                     self._act(out, now)
 
-    def _act(self, out: Out, now: float) -> None:
-        """Do what the link decided (anything but a reconnect)."""
+    def _act(self, out: Out | Output, now: float) -> None:
+        """Do what the link or the processor's core decided (anything but a reconnect)."""
         if isinstance(out, Transmit):
             self._send(out.mtype, out.payload)
+        elif isinstance(out, Send):
+            self._send(out.mtype, out.message.to_wire())
+        elif isinstance(out, (Action, CheckHang)):  # the processor core's: what it says
+            for answer in self.view.handle(out, now):
+                self._act(answer, now)
         elif isinstance(out, Run):
             self.orders.submit(out, now)
         elif isinstance(out, Accepted):
@@ -298,8 +309,6 @@ class Channel:
         work_counts.add(f"control_received.{msg.type}")
         work_counts.add(f"control_received_bytes.{msg.type}", len(frames[0]))
         if msg.type not in TO_PROCESSOR:
-            self.link.last_heard = now
             self.drops.drop("unexpected_type", msg.type)
-            return
-        for out in self.link.on_message(msg, now):
+        for out in self.link.handle(FromController(msg, self.view.state()), now):
             self._act(out, now)

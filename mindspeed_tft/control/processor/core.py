@@ -8,18 +8,21 @@ monotonic clock), so the same code runs inside a training process (`processor.Pr
 its shell of sockets, threads and the real clock, calls it under one lock) and inside a
 simulator with a virtual clock.
 
-Inputs:
-- an order from the controller: `on_action(payload, now)` (the `action` message's checked
-  payload) returns what to do with it: a `Send` of the answer (a hold is answered at once;
-  a repeated id is dropped) or a `Run` of the order on one of two lanes (see `orders`);
-- the run of an order, step by step: `begin(order, now)`, then `advance(run, now)` while it
-  waits and `called(run, result)` once its callback ran; each returns the next `Step`:
-  `Call` (run the host's callback: `callbacks.run_callback`), `Wait` (until the training
-  state changes or the deadline passes), or `Done` (the `result` message to send, and for an
+One entry point: `handle(input, now) -> outputs`, the inputs and outputs typed values:
+- from the controller: `Action` (an `action` message) returns what to do with it: a `Send`
+  of the answer (a hold is answered at once; a repeated id is dropped) or a `Run` of the
+  order on one of two lanes (`lanes`); `OwnOrder` (the processor's own exit) the same;
+- the run of an order, step by step: `Begin` (when its lane starts it), then `Advance`
+  while it waits and `Called` once its callback ran; each returns the next step: `Call`
+  (run the host's callback: `callbacks.run_callback`), `Wait` (until the training state
+  changes or the deadline passes), or `Done` (the `result` message to send, and for an
   exit the deadline of the hard exit);
-- the training thread: `may_update(step)` (pass, wait, or stop), `update_start`,
-  `update_end`, `progress`, `set_training`, `error` (returns the `report` to send),
-  `enter_handler`, `take_decision`.
+- the training thread: `HoldPoint` (returns a `Verdict`: pass, wait, or stop), `UpdateStart`,
+  `UpdateEnd`, `Progress`, `Training`, `Failed` (returns the `report` to send),
+  `InHandler`, `TakeDecision` (returns the `Decision`, if any);
+- the shell's loop: `CheckHang` (returns the `hang` report once the watchdog fires; its
+  decision part, `watchdog.ProgressWatchdog`, is the core's own).
+What the link tells its controller about the rank it reads from `state()` (no input).
 
 The order flows (what the processor did before the core existed, unchanged):
 - hold: held before the next update, answered at once with where the rank is;
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
@@ -66,12 +70,11 @@ from ..wire.results import (
     ResultMessage,
     StopResult,
 )
+from .lanes import Received, lane_for
 from .watchdog import ProgressWatchdog
 
 log = logging.getLogger("mindspeed_tft.control.processor")
 
-#: orders that end a hold: they run on a lane of their own (see `orders`)
-RELEASE_ORDERS = frozenset({"exit", "resume"})
 #: how many order ids a rank remembers to drop a repeated order
 SEEN_ORDERS = 256
 
@@ -89,16 +92,122 @@ class Decision:
     order: ResumeOrder | ExitOrder | None = None
 
 
+# -- inputs -----------------------------------------------------------------------------
+
+
 @dataclass(frozen=True)
-class Received:
-    """An order as received: its id, name, deadline (`now` + its time limit) and the typed
-    order (None: its payload did not match; `error` says why)."""
+class Action:
+    """An `action` message from the controller (its payload checked by `protocol`)."""
 
     id: int
     name: str
+    wire: Any           # the order's payload, as sent
+    timeout: float      # its time limit in seconds from its arrival
+
+    @classmethod
+    def from_payload(cls, payload: dict[str, Any]) -> Action:
+        return cls(payload["id"], payload["name"], payload["payload"], payload["timeout"])
+
+
+@dataclass(frozen=True)
+class OwnOrder:
+    """An order of the processor's own (a lost controller's exit): not checked for repeats."""
+
+    id: int
+    name: str
+    wire: Any
     deadline: float
-    order: TypedOrder | None
-    error: str = ""
+
+
+@dataclass(frozen=True)
+class Begin:
+    """Its lane starts `order`. `rejoining`: the process is a restarted one joining a
+    recovery (its registration's answer said so)."""
+
+    order: Received
+    rejoining: bool = False
+
+
+@dataclass(frozen=True)
+class Advance:
+    """A waiting order (`Wait`) looks again: the training state changed or its deadline
+    passed."""
+
+    run: OrderRun
+
+
+@dataclass(frozen=True)
+class Called:
+    """The host's callback for the order returned `result` or raised `error`."""
+
+    run: OrderRun
+    result: ActionResult | None = None
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True)
+class HoldPoint:
+    """The training thread is at the hold point before update `step` (again after a wait)."""
+
+    step: int
+
+
+@dataclass(frozen=True)
+class UpdateStart:
+    """The update producing `step` begins: the data is Updating."""
+
+    step: int
+
+
+@dataclass(frozen=True)
+class UpdateEnd:
+    """Update `step` completed: the data is Updated at `step`."""
+
+    step: int
+
+
+@dataclass(frozen=True)
+class Progress:
+    """The training thread completed `step` (the first one arms the hang watchdog)."""
+
+    step: int
+
+
+@dataclass(frozen=True)
+class Training:
+    """Whether the training thread is inside the training function."""
+
+    active: bool
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The training thread failed with `kind` (as it is to be reported: `reported_kind`)."""
+
+    kind: FaultKind
+    message: str
+    detail: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class InHandler:
+    """The training thread waits for a decision in the fault handler (or left it)."""
+
+    inside: bool
+
+
+@dataclass(frozen=True)
+class TakeDecision:
+    """The waiting training thread asks for its decision (a resume is consumed)."""
+
+
+@dataclass(frozen=True)
+class CheckHang:
+    """The shell's loop asks whether the training thread is hung (reported once)."""
+
+
+Input = (Action | OwnOrder | Begin | Advance | Called | HoldPoint | UpdateStart | UpdateEnd
+         | Progress | Training | Failed | InHandler | TakeDecision | CheckHang)
 
 
 # -- outputs ----------------------------------------------------------------------------
@@ -114,7 +223,7 @@ class Send:
 
 @dataclass(frozen=True)
 class Run:
-    """Run `order` on lane `lane` ("work" or "release")."""
+    """Queue `order` on lane `lane` ("work" or "release", `lanes`)."""
 
     order: Received
     lane: str
@@ -122,18 +231,20 @@ class Run:
 
 @dataclass(frozen=True)
 class Call:
-    """Run the host's callback for the order (`callbacks.run_callback`), then `called`.
+    """Run the host's callback for the order (`callbacks.run_callback`), then `Called`.
     `hard_exit`: an exit order's (code, deadline): if the process still lives then (a hung
     training thread, a stuck callback), the shell ends it."""
 
+    run: OrderRun
     order: TypedOrder
     hard_exit: tuple[int, float] | None = None
 
 
 @dataclass(frozen=True)
 class Wait:
-    """Wait until the training state changes or `deadline` passes, then `advance`."""
+    """Wait until the training state changes or `deadline` passes, then `Advance`."""
 
+    run: OrderRun
     deadline: float
 
 
@@ -141,12 +252,35 @@ class Wait:
 class Done:
     """The order ended: send `result`."""
 
+    run: OrderRun
     result: Send
     #: the training thread did not come back when stopped (the shell logs where it is)
     unparked: bool = False
 
 
 Step = Call | Wait | Done
+
+
+class Verdict(Enum):
+    """What the training thread does at a hold point (`HoldPoint`)."""
+
+    PASS = "pass"
+    WAIT = "wait"
+    STOP = "stop"
+
+
+Output = Send | Run | Call | Wait | Done | Verdict | Decision
+
+
+@dataclass(frozen=True)
+class RankState:
+    """What the link tells a controller about the rank: step, data status, progress, and
+    the error report no decision answered yet (a new controller never saw it)."""
+
+    step: int
+    status: str
+    progress: int
+    unanswered: ReportMessage | None = None
 
 
 class Phase(Enum):
@@ -168,14 +302,6 @@ class OrderRun:
     result: ActionResult | None = None
 
 
-class Verdict(Enum):
-    """What the training thread does at a hold point (`may_update`)."""
-
-    PASS = "pass"
-    WAIT = "wait"
-    STOP = "stop"
-
-
 class ProcessorCore:
     """The protocol state of one rank (see the module docstring)."""
 
@@ -185,6 +311,7 @@ class ProcessorCore:
         self.park_wait = park_wait
         self.failure_exit_code = failure_exit_code
         self.exit_grace = exit_grace
+        #: the hang watchdog's decision part (fed and asked only through `handle`)
         self.watchdog = watchdog
         self.watching = False
         # the training state
@@ -196,6 +323,8 @@ class ProcessorCore:
         self.paused = False
         self.in_handler = False
         self.training = False
+        #: the training thread waits at a hold point (the watchdog is paused meanwhile)
+        self.held = False
         self.catch_up: int | None = None
         self.pending: Decision | None = None
         self.last_report: ReportMessage | None = None
@@ -208,34 +337,84 @@ class ProcessorCore:
         #: whether the resume that ends the rejoin came yet
         self.join_resumed = False
 
-    # -- what a heartbeat or registration says ------------------------------------------------
-    def position(self) -> tuple[int, str, int]:
-        """Step, data status and progress."""
-        return self.step, self.status, self.progress_step
+    # -- the entry point --------------------------------------------------------------------
+    def handle(self, event: Input, now: float) -> list[Output]:
+        """The one entry point: an input at `now` (seconds of any monotonic clock); the
+        outputs, in order. (One method per kind of input, `_INPUTS`.)"""
+        return _INPUTS[type(event)](self, event, now)
 
-    def hang(self, now: float) -> tuple[float, float] | None:
-        """(idle seconds, limit) once the watchdog finds the training thread hung."""
-        return self.watchdog.check(now) if self.watching else None
+    # orders
+    def _on_action(self, event: Action, now: float) -> list[Output]:
+        if event.id in self.seen:
+            return []
+        self.seen.append(event.id)
+        return [self._receive(event.id, event.name, event.wire, now + event.timeout)]
 
-    def unanswered_report(self) -> ReportMessage | None:
-        """The error report no decision answered yet (a new controller never saw it)."""
-        return self.last_report if self.pending is None else None
+    def _on_own_order(self, event: OwnOrder, now: float) -> list[Output]:
+        return [self._receive(event.id, event.name, event.wire, event.deadline)]
+
+    def _on_begin(self, event: Begin, now: float) -> list[Output]:
+        self.rejoining = event.rejoining
+        return [self._begin(event.order, now)]
+
+    def _on_advance(self, event: Advance, now: float) -> list[Output]:
+        return [self._advance(event.run, now)]
+
+    def _on_called(self, event: Called, now: float) -> list[Output]:
+        return [self._called(event.run, now, event.result, event.error)]
+
+    # the training thread, and the shell's loop
+    def _on_hold_point(self, event: HoldPoint, now: float) -> list[Output]:
+        return [self._hold_point(event.step, now)]
+
+    def _on_update_start(self, event: UpdateStart, now: float) -> list[Output]:
+        self.status, self.updating_step = "updating", event.step
+        return []
+
+    def _on_update_end(self, event: UpdateEnd, now: float) -> list[Output]:
+        self.step, self.status, self.updating_step = event.step, "updated", None
+        return []
+
+    def _on_progress(self, event: Progress, now: float) -> list[Output]:
+        self._progress(event.step, now)
+        return []
+
+    def _on_training(self, event: Training, now: float) -> list[Output]:
+        self.training = event.active
+        return []
+
+    def _on_failed(self, event: Failed, now: float) -> list[Output]:
+        return [self._error(event)]
+
+    def _on_in_handler(self, event: InHandler, now: float) -> list[Output]:
+        self.in_handler = event.inside
+        return []
+
+    def _on_take_decision(self, event: TakeDecision, now: float) -> list[Output]:
+        decision = self._take_decision()
+        return [] if decision is None else [decision]
+
+    def _on_check_hang(self, event: CheckHang, now: float) -> list[Output]:
+        return self._check_hang(now)
+
+    # -- what the link says about the rank (reads) ---------------------------------------
+    def state(self) -> RankState:
+        """Step, data status, progress and the unanswered error report."""
+        return RankState(self.step, self.status, self.progress_step,
+                         self.last_report if self.pending is None else None)
 
     @property
     def parked(self) -> bool:
         return self.in_handler or self.last_report is not None
 
-    # -- orders from the controller ---------------------------------------------------------
-    def on_action(self, payload: dict[str, Any], now: float) -> list[Send | Run]:
-        """An `action` message (its payload checked by `protocol`): answer or run it."""
-        aid = payload["id"]
-        if aid in self.seen:
-            return []
-        self.seen.append(aid)
-        return self.receive(aid, payload["name"], payload["payload"],
-                            now + payload["timeout"])
+    def reported_kind(self, kind: FaultKind) -> FaultKind:
+        """What a failure of the training thread (classified `kind`) is reported as: once
+        the controller stopped the rank, an error (an aborted communicator, a ForceStop) is
+        a consequence of the stop, reported as normal."""
+        return FaultKind.NORMAL if self.stopped else kind
 
-    def receive(self, aid: int, name: str, wire: Any, deadline: float) -> list[Send | Run]:
+    # -- orders from the controller ---------------------------------------------------------
+    def _receive(self, aid: int, name: str, wire: Any, deadline: float) -> Send | Run:
         """An order to run (from the controller, or the processor's own exit)."""
         try:
             received = Received(aid, name, deadline, from_wire(name, wire))
@@ -247,10 +426,10 @@ class ProcessorCore:
                 received = Received(aid, name, deadline, ExitOrder(
                     self.failure_exit_code, f"a bad exit order ({e})"))
         if isinstance(received.order, HoldOrder):
-            return [self._result(received, self.hold()).result]
-        return [Run(received, "release" if name in RELEASE_ORDERS else "work")]
+            return self._result(OrderRun(received, Phase.DONE), self._hold()).result
+        return Run(received, lane_for(name))
 
-    def hold(self) -> HoldResult:
+    def _hold(self) -> HoldResult:
         """The first round of a stop: hold the rank before its next update and say at once
         where it is. Nothing is waited for (a rank hung inside its update answers too): a
         rank `updated` at s stays there, one `updating` at s ends its update at s + 1 (the
@@ -258,25 +437,25 @@ class ProcessorCore:
         self.paused = True
         return HoldResult(self.step, self.status)
 
-    def begin(self, received: Received, now: float) -> tuple[OrderRun, Step]:
+    def _begin(self, received: Received, now: float) -> Step:
         """Start running an order (on its lane); its first step."""
         run = OrderRun(received)
         order = received.order
         if order is None:
             log.error("rank %d: %s", self.rank, received.error)
-            return run, self._finish(run, error=received.error)
-        if isinstance(order, HoldOrder):  # (`receive` answers it at once)
+            return self._finish(run, error=received.error)
+        if isinstance(order, HoldOrder):  # (`_receive` answers it at once)
             run.phase = Phase.DONE
-            return run, self._result(received, self.hold())
+            return self._result(run, self._hold())
         if isinstance(order, StopOrder):
             self.stopped, self.catch_up, self.paused = True, order.lock_step, False
-            return run, self._hold_wait(run, now)
+            return self._hold_wait(run, now)
         if isinstance(order, PauseOrder):
             # the whole job is held: a rank blocked in a collective behind a held peer
             # makes no progress either, and is not hung (`resume` watches again)
             self.watchdog.pause()
             self.paused = True
-            return run, self._hold_wait(run, now)
+            return self._hold_wait(run, now)
         if isinstance(order, ExitOrder):
             if self.exit_ordered is None:
                 self.exit_ordered = order.code
@@ -285,11 +464,11 @@ class ProcessorCore:
             self.watchdog.pause()  # no further update, no hang watching
             self.stopped = True
             run.phase = Phase.CALLBACK
-            return run, Call(order, (order.code, now + self.exit_grace))
+            return Call(run, order, (order.code, now + self.exit_grace))
         run.phase = Phase.CALLBACK
-        return run, Call(order)
+        return Call(run, order)
 
-    def advance(self, run: OrderRun, now: float) -> Step:
+    def _advance(self, run: OrderRun, now: float) -> Step:
         """The next step of an order that waits (after a change or at its deadline)."""
         if run.phase is Phase.HOLD_WAIT:
             return self._hold_wait(run, now)
@@ -297,8 +476,8 @@ class ProcessorCore:
             return self._park_wait(run, now)
         raise RuntimeError(f"{run.received.name} is not waiting ({run.phase.value})")
 
-    def called(self, run: OrderRun, now: float, result: ActionResult | None = None,
-               error: BaseException | None = None) -> Step:
+    def _called(self, run: OrderRun, now: float, result: ActionResult | None,
+                error: BaseException | None) -> Step:
         """The host's callback for the order returned `result` or raised `error`."""
         order = run.received.order
         name = run.received.name
@@ -341,8 +520,8 @@ class ProcessorCore:
             run.held = HoldResult(self.step, self.status)
             run.phase = Phase.CALLBACK
             assert order is not None
-            return Call(order)
-        return Wait(run.deadline)
+            return Call(run, order)
+        return Wait(run, run.deadline)
 
     def _park_wait(self, run: OrderRun, now: float) -> Step:
         """After a stop: until the training thread is held in the fault handler (bounded).
@@ -350,7 +529,7 @@ class ProcessorCore:
         behind a rank that really hung); False: it is inside the training function and did
         not come back (hung); None: no training function runs under the handler."""
         if not self.parked and self.training and now < run.deadline:
-            return Wait(run.deadline)
+            return Wait(run, run.deadline)
         parked = True if self.parked else False if self.training else None
         result = run.result if isinstance(run.result, StopResult) else StopResult()
         done = self._finish(run, result=replace(result, step=self.step, status=self.status,
@@ -369,75 +548,101 @@ class ProcessorCore:
             self.pending = Decision("resume", step=order.step, strategy=order.strategy,
                                     order=order)
         if self.watching:
-            self.watchdog.resume(now)  # the caller's clock (a simulator's is virtual)
+            self.watchdog.resume(now)
 
     def _finish(self, run: OrderRun, result: ActionResult | None = None,
                 error: str | None = None) -> Done:
         run.phase = Phase.DONE
         if error is not None:
-            return Done(Send("result", ResultMessage(run.received.id, run.received.name,
-                                                     error=error[:4000])))
+            return Done(run, Send("result", ResultMessage(run.received.id, run.received.name,
+                                                          error=error[:4000])))
         assert result is not None
-        return self._result(run.received, result)
+        return self._result(run, result)
 
-    def _result(self, received: Received, result: ActionResult) -> Done:
-        return Done(Send("result", ResultMessage(received.id, received.name, result)))
+    def _result(self, run: OrderRun, result: ActionResult) -> Done:
+        received = run.received
+        return Done(run, Send("result", ResultMessage(received.id, received.name, result)))
 
     # -- the training thread ---------------------------------------------------------------
-    def may_update(self, step: int) -> Verdict:
-        """At a hold point before update `step`: pass, wait (paused), or stop."""
+    def _hold_point(self, step: int, now: float) -> Verdict:
+        """Before update `step`: pass, wait (paused: the watchdog pauses too, a hold on
+        purpose is no hang), or stop. A wait that ends in a pass watches again from `now`."""
         if self.pending is not None or (self.stopped and not (
                 self.catch_up is not None and step <= self.catch_up)):
+            self.held = False
             return Verdict.STOP
-        return Verdict.WAIT if self.paused else Verdict.PASS
+        if self.paused:
+            if not self.held:
+                self.held = True
+                self.watchdog.pause()
+            return Verdict.WAIT
+        if self.held and self.watching:
+            self.watchdog.resume(now)
+        self.held = False
+        return Verdict.PASS
 
-    def update_start(self, step: int) -> None:
-        """The update producing `step` begins: the data is Updating."""
-        self.status = "updating"
-        self.updating_step = step
-
-    def update_end(self, step: int) -> None:
-        """Update `step` completed: the data is Updated at `step`."""
-        self.step, self.status, self.updating_step = step, "updated", None
-
-    def progress(self, step: int, now: float) -> None:
-        """The training thread completed `step` (the first call arms the hang watchdog)."""
+    def _progress(self, step: int, now: float) -> None:
         self.progress_step = step
         if not self.watching and not self.stopped:
             self.watching = True
             self.watchdog.resume(now)
         self.watchdog.progress(step, now)
 
-    def set_training(self, active: bool) -> None:
-        """Whether the training thread is inside the training function."""
-        self.training = active
-
-    def reported_kind(self, kind: FaultKind) -> FaultKind:
-        """What a failure of the training thread (classified `kind`) is reported as: once
-        the controller stopped the rank, an error (an aborted communicator, a ForceStop) is
-        a consequence of the stop, reported as normal."""
-        return FaultKind.NORMAL if self.stopped else kind
-
-    def error(self, kind: FaultKind, message: str,
-              detail: dict[str, Any] | None = None) -> Send:
+    def _error(self, event: Failed) -> Send:
         """The training thread failed: the report to send (it is what holds the rank)."""
         self.watchdog.pause()
-        report = ReportMessage(kind.value, message[:4000], self.step, self.status,
-                               dict(detail) if detail else None)
+        self.held = False  # raised at its hold point (a pause that lasted too long)
+        report = ReportMessage(event.kind.value, event.message[:4000], self.step, self.status,
+                               dict(event.detail) if event.detail else None)
         self.last_report = report
         return Send("report", report)
 
-    def enter_handler(self, inside: bool) -> None:
-        """The training thread waits for a decision in the fault handler (or left it)."""
-        self.in_handler = inside
-
-    def take_decision(self) -> Decision | None:
-        """The decision for the waiting training thread; a resume is consumed."""
+    def _take_decision(self) -> Decision | None:
         decision = self.pending
         if decision is not None and decision.action == "resume":
             self.pending = None
             self.last_report = None
         return decision
+
+    def _check_hang(self, now: float) -> list[Output]:
+        """The `hang` report, once the watchdog finds the training thread hung."""
+        hung = self.watchdog.check(now) if self.watching else None
+        if hung is None:
+            return []
+        idle, limit = hung
+        return [Send("report", ReportMessage(
+            FaultKind.HANG.value,
+            f"rank {self.rank}: no training progress for {idle:.1f}s "
+            f"(timeout {limit:.1f}s) after step {self.progress_step}", self.step,
+            self.status))]
+
+
+#: the method of `ProcessorCore` that takes each kind of input
+_INPUTS: dict[type, Callable[[ProcessorCore, Any, float], list[Output]]] = {
+    Action: ProcessorCore._on_action, OwnOrder: ProcessorCore._on_own_order,
+    Begin: ProcessorCore._on_begin, Advance: ProcessorCore._on_advance,
+    Called: ProcessorCore._on_called, HoldPoint: ProcessorCore._on_hold_point,
+    UpdateStart: ProcessorCore._on_update_start, UpdateEnd: ProcessorCore._on_update_end,
+    Progress: ProcessorCore._on_progress, Training: ProcessorCore._on_training,
+    Failed: ProcessorCore._on_failed, InHandler: ProcessorCore._on_in_handler,
+    TakeDecision: ProcessorCore._on_take_decision, CheckHang: ProcessorCore._on_check_hang,
+}
+
+
+def step_of(outputs: list[Output]) -> Step:
+    """The step an order's input (`Begin`, `Advance`, `Called`) returns."""
+    [out] = outputs
+    if not isinstance(out, (Call, Wait, Done)):
+        raise TypeError(f"not a step: {out!r}")
+    return out
+
+
+def verdict_of(outputs: list[Output]) -> Verdict:
+    """The verdict a `HoldPoint` returns."""
+    [out] = outputs
+    if not isinstance(out, Verdict):
+        raise TypeError(f"not a verdict: {out!r}")
+    return out
 
 
 def _text(error: BaseException) -> str:

@@ -14,8 +14,10 @@ run the controller's orders (`orders`):
   (`run_in_training_thread`, `serve_training_thread`) until a decision (`resume`,
   `decide`) lets it go (`wait_decision`).
 
-The gate also owns the hang watchdog: the training thread feeds it (`report_progress`), the
-I/O thread checks it (`hang`). Nothing here touches the network.
+Every input goes to the core through its one entry point (`handle`), under the condition's
+lock and with the real clock's time; the hang watchdog is the core's (the training thread
+feeds it with `Progress`, the I/O thread asks with `CheckHang`). Nothing here touches the
+network.
 """
 
 from __future__ import annotations
@@ -34,7 +36,33 @@ from ..wire.classify import FaultKind, ForceStop
 from ..wire.config import ControlConfig
 from ..wire.order_types import TypedOrder
 from ..wire.results import ActionResult, ReportMessage
-from .core import Call, Decision, Done, OrderRun, ProcessorCore, Received, Run, Send, Verdict, Wait
+from .core import (
+    Advance,
+    Begin,
+    Call,
+    Called,
+    CheckHang,
+    Decision,
+    Done,
+    Failed,
+    HoldPoint,
+    InHandler,
+    Input,
+    Output,
+    ProcessorCore,
+    Progress,
+    RankState,
+    Received,
+    Send,
+    TakeDecision,
+    Training,
+    UpdateEnd,
+    UpdateStart,
+    Verdict,
+    Wait,
+    step_of,
+    verdict_of,
+)
 from .watchdog import ProgressWatchdog
 
 log = logging.getLogger("mindspeed_tft.control.processor")
@@ -65,6 +93,10 @@ class WaitLog:
                         self.what, now - self.start, self.limit)
 
 
+#: inputs that a waiting thread repeats: they wake no other waiter
+_POLLS = (HoldPoint, TakeDecision, CheckHang)
+
+
 class ProcessorError(RuntimeError):
     """The processor cannot do its job (e.g. no controller accepted its registration)."""
 
@@ -85,15 +117,12 @@ class Gate:
     def __init__(self, rank: int, config: ControlConfig) -> None:
         self.rank = rank
         self.config = config
-        self.watchdog = ProgressWatchdog(config.hang_timeout_min, config.hang_timeout_factor,
-                                         config.hang_initial_timeout)
         self.core = ProcessorCore(
             rank, park_wait=min(config.park_timeout, config.action_time_limit / 2),
             failure_exit_code=config.failure_exit_code, exit_grace=config.exit_grace,
-            watchdog=self.watchdog)
+            watchdog=ProgressWatchdog(config.hang_timeout_min, config.hang_timeout_factor,
+                                      config.hang_initial_timeout))
         self._cond = threading.Condition()
-        #: the training thread waits at a hold point because the rank is paused
-        self._held = False
         self._training_thread_id: int | None = None
         self._tasks: deque[_Task] = deque()
 
@@ -105,42 +134,30 @@ class Gate:
     def step(self) -> int:
         return self.core.step
 
-    # -- what the channel reports ---------------------------------------------------------
-    def position(self) -> tuple[int, str, int]:
-        """Step, data status and progress (for heartbeats and registration)."""
+    # -- the core's entry point, under the lock --------------------------------------------
+    def handle(self, event: Input, now: float | None = None) -> list[Output]:
+        """Hand `event` to the core at `now` (default: the monotonic clock); its outputs.
+        Waiting threads look again."""
         with self._cond:
-            return self.core.position()
+            return self._handle_locked(event, now)
 
-    def hang(self, now: float) -> tuple[float, float] | None:
-        """(idle seconds, limit) once the watchdog finds the training thread hung."""
-        return self.core.hang(now)
-
-    def unanswered_report(self) -> ReportMessage | None:
-        """The error report no decision answered yet (a new controller never saw it)."""
-        with self._cond:
-            return self.core.unanswered_report()
-
-    def on_action(self, payload: dict[str, Any], now: float) -> list[Send | Run]:
-        """An order arrived (I/O thread): its answer, or the lane that runs it."""
-        with self._cond:
-            out = self.core.on_action(payload, now)
+    def _handle_locked(self, event: Input, now: float | None = None) -> list[Output]:
+        out = self.core.handle(event, time.monotonic() if now is None else now)
+        if not isinstance(event, _POLLS):  # (a poll that woke the others would spin)
             self._cond.notify_all()
         return out
 
-    def receive(self, aid: int, name: str, wire: Any, deadline: float) -> list[Send | Run]:
-        """An order of the processor's own (a lost controller's exit)."""
+    def state(self) -> RankState:
+        """What the link says about the rank (for heartbeats and registration)."""
         with self._cond:
-            return self.core.receive(aid, name, wire, deadline)
+            return self.core.state()
 
     # -- trainer hooks ------------------------------------------------------------------
     def before_update(self, step: int, timeout: float | None = None) -> None:
         """Hold point before optimizer update `step` (see `processor`)."""
         with self._cond:
             self._wait_unheld_locked(step, timeout)
-            core = self.core
-            if core.status == "updating" and core.updating_step == step:
-                return
-            core.update_start(step)
+            self._handle_locked(UpdateStart(step))
 
     def wait_unheld(self, step: int, timeout: float | None = None) -> None:
         """The hold of `before_update(step)` without marking the data Updating."""
@@ -151,27 +168,22 @@ class Gate:
         limit = self.config.effective_decision_timeout() if timeout is None else timeout
         deadline = time.monotonic() + limit
         waiting = WaitLog(self.rank, f"the end of a pause before update {step}", limit)
-        try:
-            while True:
-                verdict = self.core.may_update(step)
-                if verdict is Verdict.STOP:
-                    raise ForceStop(f"rank {self.rank} stopped by the controller before "
-                                    f"update {step}")
-                if verdict is Verdict.PASS:
-                    return
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise ForceStop(f"rank {self.rank} paused for more than {limit:g}s")
-                self.watchdog.pause()  # held on purpose: not a hang
-                if not self._held:
-                    self._held = True
-                    self._cond.notify_all()
-                self._cond.wait(min(remaining, 5.0))
-                waiting.tick()
-                if self.core.watching:
-                    self.watchdog.resume()
-        finally:
-            self._held = False
+        first = True
+        while True:
+            verdict = verdict_of(self._handle_locked(HoldPoint(step)))
+            if verdict is Verdict.STOP:
+                raise ForceStop(f"rank {self.rank} stopped by the controller before "
+                                f"update {step}")
+            if verdict is Verdict.PASS:
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ForceStop(f"rank {self.rank} paused for more than {limit:g}s")
+            if first:  # held (the core's `held`): a pause callback may wait for that
+                first = False
+                self._cond.notify_all()
+            self._cond.wait(min(remaining, 5.0))
+            waiting.tick()
 
     def wait_held(self, timeout: float) -> bool:
         """Wait, at most `timeout` seconds, until the training thread waits at a hold point
@@ -180,7 +192,7 @@ class Gate:
         function (an order behind this one, a stop, must not wait)."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while not self._held:
+            while not self.core.held:
                 remaining = deadline - time.monotonic()
                 core = self.core
                 if remaining <= 0 or not core.paused or core.parked or not core.training:
@@ -190,32 +202,26 @@ class Gate:
 
     def report_update_end(self, step: int) -> None:
         """Optimizer update `step` completed: the data is Updated at `step`."""
-        with self._cond:
-            self.core.update_end(step)
-            self._cond.notify_all()
+        self.handle(UpdateEnd(step))
 
     def report_progress(self, step: int) -> None:
         """The training thread completed `step` (feeds the hang watchdog)."""
-        with self._cond:
-            self.core.progress(step, time.monotonic())
+        self.handle(Progress(step))
 
     def mark_training(self, active: bool) -> None:
         """The handler says whether the training thread is inside the training function."""
         with self._cond:
-            self.core.set_training(active)
             if active:
                 self._training_thread_id = threading.get_ident()
-            self._cond.notify_all()
+            self._handle_locked(Training(active))
 
     # -- errors and decisions -------------------------------------------------------------
     def record_error(self, kind: FaultKind, message: str,
                      detail: dict[str, Any] | None) -> ReportMessage:
         """The training thread failed: remember the report (it is what holds the rank)."""
-        with self._cond:
-            report = self.core.error(kind, message, detail).message
-            self._cond.notify_all()
-        assert isinstance(report, ReportMessage)
-        return report
+        [send] = self.handle(Failed(kind, message, detail))
+        assert isinstance(send, Send) and isinstance(send.message, ReportMessage)
+        return send.message
 
     def wait_decision(self, timeout: float | None = None) -> Decision:
         """Wait for the controller's decision, running handed-over work meanwhile."""
@@ -223,10 +229,9 @@ class Gate:
         deadline = time.monotonic() + limit
         waiting = WaitLog(self.rank, "the controller's decision after an error", limit)
         with self._cond:
-            self.core.enter_handler(True)
-            self._cond.notify_all()
+            self._handle_locked(InHandler(True))
             try:
-                while (decision := self.core.take_decision()) is None:
+                while not (taken := self._handle_locked(TakeDecision())):
                     if self._tasks:
                         self._run_task_locked()
                         continue
@@ -236,9 +241,11 @@ class Gate:
                                         reason=f"no decision from the controller within {limit:g}s")
                     self._cond.wait(min(remaining, 1.0))
                     waiting.tick()
+                [decision] = taken
+                assert isinstance(decision, Decision)
                 return decision
             finally:
-                self.core.enter_handler(False)
+                self._handle_locked(InHandler(False))
 
     def serve_training_thread(self, until: Callable[[], bool], timeout: float) -> None:
         """Run handed-over work in the calling (training) thread until `until()` is true."""
@@ -290,13 +297,12 @@ class Gate:
 
     # -- orders ---------------------------------------------------------------------------
     def run_order(self, received: Received, call: Callback,
-                  arm_exit: Callable[[int, float], None]) -> Send:
+                  arm_exit: Callable[[int, float], None], rejoining: bool = False) -> Send:
         """Run one order as the core says (on an order thread): its callbacks through
         `call`, its waits on the condition, bounded; returns the result to send.
-        `arm_exit(code, deadline)`: an exit order's hard exit, armed before its callback."""
-        with self._cond:
-            run, step = self.core.begin(received, time.monotonic())
-            self._cond.notify_all()
+        `arm_exit(code, deadline)`: an exit order's hard exit, armed before its callback.
+        `rejoining`: this process restarted into a recovery (`Begin`)."""
+        step = step_of(self.handle(Begin(received, rejoining)))
         while True:
             if isinstance(step, Done):
                 if step.unparked:
@@ -312,18 +318,16 @@ class Gate:
                 except BaseException as e:  # reported as the order's failure
                     log.exception("action %s failed on rank %d", received.name, self.rank)
                     error = e
-                with self._cond:
-                    step = self.core.called(run, time.monotonic(), result, error)
-                    self._cond.notify_all()
+                step = step_of(self.handle(Called(step.run, result, error)))
             else:
-                step = self._wait(run, step)
+                step = self._wait(step)
 
-    def _wait(self, run: OrderRun, step: Wait) -> Call | Wait | Done:
+    def _wait(self, step: Wait) -> Call | Wait | Done:
         with self._cond:
             remaining = step.deadline - time.monotonic()
             if remaining > 0:
                 self._cond.wait(min(remaining, 0.5))
-            return self.core.advance(run, time.monotonic())
+            return step_of(self._handle_locked(Advance(step.run)))
 
     def _log_training_stack(self, why: str) -> None:
         """Where the training thread is stuck (for the operator; logged, not sent)."""

@@ -1,21 +1,23 @@
 """The processor's link to its controllers without I/O: registration, heartbeats, failover.
 
 `LinkCore` decides what one rank says to its controller and which controller it talks to;
-it has no socket, thread or clock (every time is an argument `now`). `channel.Channel` is
-its shell: the DEALER socket, the I/O thread and the real clock. What it says about the
-training thread it reads from a `RankView` (the processor's core, behind the gate's lock in
-a real process); the orders it receives go to that view too (`on_action`).
+it has no socket, thread or clock. `channel.Channel` is its shell: the DEALER socket, the
+I/O thread and the real clock; the simulator's `sim.rank` is another.
 
-Inputs: `connected(now)` once the shell (re)connected to `address`, `on_message(msg, now)`
-for every checked message from a controller, `tick(now)` on every turn of the shell's
-loop. Outputs (`Out`): `Transmit` a message now, `Connect` to another address, `Run` an order
-on a lane, `Accepted` / `Refused` (the registration's answer), `GiveUp` (no active
-controller for `controller_lost_timeout`: the processor exits as an exit order would).
+One entry point: `handle(input, now) -> outputs`. Inputs: `Connected` once the shell
+(re)connected to `address`, `FromController` for every checked message from a controller,
+`Tick` on every turn of the shell's loop, `NewReplica` when the rank learns its layout.
+Those that may make it speak carry what it says about the rank (`core.RankState`, read from
+the processor's core by the shell). Outputs (`Out`): `Transmit` a message now, `Connect` to
+another address, `Action` and `CheckHang` (inputs of the processor's core: the shell hands
+them over, and sends what the core answers), `Accepted` / `Refused` (the registration's answer), `GiveUp` (no active controller for
+`controller_lost_timeout`: the processor exits as an exit order would). `wait(now)` says how
+long the shell may wait for input before the next `Tick`.
 
 - Until a controller registered it, the rank registers again every interval.
 - Registered, it heartbeats every interval with its step, data status and progress (asking
   for an ack only every other time or so: enough to know the controller is there), and
-  reports a hang once the watchdog fires.
+  has the processor's core check for a hang (`CheckHang`: reported once).
 - A controller silent for interval x (misses + 1) is left for the next address (a storm of
   handshakes is allowed for before the first registration there); a backup that redirects
   sends the rank back to the first address.
@@ -26,24 +28,50 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-from ..wire.classify import FaultKind
 from ..wire.config import parse_hostport
 from ..wire.protocol import Message, MsgType
-from ..wire.results import ReportMessage
-from .core import Run, Send
+from .core import Action, CheckHang, RankState
 
 log = logging.getLogger("mindspeed_tft.control.processor")
 
 
-class RankView(Protocol):
-    """What the link reports about the training thread, and where orders go."""
+# -- inputs -----------------------------------------------------------------------------
 
-    def position(self) -> tuple[int, str, int]: ...
-    def hang(self, now: float) -> tuple[float, float] | None: ...
-    def unanswered_report(self) -> ReportMessage | None: ...
-    def on_action(self, payload: dict[str, Any], now: float) -> list[Send | Run]: ...
+
+@dataclass(frozen=True)
+class Connected:
+    """The shell connected to `address`: register there."""
+
+
+@dataclass(frozen=True)
+class Tick:
+    """A turn of the shell's loop."""
+
+    rank: RankState
+
+
+@dataclass(frozen=True)
+class FromController:
+    """A checked message from a controller."""
+
+    msg: Message
+    rank: RankState
+
+
+@dataclass(frozen=True)
+class NewReplica:
+    """The rank's layout, learnt after it registered: a registered rank tells now."""
+
+    replica: dict[str, Any]
+    rank: RankState
+
+
+LinkInput = Connected | Tick | FromController | NewReplica
+
+
+# -- outputs ----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -81,7 +109,7 @@ class GiveUp:
     silent: float
 
 
-Out = Transmit | Connect | Run | Accepted | Refused | GiveUp
+Out = Transmit | Connect | Action | CheckHang | Accepted | Refused | GiveUp
 #: what a controller sends a processor (anything else is dropped by the shell)
 TO_PROCESSOR = frozenset({MsgType.ACK, MsgType.ACTION, MsgType.REGISTERED, MsgType.REJECT,
                           MsgType.REDIRECT})
@@ -101,13 +129,12 @@ class Identity:
 class LinkCore:
     """The link state of one rank (see the module docstring)."""
 
-    def __init__(self, rank: int, identity: Identity, view: RankView, *,
+    def __init__(self, rank: int, identity: Identity, *,
                  addresses: list[tuple[str, int]], interval: float, misses: int,
                  controller_lost_timeout: float, storm_allowance: float,
                  replica: dict[str, Any] | None = None) -> None:
         self.rank = rank
         self.identity = identity
-        self.view = view
         self.addresses = list(addresses)
         self.interval = interval
         self.misses = misses
@@ -138,9 +165,22 @@ class LinkCore:
     def address(self) -> tuple[str, int]:
         return self.addresses[self.index]
 
-    def registration(self) -> dict[str, Any]:
+    # -- the entry point --------------------------------------------------------------------
+    def handle(self, event: LinkInput, now: float) -> list[Out]:
+        """The one entry point: an input at `now` (seconds of any monotonic clock); the
+        outputs, in order."""
+        if isinstance(event, Tick):
+            return self._tick(event.rank, now)
+        if isinstance(event, FromController):
+            return self._on_message(event.msg, event.rank, now)
+        if isinstance(event, Connected):
+            self._connected(now)
+            return []
+        return self._update_replica(event.replica, event.rank)
+
+    def registration(self, rank: RankState) -> dict[str, Any]:
         """The payload of a registration (the rank's identity, layout and position)."""
-        step, status, _ = self.view.position()
+        step, status = rank.step, rank.status
         who = self.identity
         payload: dict[str, Any] = {
             "world_size": who.world_size, "pid": who.pid, "host": who.host[:255],
@@ -152,15 +192,13 @@ class LinkCore:
             payload["proc"] = who.proc
         return payload
 
-    def update_replica(self, replica: dict[str, Any]) -> list[Out]:
-        """The rank's layout, learnt after it registered: a registered rank tells now."""
+    def _update_replica(self, replica: dict[str, Any], rank: RankState) -> list[Out]:
         self.replica = replica
         self.updating_here = self.registered_here
-        return [Transmit(MsgType.REGISTER, self.registration())] if self.ever_registered else []
+        return ([Transmit(MsgType.REGISTER, self.registration(rank))] if self.ever_registered
+                else [])
 
-    # -- inputs ---------------------------------------------------------------------------
-    def connected(self, now: float) -> None:
-        """The shell connected to `address`: register there."""
+    def _connected(self, now: float) -> None:
         self.last_heard = now
         self.next_register = 0.0
         self.controller_role = None
@@ -173,8 +211,7 @@ class LinkCore:
             return 0.0  # the (next) registration is due: send it without a poll first
         return min(self.interval / 4, 0.25)
 
-    def tick(self, now: float) -> list[Out]:
-        """A turn of the shell's loop at `now`."""
+    def _tick(self, rank: RankState, now: float) -> list[Out]:
         out: list[Out] = []
         silent = now - self.last_active
         if (not self.gave_up and self.ever_registered
@@ -189,10 +226,10 @@ class LinkCore:
             out.append(Connect(switch_to, self.address))
             return out
         if self.registered_here:
-            out.extend(self._talk(now))
+            out.extend(self._talk(rank, now))
         elif now >= self.next_register:
             self.next_register = now + self.interval
-            out.append(Transmit(MsgType.REGISTER, self.registration()))
+            out.append(Transmit(MsgType.REGISTER, self.registration(rank)))
         return out
 
     def _failover_target(self, now: float) -> int | None:
@@ -211,30 +248,24 @@ class LinkCore:
             return (self.index + 1) % len(self.addresses)
         return None
 
-    def _talk(self, now: float) -> list[Out]:
-        """Registered here: a heartbeat when due, a hang report when the watchdog fires."""
+    def _talk(self, rank: RankState, now: float) -> list[Out]:
+        """Registered here: a heartbeat when due, then the core checks for a hang."""
         out: list[Out] = []
         if now >= self.next_heartbeat:
             self.next_heartbeat = now + self.interval
-            step, status, progress = self.view.position()
+            step, status, progress = rank.step, rank.status, rank.progress
             # an ack only when needed to know the controller is there: with the default
             # 3 misses, every other heartbeat (half the traffic)
             out.append(Transmit(MsgType.HEARTBEAT, {
                 "step": step, "status": status, "progress": progress,
                 "ack": now - self.last_heard >= self.interval * self.misses / 2}))
-        hung = self.view.hang(now)
-        if hung is not None:
-            idle, limit = hung
-            step, status, progress = self.view.position()
-            out.append(Transmit(MsgType.REPORT, ReportMessage(
-                FaultKind.HANG.value,
-                f"rank {self.rank}: no training progress for {idle:.1f}s "
-                f"(timeout {limit:.1f}s) after step {progress}", step, status).to_wire()))
+        out.append(CheckHang())
         return out
 
-    def on_message(self, msg: Message, now: float) -> list[Out]:
-        """A checked message from a controller."""
+    def _on_message(self, msg: Message, rank: RankState, now: float) -> list[Out]:
         self.last_heard = now
+        if msg.type not in TO_PROCESSOR:
+            return []  # heard, but not for a processor (the shell counts it dropped)
         p, t = msg.payload, msg.type
         if t == MsgType.ACTION or (t in (MsgType.ACK, MsgType.REGISTERED)
                                    and p.get("role") == "active"):
@@ -244,10 +275,9 @@ class LinkCore:
             self.controller_state, self.controller_role = p["state"], p["role"]
         elif t == MsgType.ACTION:
             if self.registered_here:
-                return [Transmit(o.mtype, o.message.to_wire()) if isinstance(o, Send) else o
-                        for o in self.view.on_action(p, now)]
+                return [Action.from_payload(p)]
         elif t == MsgType.REGISTERED:
-            return self._on_registered(p)
+            return self._on_registered(p, rank)
         elif t == MsgType.REJECT:
             if p["retry"]:
                 log.warning("rank %d: controller says: %s", self.rank, p["reason"])
@@ -259,7 +289,7 @@ class LinkCore:
             self.switch_to = 0
         return []
 
-    def _on_registered(self, p: dict[str, Any]) -> list[Out]:
+    def _on_registered(self, p: dict[str, Any], rank: RankState) -> list[Out]:
         self.controller_state, self.controller_role = p["state"], p["role"]
         update, self.updating_here = self.updating_here, False
         self.interval = float(p["interval"])
@@ -283,7 +313,7 @@ class LinkCore:
         if first:
             self.join_info = dict(p)
             out.append(Accepted())
-        report = self.view.unanswered_report()
+        report = rank.unanswered
         if report is not None and not first and not update:  # the new controller never saw it
             out.append(Transmit(MsgType.REPORT, report.to_wire()))
         return out

@@ -14,19 +14,22 @@ thread:
   worker is not enough, and why the second lane is only for these two.
 
 One order runs on no lane: `hold`, the first round of a stop, is answered at once by the
-core (`core.ProcessorCore.on_action`) in the thread that received it (the I/O thread). It sets a flag under the gate's lock (which the I/O
-thread takes for every heartbeat anyway) and returns where the rank is; it never waits.
+core (its `core.Action` input) in the thread that received it (the I/O thread). It sets a
+flag under the gate's lock (which the I/O thread takes for every heartbeat anyway) and returns where the rank is; it never waits.
 Handing it to a lane worker cost that worker's wake-up: a worker runs in the normal
 scheduling class (below), and on a loaded 2-core machine the hold round took 0.13-0.61 s
 instead of 0.01-0.04 s in 3 of 12 60 M UCE jobs. Answering it at once also means a hold is
 never queued behind a stuck order.
 
-An order that overran its time limit (the `timeout` the controller sent with it) no longer
-holds up its lane: the controller gave up on it and moved on, so as soon as another order
-waits behind it, the lane leaves the stuck worker to finish on its own (its late result is
-ignored by the controller) and a fresh worker serves the queue. Without that, one callback
-that never returns would block every later order of its lane (a stuck repair would keep
-the dump that follows it from running). `check` is called on every turn of the I/O loop.
+Which lane an order goes to, and when an order starts (FIFO, one at a time, an order past
+its time limit no longer holding its lane up once another waits) is the lane policy
+(`lanes.LanePolicy`, no I/O; the simulator drives the same one). This module is its shell
+of threads: a `Lane` runs what the policy starts on its long-lived worker, and on a fresh
+worker when the policy abandons the order the worker is stuck in (the controller gave up on
+it; without that, one callback that never returns would block every later order of its
+lane: a stuck repair would keep the dump that follows it from running). The abandoned
+worker finishes on its own; its late result is sent like any other. `check` is called on
+every turn of the I/O loop.
 """
 
 from __future__ import annotations
@@ -34,79 +37,82 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..wire.priority import leave_realtime
-from .core import Received, Run
+from .core import Run
+from .lanes import LanePolicy, Received, Start
 
 log = logging.getLogger("mindspeed_tft.control.processor")
 
+
 @dataclass(eq=False)
 class _Worker:
+    #: the order the policy started on this worker, not yet taken up
+    next: Received | None = None
     current: Received | None = None
     thread: threading.Thread | None = field(default=None, repr=False)
 
-    def overdue(self, now: float) -> bool:
-        return self.current is not None and now > self.current.deadline
-
 
 class Lane:
-    """A FIFO of orders served by one long-lived worker (replaced only when stuck)."""
+    """One lane: the policy's FIFO, served by one long-lived worker (replaced only when
+    stuck)."""
 
     def __init__(self, name: str, run: Callable[[Received], None]) -> None:
         self.name = name
         self._run = run
         self._cond = threading.Condition()
-        self._queue: deque[Received] = deque()
+        self.policy = LanePolicy()
         self._worker: _Worker | None = None
         self._closed = False
-        #: workers left behind in an order past its time limit
-        self.abandoned = 0
+
+    @property
+    def abandoned(self) -> int:
+        """Workers left behind in an order past its time limit."""
+        return self.policy.abandoned
 
     def submit(self, order: Received, now: float) -> None:
         with self._cond:
-            self._queue.append(order)
-            self._staff(now)
-            self._cond.notify()
+            self._start(self.policy.submit(order, now))
 
     def check(self, now: float) -> None:
         """Replace a stuck worker if an order waits behind it."""
         with self._cond:
-            if self._queue:
-                self._staff(now)
+            self._start(self.policy.check(now))
 
     def close(self) -> None:
-        """The idle worker ends once the queue is empty."""
+        """The idle worker ends once nothing is left to run."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
 
-    def _staff(self, now: float) -> None:
-        """Make sure a worker that is not stuck serves the queue (lock held)."""
-        worker = self._worker
-        if worker is not None and not worker.overdue(now):
-            return
-        if worker is not None and worker.current is not None:
-            self.abandoned += 1
-            log.warning("%s overran its time limit; its lane goes on with a new worker "
-                        "(%d queued)", worker.current.name, len(self._queue))
-        fresh = _Worker()
-        fresh.thread = threading.Thread(target=self._serve, args=(fresh,), name=self.name,
-                                        daemon=True)
-        self._worker = fresh
-        fresh.thread.start()
+    def _start(self, starts: list[Start]) -> None:
+        """Hand what the policy started to the lane's worker; a fresh one when the policy
+        abandoned the order the worker is stuck in (lock held)."""
+        for start in starts:
+            if start.abandon is not None:
+                log.warning("%s overran its time limit; its lane goes on with a new worker "
+                            "(%d queued)", start.abandon.name, len(self.policy.queue))
+            if self._worker is None or start.abandon is not None:
+                fresh = _Worker()
+                fresh.thread = threading.Thread(target=self._serve, args=(fresh,),
+                                                name=self.name, daemon=True)
+                self._worker = fresh
+                fresh.thread.start()
+            self._worker.next = start.order
+            self._cond.notify_all()
 
     def _serve(self, me: _Worker) -> None:
         leave_realtime()  # a callback can run long: it must not hold a core ahead of training
         while True:
             with self._cond:
-                while not self._queue and self._worker is me and not self._closed:
+                while me.next is None and self._worker is me and not self._closed:
                     self._cond.wait()
-                if self._worker is not me or not self._queue:
+                if me.next is None:
                     return  # replaced while it was stuck, or closed with nothing left
-                order = me.current = self._queue.popleft()
+                order, me.next = me.next, None
+                me.current = order
             try:
                 self._run(order)
             except BaseException:  # `run` reports failures itself: this is a bug
@@ -114,6 +120,7 @@ class Lane:
             finally:
                 with self._cond:
                     me.current = None
+                    self._start(self.policy.finish(order, time.monotonic()))
 
 
 class Orders:

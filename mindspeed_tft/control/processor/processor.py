@@ -61,10 +61,9 @@ from ..wire.order_types import ExitOrder, TypedOrder
 from ..wire.protocol import DropCounter, MsgType
 from ..wire.results import ActionResult, ResultMessage
 from .channel import Channel
-from .core import Decision, Received, Run
+from .core import Decision, OwnOrder, Received, Run
 from .gate import Gate, ProcessorError, WaitLog
 from .orders import Orders
-from .watchdog import ProgressWatchdog
 
 __all__ = ["Decision", "Processor", "ProcessorError"]
 
@@ -95,7 +94,6 @@ class Processor:
         self.hard_exit = hard_exit
         self._callbacks: RecoveryCallbacks = NoRecovery()
         self._gate = Gate(rank, self.config)
-        self.watchdog: ProgressWatchdog = self._gate.watchdog
         self._orders = Orders(rank, self._run_order)
         self._channel = Channel(
             rank, world_size, self.config, view=self._gate, orders=self._orders,
@@ -288,8 +286,7 @@ class Processor:
     # -- orders ---------------------------------------------------------------------------
     def _run_order(self, order: Received) -> None:
         """Run one order (on an order worker thread) and send its result back."""
-        self._gate.core.rejoining = self.rejoining
-        send = self._gate.run_order(order, self._call, self._arm_exit)
+        send = self._gate.run_order(order, self._call, self._arm_exit, self.rejoining)
         if order.id < 0:  # the processor's own exit (no active controller): nobody to answer
             return
         try:
@@ -313,8 +310,8 @@ class Processor:
                   f"{self.config.controller_lost_timeout:g})")
         print(f"[mindspeed-tft] rank {self.rank}: {reason}; exiting with {code}", flush=True)
         now = time.monotonic()
-        for out in self._gate.receive(-1, "exit", ExitOrder(code, reason).to_wire(),
-                                      now + self.config.action_time_limit):
+        for out in self._gate.handle(OwnOrder(-1, "exit", ExitOrder(code, reason).to_wire(),
+                                              now + self.config.action_time_limit), now):
             if isinstance(out, Run):
                 self._orders.submit(out, now)
 

@@ -6,9 +6,11 @@ hang reports, failover and the redirect back, giving up without an active contro
 `processor.core.ProcessorCore` (what a rank answers to each order given its training
 state), and does their I/O on the simulator's virtual clock (`loop.Loop`) and network
 (`loop.Network`): frames go up its connection, the link ticks when its shell would poll,
-orders run on the two lanes of `processor.orders` (a FIFO each; an order past its time
-limit no longer holds its lane up), a wait ends when the training state changes or at its
-deadline, an exit's hard exit ends a process whose training thread does not come back.
+orders run on the two lanes of the processor's own lane policy (`processor.lanes`: a FIFO
+each; an order past its time limit no longer holds its lane up, and runs on to its end),
+a wait ends when the training state changes or at its deadline, an exit's hard exit ends a
+process whose training thread does not come back. Every input goes to a core through its
+one entry point (`handle`), as in the real shells.
 The training thread and the recovery callbacks are the trainer model's
 (`trainer.Trainer`).
 
@@ -20,11 +22,42 @@ reported too, and the memory it hit stays damaged until repaired).
 
 from __future__ import annotations
 
-from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
-from ..processor.core import Call, Done, OrderRun, ProcessorCore, Received, Run, Send, Wait
-from ..processor.link import Accepted, Connect, GiveUp, Identity, LinkCore, Out, Refused, Transmit
+from ..processor.core import (
+    Action,
+    Advance,
+    Begin,
+    Call,
+    Called,
+    CheckHang,
+    Done,
+    Failed,
+    OrderRun,
+    Output,
+    OwnOrder,
+    ProcessorCore,
+    Received,
+    Run,
+    Send,
+    Wait,
+    step_of,
+)
+from ..processor.lanes import LANES, LanePolicy, Start
+from ..processor.link import (
+    Accepted,
+    Connect,
+    Connected,
+    FromController,
+    GiveUp,
+    Identity,
+    LinkCore,
+    Out,
+    Refused,
+    Tick,
+    Transmit,
+)
 from ..processor.watchdog import ProgressWatchdog
 from ..wire.callbacks import run_callback
 from ..wire.classify import FaultKind
@@ -39,17 +72,6 @@ from .trainer import Cluster, Raised, Trainer
 ACTIVE_ADDR = ("127.0.0.1", 9000)
 #: orders without a callback a hang could stop
 _NO_STUCK = ("hold", "stop")
-
-
-class _Lane:
-    """One lane of `processor.orders`: a FIFO, one order at a time; an order past its time
-    limit is left to finish on its own once another waits behind it."""
-
-    def __init__(self) -> None:
-        self.queue: deque[Received] = deque()
-        self.current: Received | None = None
-        self.run: OrderRun | None = None
-        self.waiting = False
 
 
 class SimRank:
@@ -69,13 +91,17 @@ class SimRank:
                                       cfg.hang_initial_timeout))
         self.link = LinkCore(
             rank, Identity(job.layout.world, 1000 + 100 * rank + incarnation, f"node{rank}"),
-            self.core, addresses=[ACTIVE_ADDR, *cfg.backups], interval=cfg.heartbeat_interval,
+            addresses=[ACTIVE_ADDR, *cfg.backups], interval=cfg.heartbeat_interval,
             misses=cfg.heartbeat_misses, controller_lost_timeout=cfg.controller_lost_timeout,
             storm_allowance=storm_allowance(job.layout.world), replica=replica)
         #: the connection it talks over (one per controller address it connected to)
         self.conn = self.identity + b"@0"
         self.trainer = Trainer(job, self, self.core, world, step, fresh)
-        self.lanes = {"work": _Lane(), "release": _Lane()}
+        self.lanes = {name: LanePolicy() for name in LANES}
+        #: the orders whose run waits (`Wait`) and their lanes, in the order they began to
+        self._waiting: list[tuple[str, OrderRun]] = []
+        #: a restarted process joining a recovery (its registration's answer said so)
+        self._rejoining = False
         #: per order id: the ranks the controller knew damaged or gone when it sent it, and
         #: the fault that makes its callback raise or hang
         self._known: dict[int, frozenset[int]] = {}
@@ -116,7 +142,7 @@ class SimRank:
 
     # -- the process ----------------------------------------------------------------------
     def start(self) -> None:
-        self.link.connected(self.job.loop.now)
+        self.link.handle(Connected(), self.job.loop.now)
         self._tick()
         self.trainer.start()
 
@@ -134,8 +160,9 @@ class SimRank:
 
     def report(self, kind: FaultKind, message: str, detail: dict[str, Any] | None) -> None:
         """The training thread failed (`Processor.report_error`)."""
-        send = self.core.error(kind, message, detail)
-        self.send(send.mtype, send.message.to_wire())
+        for send in self.core.handle(Failed(kind, message, detail), self.job.loop.now):
+            assert isinstance(send, Send)
+            self.send(send.mtype, send.message.to_wire())
 
     def disconnect(self, seconds: float) -> None:
         self.job.net.disconnect(self.conn, seconds)
@@ -152,10 +179,9 @@ class SimRank:
         if not self.alive:
             return
         now = self.job.loop.now
-        for lane in self.lanes.values():
-            if lane.waiting and lane.run is not None:
-                lane.waiting = False
-                self._step(lane, self.core.advance(lane.run, now))
+        waiting, self._waiting = self._waiting, []
+        for lane, run in waiting:
+            self._step(lane, step_of(self.core.handle(Advance(run), now)))
         self.trainer.wake()
 
     # -- the link (`processor.channel.Channel`) -------------------------------------------
@@ -166,9 +192,9 @@ class SimRank:
         if now < self._tick_at and self._tick_at != float("inf"):
             return  # an earlier schedule: the later one ticks
         self._tick_at = float("inf")
-        self._outputs(self.link.tick(now))
-        for lane in self.lanes.values():
-            self._staff(lane, now)
+        self._outputs(self.link.handle(Tick(self.core.state()), now))
+        for name in LANES:
+            self._start(name, self.lanes[name].check(now), now)
         self._schedule(now + self.link.wait(now))
 
     def _schedule(self, when: float) -> None:
@@ -187,7 +213,8 @@ class SimRank:
         if msg.type == MsgType.ACTION and self.link.registered_here:
             if not self._arrived(msg.payload, frame):
                 return
-        self._outputs(self.link.on_message(msg, self.job.loop.now))
+        self._outputs(self.link.handle(FromController(msg, self.core.state()),
+                                      self.job.loop.now))
         self._schedule(self.job.loop.now)  # a redirect, an ack: the link looks again
         self.poke()
 
@@ -214,21 +241,26 @@ class SimRank:
         self.trainer.strike(fault)
         return self.alive
 
-    def _outputs(self, outs: list[Out]) -> None:
+    def _outputs(self, outs: Sequence[Out | Output]) -> None:
+        """Do what the link or the core decided (`Out`, `core.Output`)."""
         now = self.job.loop.now
         for out in outs:
             if not self.alive:
                 return
             if isinstance(out, Transmit):
                 self.send(out.mtype, out.payload)
+            elif isinstance(out, Send):
+                self.send(out.mtype, out.message.to_wire())
+            elif isinstance(out, (Action, CheckHang)):  # the processor core's: what it says
+                self._outputs(self.core.handle(out, now))
             elif isinstance(out, Run):
                 self._submit(out, now)
             elif isinstance(out, Connect):
                 self.conn = self.identity + b"@%d" % out.index
-                self.link.connected(now)
+                self.link.handle(Connected(), now)
                 self._schedule(now)
             elif isinstance(out, Accepted):
-                self.core.rejoining = bool(self.link.join_info.get("rejoin")) or self.fresh
+                self._rejoining = bool(self.link.join_info.get("rejoin")) or self.fresh
             elif isinstance(out, Refused):
                 self.job.loop.after(0.01, self.die, 1)
             elif isinstance(out, GiveUp):
@@ -241,40 +273,28 @@ class SimRank:
         cfg = self.job.config
         order = ExitOrder(cfg.controller_lost_exit_code, f"no active controller for "
                                                          f"{silent:.0f}s")
-        for out in self.core.receive(-1, "exit", order.to_wire(),
-                                     now + cfg.action_time_limit):
-            if isinstance(out, Run):
-                self._submit(out, now)
+        self._outputs(self.core.handle(OwnOrder(-1, "exit", order.to_wire(),
+                                                now + cfg.action_time_limit), now))
 
-    # -- the lanes (`processor.orders`) and the order flow (`processor.gate.run_order`) ---
+    # -- the lanes (`processor.lanes`) and the order flow (`processor.gate.run_order`) ----
     def _submit(self, run: Run, now: float) -> None:
-        lane = self.lanes[run.lane]
-        lane.queue.append(run.order)
-        self._staff(lane, now)
+        self._start(run.lane, self.lanes[run.lane].submit(run.order, now), now)
 
-    def _staff(self, lane: _Lane, now: float) -> None:
-        """Start the next order when the lane is free, or when its order overran its time
-        limit and another waits behind it (that one is left to finish on its own)."""
-        if not lane.queue:
-            return
-        if lane.current is not None and now <= lane.current.deadline:
-            return
-        received = lane.current = lane.queue.popleft()
-        lane.waiting = False
-        run, step = self.core.begin(received, now)
-        lane.run = run
-        self.poke()
-        self._step(lane, step)
+    def _start(self, lane: str, starts: list[Start], now: float) -> None:
+        """Run what the lane policy started (an abandoned order runs on by itself)."""
+        for start in starts:
+            step = step_of(self.core.handle(Begin(start.order, self._rejoining), now))
+            self.poke()
+            self._step(lane, step)
 
-    def _step(self, lane: _Lane, step: Call | Wait | Done) -> None:
-        run = lane.run
-        assert run is not None
+    def _step(self, lane: str, step: Call | Wait | Done) -> None:
+        run = step.run
         if isinstance(step, Done):
             self._answer(run.received, step.result)
-            lane.current = lane.run = None
-            self._staff(lane, self.job.loop.now)
+            self._start(lane, self.lanes[lane].finish(run.received, self.job.loop.now),
+                        self.job.loop.now)
         elif isinstance(step, Wait):
-            lane.waiting = True
+            self._waiting.append((lane, run))
             self.job.loop.at(step.deadline, self._deadline, lane, run)
         else:
             if step.hard_exit is not None:
@@ -282,18 +302,18 @@ class SimRank:
                 self.job.loop.at(deadline, self.die, code)
             if run.received.id in self._stuck:
                 return  # the callback never returns
-            self.job.loop.after(0.001 + 0.004 * self.job.rng.random(), self._call, lane, run,
-                                step)
+            self.job.loop.after(0.001 + 0.004 * self.job.rng.random(), self._call, lane, step)
 
-    def _deadline(self, lane: _Lane, run: OrderRun) -> None:
-        if self.alive and lane.run is run and lane.waiting:
-            lane.waiting = False
-            self._step(lane, self.core.advance(run, self.job.loop.now))
+    def _deadline(self, lane: str, run: OrderRun) -> None:
+        if self.alive and (lane, run) in self._waiting:
+            self._waiting.remove((lane, run))
+            self._step(lane, step_of(self.core.handle(Advance(run), self.job.loop.now)))
 
-    def _call(self, lane: _Lane, run: OrderRun, step: Call) -> None:
+    def _call(self, lane: str, step: Call) -> None:
         """The host's callback (`callbacks.run_callback` with the trainer's callbacks)."""
         if not self.alive:
             return
+        run = step.run
         aid = run.received.id
         self.trainer.known = self._known.get(aid, frozenset())
         result, error = None, None
@@ -306,12 +326,9 @@ class SimRank:
             error = e
         if not self.alive:
             return
-        next_step = self.core.called(run, self.job.loop.now, result, error)
+        next_step = step_of(self.core.handle(Called(run, result, error), self.job.loop.now))
         self.poke()
-        if lane.run is run:
-            self._step(lane, next_step)
-        elif isinstance(next_step, Done):  # an abandoned order's late result
-            self._answer(run.received, next_step.result)
+        self._step(lane, next_step)  # an abandoned order runs on: its late result is sent
 
     def _answer(self, received: Received, send: Send) -> None:
         self._known.pop(received.id, None)

@@ -4,12 +4,12 @@
 in a simulated process, in the roles the plugin and `processor.handler` play in a real one:
 
 - the training thread takes steps: compute, an all-reduce with every rank of the current
-  world (`Cluster.arrive`), the hold point (`core.may_update`: pass, wait while paused, or
-  a ForceStop once stopped), the update (`core.update_start` ... `core.update_end`), the
-  step's end (`core.progress`: the hang watchdog);
+  world (`Cluster.arrive`), the hold point (the core's `HoldPoint`: pass, wait while
+  paused, or a ForceStop once stopped), the update (`UpdateStart` ... `UpdateEnd`), the
+  step's end (`Progress`: the hang watchdog), each through the core's one entry point;
 - an error of the training thread is reported as the core says (`core.reported_kind`,
-  `core.error`), and the thread waits in the fault handler (`core.enter_handler`) for the
-  decision (`core.take_decision`): resume re-enters training, exit ends the process;
+  `Failed`), and the thread waits in the fault handler (`InHandler`) for the decision
+  (`TakeDecision`): resume re-enters training, exit ends the process;
 - the recovery callbacks (`wire.callbacks.RecoveryCallbacks`, called by the core's order
   flow) act on the training state: the stop aborts the communicators (a training thread in
   a collective raises), a repair brings the lock step (from holders or the checkpoint), a
@@ -26,7 +26,21 @@ from __future__ import annotations
 import random
 from typing import Any, Protocol
 
-from ..processor.core import ProcessorCore, Verdict
+from ..processor.core import (
+    Decision,
+    HoldPoint,
+    InHandler,
+    Input,
+    Output,
+    ProcessorCore,
+    Progress,
+    TakeDecision,
+    Training,
+    UpdateEnd,
+    UpdateStart,
+    Verdict,
+    verdict_of,
+)
 from ..wire.classify import FaultKind
 from ..wire.config import ControlConfig
 from ..wire.order_types import (
@@ -134,9 +148,13 @@ class Trainer:
     # -- the training thread --------------------------------------------------------------
     def start(self) -> None:
         if self.fresh:  # a restarted process waits for the repair that brings it in
-            self.core.enter_handler(True)
+            self._core(InHandler(True))
         else:
             self._enter()
+
+    def _core(self, event: Input) -> list[Output]:
+        """The processor's core takes `event` now (its one entry point)."""
+        return self.core.handle(event, self.job.loop.now)
 
     def _later(self, delay: float, fn: Any, *args: Any) -> None:
         self.job.loop.after(delay, self._guarded, self._epoch, fn, args)
@@ -147,10 +165,9 @@ class Trainer:
 
     def _enter(self) -> None:
         """Into the training function (the plugin's `on_train_start`)."""
-        core, now = self.core, self.job.loop.now
-        core.set_training(True)
-        core.update_end(self.step)
-        core.progress(self.step, now)
+        self._core(Training(True))
+        self._core(UpdateEnd(self.step))
+        self._core(Progress(self.step))
         if self.hang_on_entry:
             self.hang_on_entry = False
             self.thread = "hung"
@@ -182,30 +199,25 @@ class Trainer:
             self._hold_point(nxt)
 
     def _hold_point(self, nxt: int) -> None:
-        verdict = self.core.may_update(nxt)
+        verdict = verdict_of(self._core(HoldPoint(nxt)))
         if verdict is Verdict.STOP:
             self.error(FaultKind.NORMAL, f"FORCE STOP: rank {self.rank} stopped by the "
                                          f"controller before update {nxt}")
             return
-        if verdict is Verdict.WAIT:
-            if self.thread != "held":
-                self.core.watchdog.pause()  # held on purpose: not a hang
+        if verdict is Verdict.WAIT:  # (the core pauses the hang watchdog meanwhile)
             self.thread, self._held_at = "held", nxt
             return
-        if self.thread == "held" and self.core.watching:
-            self.core.watchdog.resume(self.job.loop.now)
         if self._fault(("update",), nxt):
             return
-        self.core.update_start(nxt)
+        self._core(UpdateStart(nxt))
         self.thread, self.held = "update", None
         self._later(UPDATE, self._updated, nxt)
 
     def _updated(self, nxt: int) -> None:
-        core = self.core
-        core.update_end(nxt)
+        self._core(UpdateEnd(nxt))
         self.step = self.held = nxt
         self.job.completed_step(nxt)
-        core.progress(nxt, self.job.loop.now)
+        self._core(Progress(nxt))
         self.proc.poke()
         if self._fault(("end",), nxt):
             return
@@ -215,7 +227,7 @@ class Trainer:
             self._train()
 
     def _finish(self) -> None:
-        self.core.set_training(False)
+        self._core(Training(False))
         self.thread = "idle"
         self.job.finished(self.proc)
 
@@ -227,10 +239,12 @@ class Trainer:
         if self.thread == "held":
             self._hold_point(self._held_at)
         elif self.thread == "parked":
-            decision = self.core.take_decision()
-            if decision is None:
+            taken = self._core(TakeDecision())
+            if not taken:
                 return
-            self.core.enter_handler(False)
+            [decision] = taken
+            assert isinstance(decision, Decision)
+            self._core(InHandler(False))
             self._epoch += 1
             if decision.action == "resume":
                 self.thread = "compute"
@@ -287,9 +301,9 @@ class Trainer:
         if core.status == "updating":
             self.held = None
         self.proc.report(kind if device else core.reported_kind(kind), message, detail)
-        core.set_training(False)
+        self._core(Training(False))
         self.thread = "parked"
-        core.enter_handler(True)
+        self._core(InHandler(True))
         self.proc.poke()
 
     def error_comm(self) -> None:
