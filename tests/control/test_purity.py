@@ -40,7 +40,8 @@ CORES = [
     "control.controller.strategy", "control.controller.ranktable",
     "control.controller.elasticity", "control.controller.phases",
     "control.controller.dumping",
-    "control.processor.core", "control.processor.link",
+    "control.processor.core", "control.processor.link", "control.processor.lanes",
+    "control.processor.watchdog",
 ]
 #: pure modules the cores may import (and that import only pure modules themselves)
 SHARED = [

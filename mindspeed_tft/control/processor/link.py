@@ -30,7 +30,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from ..wire.config import parse_hostport
+from ..wire.peers import parse_hostport
 from ..wire.protocol import Message, MsgType
 from .core import Action, CheckHang, RankState
 
