@@ -238,15 +238,8 @@ class RecoveryActions(RecoveryCallbacks):
             if self.loaded_step == 0:
                 raise RuntimeError(f"no periodic checkpoint under {root} to repair from")
             return RepairResult(step=self.loaded_step)
-        new_ranks = set(order.new_ranks)
-        receive = [{"optimizer": e.optimizer, "shard": e.shard,
-                    "from": self.global_rank_of(e.source), "params": self.rank in new_ranks}
-                   for e in order.receive]
-        send = [{"optimizer": e.optimizer, "shard": e.shard,
-                 "to": self.global_rank_of(e.target), "params": e.target in new_ranks}
-                for e in order.send]
-        self.received_snapshot, got_params = transfer_shards(state, self.snapshots, lock_step,
-                                                             receive, send)
+        self.received_snapshot, got_params = transfer_shards(
+            state, self.snapshots, order, self.rank, self.global_rank_of)
         if got_params:  # the complete params of the lock step: nothing to gather for them
             self.snapshots.params_iteration = lock_step
             self.params_restored = True
