@@ -1,8 +1,8 @@
 """The control plane: a ZeroMQ controller and one processor per rank (SPEC 4, 5, 6), in three
 subpackages by role.
 
-- `wire/` (both sides): `protocol` (msgpack frames with a version and a schema per message
-  type), `transport` (ROUTER/DEALER sockets over TCP, IPv4/IPv6, optional CURVE; `keys` makes
+- `wire/` (both sides): `protocol` (msgpack frames with a version and a typed payload per
+  message type: `messages`, `order_types`, `results`), `transport` (ROUTER/DEALER sockets over TCP, IPv4/IPv6, optional CURVE; `keys` makes
   keys), `config` (`ControlConfig.from_env()`: TTP_ADDR, TTP_PORT, timeouts, TTP_LOG_*),
   `classify` (fault kinds, error classification, `ForceStop`), `priority` (thread priorities),
   `local` (controllers hosted by this process: an exiting rank lets them finish)

@@ -19,6 +19,7 @@ from mindspeed_tft.control.controller.states import State
 from mindspeed_tft.control.processor.core import Run, Send
 from mindspeed_tft.control.processor.gate import Gate
 from mindspeed_tft.control.wire.classify import ForceStop
+from mindspeed_tft.control.wire.messages import ActionMessage
 from mindspeed_tft.control.wire.order_types import ExitOrder, ResumeOrder, StopOrder, TypedOrder
 from mindspeed_tft.control.wire.results import HoldResult, ResultMessage, StopResult
 from tests.control.ctl_harness import Job, wait_for
@@ -104,8 +105,7 @@ def test_the_hold_answers_at_once_and_holds_the_next_update() -> None:
     gate.report_update_end(4)
     gate.before_update(5)  # the training thread is inside update 5
     t0 = time.monotonic()
-    assert gate.on_action({"id": 1, "name": "hold", "timeout": 30.0,
-                           "payload": {"incident": 1}}, t0) == [
+    assert gate.on_action(ActionMessage(1, "hold", 30.0, {"incident": 1}), t0) == [
         Send("result", ResultMessage(1, "hold", HoldResult(4, "updating")))]
     assert time.monotonic() - t0 < 5  # it answered: it did not wait out the park timeout
     gate.report_update_end(5)

@@ -15,6 +15,7 @@ from mindspeed_tft.control import ControlConfig, Processor
 from mindspeed_tft.control.processor.core import RELEASE_ORDERS, Received, Run, Send
 from mindspeed_tft.control.processor.orders import Orders
 from mindspeed_tft.control.wire.callbacks import NoRecovery
+from mindspeed_tft.control.wire.messages import ActionMessage
 from mindspeed_tft.control.wire.order_types import StopOrder, from_wire
 from mindspeed_tft.control.wire.results import HoldResult, ResultMessage, StopResult
 from tests.jobs import wait_for
@@ -81,11 +82,11 @@ def test_a_hold_is_answered_at_once_in_the_receiving_thread() -> None:
     p = _processor()
     unblock = _stuck_stop(p)
     try:
-        out = p._gate.on_action({"id": 2, "name": "hold", "timeout": 5.0,
-                                 "payload": {"incident": 1}}, time.monotonic())
+        out = p._gate.on_action(ActionMessage(2, "hold", 5.0, {"incident": 1}),
+                                time.monotonic())
         assert out == [Send("result", ResultMessage(2, "hold", HoldResult(0, "updated")))]
-        assert p._gate.on_action({"id": 2, "name": "hold", "timeout": 5.0,
-                                  "payload": {"incident": 1}}, time.monotonic()) == []
+        assert p._gate.on_action(ActionMessage(2, "hold", 5.0, {"incident": 1}),
+                                 time.monotonic()) == []
     finally:
         unblock.set()
         p.close()

@@ -18,6 +18,7 @@ from mindspeed_tft.control.processor.core import (
 )
 from mindspeed_tft.control.processor.watchdog import ProgressWatchdog
 from mindspeed_tft.control.wire.classify import FaultKind
+from mindspeed_tft.control.wire.messages import ActionMessage
 from mindspeed_tft.control.wire.order_types import (
     ExitOrder,
     HoldOrder,
@@ -46,8 +47,8 @@ def _core() -> ProcessorCore:
                          watchdog=ProgressWatchdog(10.0, 3.0, 30.0))
 
 
-def _action(aid: int, name: str, payload: Any, timeout: float = 60.0) -> dict[str, Any]:
-    return {"id": aid, "name": name, "timeout": timeout, "payload": payload}
+def _action(aid: int, name: str, payload: Any, timeout: float = 60.0) -> ActionMessage:
+    return ActionMessage(aid, name, timeout, payload)
 
 
 def _run(core: ProcessorCore, aid: int, order: Any, now: float) -> Received:

@@ -17,8 +17,9 @@ from mindspeed_tft.control.processor.link import (
 )
 from mindspeed_tft.control.processor.watchdog import ProgressWatchdog
 from mindspeed_tft.control.wire.classify import FaultKind
+from mindspeed_tft.control.wire.messages import MESSAGE_TYPES
 from mindspeed_tft.control.wire.order_types import RollbackOrder
-from mindspeed_tft.control.wire.protocol import CONTROLLER, Message, MsgType
+from mindspeed_tft.control.wire.protocol import CONTROLLER, Message, MsgType, message
 
 A, B = ("10.0.0.1", 29000), ("10.0.0.2", 29000)
 STORM = 0.5
@@ -35,7 +36,12 @@ def _link() -> tuple[LinkCore, ProcessorCore]:
 
 
 def _msg(mtype: str, **payload: Any) -> Message:
-    return Message(mtype, CONTROLLER, 1, payload)
+    return message(mtype, CONTROLLER, 1, payload)
+
+
+def _typed(mtype: str, wire: dict[str, Any]) -> Transmit:
+    """What the link sends: the typed message of the map `wire` (as `decode` reads it)."""
+    return Transmit(mtype, MESSAGE_TYPES[mtype].from_wire(wire))
 
 
 def _registered(role: str = "active", backups: list[str] | None = None) -> Message:
@@ -50,11 +56,12 @@ REGISTER = {"world_size": 4, "pid": 123, "host": "node1", "replica": None, "fail
 def test_it_registers_every_interval_until_a_controller_answers() -> None:
     link, _ = _link()
     assert link.wait(0.0) == 0.0
-    assert link.tick(0.0) == [Transmit(MsgType.REGISTER, REGISTER)]
+    assert link.tick(0.0) == [_typed(MsgType.REGISTER, REGISTER)]
     assert link.tick(0.5) == []
-    assert link.tick(1.0) == [Transmit(MsgType.REGISTER, REGISTER)]
+    assert link.tick(1.0) == [_typed(MsgType.REGISTER, REGISTER)]
     assert link.on_message(_registered(), 1.2) == [Accepted()]
-    assert link.join_info["role"] == "active" and link.registered_here
+    assert link.join_info is not None and link.join_info.role == "active"
+    assert link.registered_here
 
 
 def test_a_registered_rank_heartbeats_asking_for_an_ack_only_when_it_needs_one() -> None:
@@ -63,11 +70,11 @@ def test_a_registered_rank_heartbeats_asking_for_an_ack_only_when_it_needs_one()
     core.update_end(5)
     core.progress(5, 0.0)
     hb = {"step": 5, "status": "updated", "progress": 5}
-    assert link.tick(0.1) == [Transmit(MsgType.HEARTBEAT, {**hb, "ack": False})]
+    assert link.tick(0.1) == [_typed(MsgType.HEARTBEAT, {**hb, "ack": False})]
     assert link.tick(0.5) == []
-    assert link.tick(1.6) == [Transmit(MsgType.HEARTBEAT, {**hb, "ack": True})]  # 1.6 >= 1.5
+    assert link.tick(1.6) == [_typed(MsgType.HEARTBEAT, {**hb, "ack": True})]  # 1.6 >= 1.5
     link.on_message(_msg(MsgType.ACK, state="normal", epoch=1, role="active"), 1.7)
-    assert link.tick(2.7) == [Transmit(MsgType.HEARTBEAT, {**hb, "ack": False})]
+    assert link.tick(2.7) == [_typed(MsgType.HEARTBEAT, {**hb, "ack": False})]
 
 
 def test_a_hang_is_reported_once() -> None:
@@ -78,7 +85,7 @@ def test_a_hang_is_reported_once() -> None:
     link.on_message(_msg(MsgType.ACK, state="normal", epoch=1, role="active"), 29.9)
     link.next_heartbeat = 30.5
     assert link.tick(30.5) == [
-        Transmit(MsgType.HEARTBEAT, {"step": 0, "status": "updated", "progress": 3,
+        _typed(MsgType.HEARTBEAT, {"step": 0, "status": "updated", "progress": 3,
                                      "ack": False}),
         Transmit(MsgType.REPORT, {"kind": "hang", "message": "rank 1: no training progress "
                                   "for 30.5s (timeout 30.0s) after step 3", "step": 0,
@@ -90,11 +97,11 @@ def test_a_silent_controller_is_left_for_the_next_and_a_redirect_sends_the_rank_
     link, _ = _link()
     link.tick(0.0)
     # not registered there yet: patience is interval x (misses + 1) plus the storm allowance
-    assert link.tick(4.0 + STORM) == [Transmit(MsgType.REGISTER, REGISTER)]  # still there
+    assert link.tick(4.0 + STORM) == [_typed(MsgType.REGISTER, REGISTER)]  # still there
     assert link.tick(4.0 + STORM + 0.01) == [Connect(1, B)]
     link.connected(5.0)
     assert link.failovers == 1 and not link.registered_here
-    assert link.tick(5.0) == [Transmit(MsgType.REGISTER, REGISTER)]
+    assert link.tick(5.0) == [_typed(MsgType.REGISTER, REGISTER)]
     link.on_message(_msg(MsgType.REDIRECT, reason="not in charge"), 5.1)
     assert link.tick(5.2) == [Connect(0, A)]
 
@@ -115,7 +122,7 @@ def test_a_new_active_controller_is_told_the_unanswered_error() -> None:
     link.connected(10.0)  # failed over
     assert link.on_message(_registered(), 10.1) == [Transmit(MsgType.REPORT, {
         "kind": "uce", "message": "RuntimeError: UCE", "step": 4, "status": "updated"})]
-    assert link.registration() == {**REGISTER, "failover": True, "step": 4}
+    assert link.registration().to_wire() == {**REGISTER, "failover": True, "step": 4}
 
 
 def test_a_new_layout_told_to_the_same_controller_sends_no_error_again() -> None:
@@ -130,7 +137,7 @@ def test_a_new_layout_told_to_the_same_controller_sends_no_error_again() -> None
     core.error(FaultKind.COMM, "RuntimeError: Connection closed by peer")
     layout = {"dense": {"dp_index": 1, "dp_size": 3, "replica_num": 1, "shard": 1,
                         "holders": [1]}}
-    assert link.update_replica(layout) == [Transmit(MsgType.REGISTER, {
+    assert link.update_replica(layout) == [_typed(MsgType.REGISTER, {
         **REGISTER, "replica": layout, "failover": True, "step": 4})]
     assert link.on_message(_registered(), 0.1) == []
     link.update_replica(layout)

@@ -46,6 +46,7 @@ from enum import Enum
 from typing import Any
 
 from ..wire.classify import FaultKind
+from ..wire.messages import ActionMessage
 from ..wire.order_types import (
     ExitOrder,
     HoldOrder,
@@ -226,14 +227,13 @@ class ProcessorCore:
         return self.in_handler or self.last_report is not None
 
     # -- orders from the controller ---------------------------------------------------------
-    def on_action(self, payload: dict[str, Any], now: float) -> list[Send | Run]:
-        """An `action` message (its payload checked by `protocol`): answer or run it."""
-        aid = payload["id"]
+    def on_action(self, action: ActionMessage, now: float) -> list[Send | Run]:
+        """An `action` message (checked by `protocol`): answer or run it."""
+        aid = action.id
         if aid in self.seen:
             return []
         self.seen.append(aid)
-        return self.receive(aid, payload["name"], payload["payload"],
-                            now + payload["timeout"])
+        return self.receive(aid, action.name, action.payload, now + action.timeout)
 
     def receive(self, aid: int, name: str, wire: Any, deadline: float) -> list[Send | Run]:
         """An order to run (from the controller, or the processor's own exit)."""

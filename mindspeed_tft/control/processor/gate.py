@@ -32,6 +32,7 @@ from typing import Any
 
 from ..wire.classify import FaultKind, ForceStop
 from ..wire.config import ControlConfig
+from ..wire.messages import ActionMessage
 from ..wire.order_types import TypedOrder
 from ..wire.results import ActionResult, ReportMessage
 from .core import Call, Decision, Done, OrderRun, ProcessorCore, Received, Run, Send, Verdict, Wait
@@ -120,10 +121,10 @@ class Gate:
         with self._cond:
             return self.core.unanswered_report()
 
-    def on_action(self, payload: dict[str, Any], now: float) -> list[Send | Run]:
+    def on_action(self, action: ActionMessage, now: float) -> list[Send | Run]:
         """An order arrived (I/O thread): its answer, or the lane that runs it."""
         with self._cond:
-            out = self.core.on_action(payload, now)
+            out = self.core.on_action(action, now)
             self._cond.notify_all()
         return out
 

@@ -30,6 +30,16 @@ from typing import Any, Protocol
 
 from ..wire.classify import FaultKind
 from ..wire.config import parse_hostport
+from ..wire.fields import Wire
+from ..wire.messages import (
+    AckMessage,
+    ActionMessage,
+    HeartbeatMessage,
+    RedirectMessage,
+    RegisteredMessage,
+    RegisterMessage,
+    RejectMessage,
+)
 from ..wire.protocol import Message, MsgType
 from ..wire.results import ReportMessage
 from .core import Run, Send
@@ -43,15 +53,16 @@ class RankView(Protocol):
     def position(self) -> tuple[int, str, int]: ...
     def hang(self, now: float) -> tuple[float, float] | None: ...
     def unanswered_report(self) -> ReportMessage | None: ...
-    def on_action(self, payload: dict[str, Any], now: float) -> list[Send | Run]: ...
+    def on_action(self, action: ActionMessage, now: float) -> list[Send | Run]: ...
 
 
 @dataclass(frozen=True)
 class Transmit:
-    """Send `payload` as a `mtype` message to the controller now."""
+    """Send `payload` (the typed message, or its map) as a `mtype` message to the
+    controller now."""
 
     mtype: str
-    payload: dict[str, Any]
+    payload: Wire | dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -120,7 +131,7 @@ class LinkCore:
         self.controller_state: str | None = None
         self.controller_role: str | None = None
         #: the first registration reply of the active controller
-        self.join_info: dict[str, Any] = {}
+        self.join_info: RegisteredMessage | None = None
         self.last_ack: float | None = None
         self.failovers = 0
         self.last_heard = 0.0
@@ -138,19 +149,12 @@ class LinkCore:
     def address(self) -> tuple[str, int]:
         return self.addresses[self.index]
 
-    def registration(self) -> dict[str, Any]:
+    def registration(self) -> RegisterMessage:
         """The payload of a registration (the rank's identity, layout and position)."""
         step, status, _ = self.view.position()
         who = self.identity
-        payload: dict[str, Any] = {
-            "world_size": who.world_size, "pid": who.pid, "host": who.host[:255],
-            "replica": self.replica, "failover": self.ever_registered, "step": step,
-            "status": status}
-        if who.token is not None:  # the job's secret (over CURVE: encrypted)
-            payload["token"] = who.token
-        if who.proc is not None:  # a controller in the same pid namespace watches /proc
-            payload["proc"] = who.proc
-        return payload
+        return RegisterMessage(who.world_size, who.pid, who.host[:255], self.replica,
+                               self.ever_registered, step, status, who.token, who.proc)
 
     def update_replica(self, replica: dict[str, Any]) -> list[Out]:
         """The rank's layout, learnt after it registered: a registered rank tells now."""
@@ -219,9 +223,9 @@ class LinkCore:
             step, status, progress = self.view.position()
             # an ack only when needed to know the controller is there: with the default
             # 3 misses, every other heartbeat (half the traffic)
-            out.append(Transmit(MsgType.HEARTBEAT, {
-                "step": step, "status": status, "progress": progress,
-                "ack": now - self.last_heard >= self.interval * self.misses / 2}))
+            out.append(Transmit(MsgType.HEARTBEAT, HeartbeatMessage(
+                step, status, progress,
+                now - self.last_heard >= self.interval * self.misses / 2)))
         hung = self.view.hang(now)
         if hung is not None:
             idle, limit = hung
@@ -235,36 +239,36 @@ class LinkCore:
     def on_message(self, msg: Message, now: float) -> list[Out]:
         """A checked message from a controller."""
         self.last_heard = now
-        p, t = msg.payload, msg.type
-        if t == MsgType.ACTION or (t in (MsgType.ACK, MsgType.REGISTERED)
-                                   and p.get("role") == "active"):
+        p = msg.body
+        if isinstance(p, ActionMessage) or (isinstance(p, (AckMessage, RegisteredMessage))
+                                            and p.role == "active"):
             self.last_active = now
-        if t == MsgType.ACK:
+        if isinstance(p, AckMessage):
             self.last_ack = now
-            self.controller_state, self.controller_role = p["state"], p["role"]
-        elif t == MsgType.ACTION:
+            self.controller_state, self.controller_role = p.state, p.role
+        elif isinstance(p, ActionMessage):
             if self.registered_here:
                 return [Transmit(o.mtype, o.message.to_wire()) if isinstance(o, Send) else o
                         for o in self.view.on_action(p, now)]
-        elif t == MsgType.REGISTERED:
+        elif isinstance(p, RegisteredMessage):
             return self._on_registered(p)
-        elif t == MsgType.REJECT:
-            if p["retry"]:
-                log.warning("rank %d: controller says: %s", self.rank, p["reason"])
+        elif isinstance(p, RejectMessage):
+            if p.retry:
+                log.warning("rank %d: controller says: %s", self.rank, p.reason)
             else:
-                self.refused = p["reason"]
-                return [Refused(p["reason"])]
-        elif t == MsgType.REDIRECT and self.index != 0:
-            log.info("rank %d: %s; going back", self.rank, p["reason"])
+                self.refused = p.reason
+                return [Refused(p.reason)]
+        elif isinstance(p, RedirectMessage) and self.index != 0:
+            log.info("rank %d: %s; going back", self.rank, p.reason)
             self.switch_to = 0
         return []
 
-    def _on_registered(self, p: dict[str, Any]) -> list[Out]:
-        self.controller_state, self.controller_role = p["state"], p["role"]
+    def _on_registered(self, p: RegisteredMessage) -> list[Out]:
+        self.controller_state, self.controller_role = p.state, p.role
         update, self.updating_here = self.updating_here, False
-        self.interval = float(p["interval"])
-        self.misses = int(p["misses"])
-        for b in p["backups"]:
+        self.interval = float(p.interval)
+        self.misses = p.misses
+        for b in p.backups:
             try:
                 hp = parse_hostport(b, "backup from controller")
             except ValueError:
@@ -272,16 +276,16 @@ class LinkCore:
             if hp not in self.addresses:
                 self.addresses.append(hp)
         if not self.registered_here:
-            log.info("rank %d registered with %s controller (state %s)", self.rank, p["role"],
-                     p["state"])
+            log.info("rank %d registered with %s controller (state %s)", self.rank, p.role,
+                     p.state)
         self.registered_here = True
-        if p["role"] != "active":
+        if p.role != "active":
             return []  # a standby backup: heartbeat here, wait for it to take charge
         first = not self.ever_registered
         self.ever_registered = True
         out: list[Out] = []
         if first:
-            self.join_info = dict(p)
+            self.join_info = p
             out.append(Accepted())
         report = self.view.unanswered_report()
         if report is not None and not first and not update:  # the new controller never saw it
