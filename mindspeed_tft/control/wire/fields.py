@@ -9,6 +9,7 @@ the sender.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar, TypeVar
 
@@ -104,6 +105,16 @@ STEP = "a step: an integer in [0, 2**62]"
 RANKS = f"a list of ranks (integers in [0, {MAX_RANK}])"
 
 
+_ABSENT = object()
+
+
+@functools.lru_cache(maxsize=64)
+def _one_of(names: tuple[str, ...]) -> tuple[Callable[[Any], bool], str]:
+    """The check and its text for a value that is one of `names`."""
+    allowed = frozenset(names)
+    return (lambda v: type(v) is str and v in allowed), "one of " + ", ".join(names)
+
+
 class Reader:
     """Reads the fields of one wire map; every failure names the message and the field."""
 
@@ -118,11 +129,11 @@ class Reader:
     def get(self, key: str, check: Callable[[Any], bool], allowed: str,
             required: bool = True) -> Any:
         self.seen.add(key)
-        if key not in self.payload:
+        value = self.payload.get(key, _ABSENT)
+        if value is _ABSENT:
             if required:
                 raise self.error(f"{self.what}: missing {key!r} ({allowed})")
             return None
-        value = self.payload[key]
         if not check(value):
             raise self.error(f"{self.what}: bad {key!r}: {show(value)} (allowed: {allowed})")
         return value
@@ -142,9 +153,8 @@ class Reader:
         return None if value is None else tuple(value)
 
     def choice(self, key: str, allowed: Iterable[str]) -> str:
-        names = tuple(allowed)
-        return str(self.get(key, lambda v: type(v) is str and v in names,
-                            "one of " + ", ".join(names)))
+        check, text = _one_of(tuple(allowed))
+        return str(self.get(key, check, text))
 
     def text(self, key: str) -> str:
         return str(self.get(key, lambda v: type(v) is str, "a string"))
@@ -165,6 +175,8 @@ class Reader:
 
     def done(self) -> None:
         """Refuse keys that no field reads (as the protocol refuses unknown keys)."""
+        if self.payload.keys() <= self.seen:
+            return
         for key in self.payload:
             if key not in self.seen:
                 raise self.error(f"{self.what}: unknown key {show(key)} (allowed: "

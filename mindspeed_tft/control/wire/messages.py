@@ -17,6 +17,7 @@ match fails the order instead of being dropped as a frame.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -54,6 +55,44 @@ _CODE = is_int(-(1 << 31), 1 << 31)
 _WORLD = is_int(1, MAX_RANK + 1)
 _EPOCH = is_int(0, MAX_STEP)
 _STATE = is_text(32)
+_TOKEN = is_text(256)
+_HOST = is_text(255)
+_PROC = is_text(160)
+_TEXT = is_text(MAX_TEXT)
+_REASON = is_text(MAX_EXIT_REASON)
+_INDEX = is_int(0, MAX_BACKUPS - 1)
+_MISSES = is_int(1, 1000)
+_STATUS_TEXT = "one of " + ", ".join(DATA_STATUS)
+
+
+def _is_bool(v: Any) -> bool:
+    return type(v) is bool
+
+
+def _is_status(v: Any) -> bool:
+    return type(v) is str and v in DATA_STATUS
+
+
+def _is_replica_or_nil(v: Any) -> bool:
+    return v is None or is_replica(v)
+
+
+def _is_step_or_nil(v: Any) -> bool:
+    return v is None or is_step(v)
+
+
+def _is_backups(v: Any) -> bool:
+    return type(v) is list and len(v) <= MAX_BACKUPS and all(_ENDPOINT(x) for x in v)
+
+
+def _is_seconds(lo: float, hi: float) -> Callable[[Any], bool]:
+    def check(v: Any) -> bool:
+        return type(v) in (int, float) and math.isfinite(v) and lo <= v <= hi
+    return check
+
+
+_INTERVAL = _is_seconds(1e-3, 3600)
+_TIMEOUT = _is_seconds(0, 1e6)
 
 
 class MessageError(WireError):
@@ -72,28 +111,25 @@ class _Message(Wire):
 
 
 def _flag(r: Reader, key: str, default: bool) -> bool:
-    value = r.get(key, lambda v: type(v) is bool, "true or false", required=False)
+    value = r.get(key, _is_bool, "true or false", required=False)
     return default if value is None else bool(value)
 
 
 def _token(r: Reader) -> str | None:
-    return r.get("token", is_text(256), "the job's token: at most 256 characters",
-                 required=False)
+    return r.get("token", _TOKEN, "the job's token: at most 256 characters", required=False)
 
 
 def _status(r: Reader, required: bool = True) -> str | None:
-    return r.get("status", lambda v: type(v) is str and v in DATA_STATUS,
-                 "one of " + ", ".join(DATA_STATUS), required)
+    return r.get("status", _is_status, _STATUS_TEXT, required)
 
 
 def _backups(r: Reader) -> tuple[str, ...]:
-    return tuple(r.get("backups", lambda v: type(v) is list and len(v) <= MAX_BACKUPS
-                       and all(_ENDPOINT(x) for x in v),
+    return tuple(r.get("backups", _is_backups,
                        f"a list of at most {MAX_BACKUPS} endpoints of at most 300 characters"))
 
 
 def _lock_step(r: Reader) -> int | None:
-    return r.get("lock_step", lambda v: v is None or is_step(v), STEP + ", or nil")
+    return r.get("lock_step", _is_step_or_nil, STEP + ", or nil")
 
 
 def _role(r: Reader) -> str:
@@ -137,14 +173,12 @@ class RegisterMessage(_Message):
     def _read(cls, r: Reader) -> RegisterMessage:
         world_size = r.get("world_size", _WORLD, f"a world size: an integer in [1, {MAX_RANK + 1}]")
         pid = r.get("pid", _PID, "a pid: an integer in [0, 2**31]")
-        host = r.get("host", is_text(255), "a host name of at most 255 characters")
-        replica = r.get("replica", lambda v: v is None or is_replica(v), REPLICA + ", or nil",
-                        required=False)
+        host = r.get("host", _HOST, "a host name of at most 255 characters")
+        replica = r.get("replica", _is_replica_or_nil, REPLICA + ", or nil", required=False)
         step = r.get("step", is_step, STEP, required=False)
         return cls(world_size, pid, host, replica, _flag(r, "failover", False),
                    0 if step is None else step, _status(r, required=False) or "updated",
-                   _token(r), r.get("proc", is_text(160), "at most 160 characters",
-                                    required=False))
+                   _token(r), r.get("proc", _PROC, "at most 160 characters", required=False))
 
 
 @dataclass(frozen=True)
@@ -213,7 +247,7 @@ class ExitedMessage(_Message):
         return cls(r.get("pid", _PID, "a pid: an integer in [0, 2**31]"),
                    r.get("code", _CODE, "an exit code: an integer in [-2**31, 2**31]"),
                    _token(r),
-                   r.get("no_replacement", is_text(MAX_EXIT_REASON),
+                   r.get("no_replacement", _REASON,
                          f"a reason of at most {MAX_EXIT_REASON} characters", required=False))
 
 
@@ -244,11 +278,10 @@ class RegisteredMessage(_Message):
     def _read(cls, r: Reader) -> RegisteredMessage:
         epoch = r.get("epoch", _EPOCH, "an epoch: an integer in [0, 2**62]")
         state = r.get("state", _STATE, "a state name of at most 32 characters")
-        interval = r.get("interval", lambda v: type(v) in (int, float) and math.isfinite(v)
-                         and 1e-3 <= v <= 3600, "seconds in [0.001, 3600]")
-        misses = r.get("misses", is_int(1, 1000), "an integer in [1, 1000]")
+        interval = r.get("interval", _INTERVAL, "seconds in [0.001, 3600]")
+        misses = r.get("misses", _MISSES, "an integer in [1, 1000]")
         backups = _backups(r)
-        rejoin = r.get("rejoin", lambda v: type(v) is bool, "true or false")
+        rejoin = r.get("rejoin", _is_bool, "true or false")
         return cls(epoch, state, interval, misses, backups, rejoin, _lock_step(r), _role(r))
 
 
@@ -289,8 +322,7 @@ class ActionMessage(_Message):
     def _read(cls, r: Reader) -> ActionMessage:
         return cls(r.get("id", _EPOCH, "an order id: an integer in [0, 2**62]"),
                    r.choice("name", ACTIONS),
-                   r.get("timeout", lambda v: type(v) in (int, float) and math.isfinite(v)
-                         and 0 <= v <= 1e6, "seconds in [0, 1e6]"),
+                   r.get("timeout", _TIMEOUT, "seconds in [0, 1e6]"),
                    r.get("payload", is_map, "a map with string keys"))
 
 
@@ -307,8 +339,8 @@ class RejectMessage(_Message):
 
     @classmethod
     def _read(cls, r: Reader) -> RejectMessage:
-        return cls(r.get("reason", is_text(MAX_TEXT), f"at most {MAX_TEXT} characters"),
-                   r.get("retry", lambda v: type(v) is bool, "true or false"))
+        return cls(r.get("reason", _TEXT, f"at most {MAX_TEXT} characters"),
+                   r.get("retry", _is_bool, "true or false"))
 
 
 @dataclass(frozen=True)
@@ -323,7 +355,7 @@ class RedirectMessage(_Message):
 
     @classmethod
     def _read(cls, r: Reader) -> RedirectMessage:
-        return cls(r.get("reason", is_text(MAX_TEXT), f"at most {MAX_TEXT} characters"))
+        return cls(r.get("reason", _TEXT, f"at most {MAX_TEXT} characters"))
 
 
 # -- backup controller <-> active controller --------------------------------------------------
@@ -347,8 +379,7 @@ class BackupMessage(_Message):
     @classmethod
     def _read(cls, r: Reader) -> BackupMessage:
         return cls(r.get("endpoint", _ENDPOINT, "an endpoint of at most 300 characters"),
-                   r.get("index", is_int(0, MAX_BACKUPS - 1),
-                         f"an integer in [0, {MAX_BACKUPS - 1}]"), _token(r))
+                   r.get("index", _INDEX, f"an integer in [0, {MAX_BACKUPS - 1}]"), _token(r))
 
 
 @dataclass(frozen=True)
