@@ -43,12 +43,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mindspeed_tft.control.wire.callbacks import CallbackHost, NoRecovery
+from mindspeed_tft.control.wire.callbacks import CallbackHost, RecoveryCallbacks
 from mindspeed_tft.control.wire.order_types import (
     CleanOrder,
     DumpOrder,
+    ExitOrder,
+    PauseOrder,
     RenameOrder,
     RepairOrder,
+    ResumeOrder,
     RollbackOrder,
     ScaleInOrder,
     ScaleOutOrder,
@@ -98,8 +101,9 @@ log = logging.getLogger("mindspeed_tft.recovery")
 ASSEMBLE_WAIT_SECONDS = 60.0
 
 
-class RecoveryActions(NoRecovery):
-    """The processor callbacks of one rank (`callbacks.RecoveryCallbacks`)."""
+class RecoveryActions(RecoveryCallbacks):
+    """The processor callbacks of one rank (`callbacks.RecoveryCallbacks`: every method is
+    its own, none inherited)."""
 
     def __init__(
         self,
@@ -174,8 +178,24 @@ class RecoveryActions(NoRecovery):
         return StopResult(connections_closed=closed,
                           iterations=tuple(iteration_log.records()))
 
+    # -- orders the processor carries out itself -------------------------------------------
+    def pause(self, order: PauseOrder) -> None:
+        """Nothing to do: the processor holds the training thread before its next update."""
+        return None
+
+    def resume(self, order: ResumeOrder) -> None:
+        """Nothing to do: the rollback already put the state at the step the rank resumes
+        from, and the first step after it closes the repair's work count (`after_step`)."""
+        return None
+
+    def exit(self, order: ExitOrder) -> None:
+        """Nothing to save: the dump, when one is owed, was written by its own orders; the
+        processor lets the training thread go and the process ends."""
+        return None
+
     # -- repair ---------------------------------------------------------------------------
     def clean(self, order: CleanOrder) -> CleanResult:
+        """Nothing left to drop on CPU: the stop already abandoned the collectives."""
         return CleanResult()
 
     def repair(self, order: RepairOrder) -> RepairResult:
@@ -218,15 +238,8 @@ class RecoveryActions(NoRecovery):
             if self.loaded_step == 0:
                 raise RuntimeError(f"no periodic checkpoint under {root} to repair from")
             return RepairResult(step=self.loaded_step)
-        new_ranks = set(order.new_ranks)
-        receive = [{"optimizer": e.optimizer, "shard": e.shard,
-                    "from": self.global_rank_of(e.source), "params": self.rank in new_ranks}
-                   for e in order.receive]
-        send = [{"optimizer": e.optimizer, "shard": e.shard,
-                 "to": self.global_rank_of(e.target), "params": e.target in new_ranks}
-                for e in order.send]
-        self.received_snapshot, got_params = transfer_shards(state, self.snapshots, lock_step,
-                                                             receive, send)
+        self.received_snapshot, got_params = transfer_shards(
+            state, self.snapshots, order, self.rank, self.global_rank_of)
         if got_params:  # the complete params of the lock step: nothing to gather for them
             self.snapshots.params_iteration = lock_step
             self.params_restored = True

@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from mindspeed_tft.control.wire.order_types import RepairOrder
 from mindspeed_tft.events import emit, work_counts
 from mindspeed_tft.recovery.interface import RecoverableState
 from mindspeed_tft.recovery.layout import set_rng_state
@@ -64,41 +66,44 @@ def _recv_bytes(src: int) -> bytes:
 def transfer_shards(
     state: RecoverableState,
     snapshots: StepSnapshots,
-    lock_step: int,
-    receive: list[dict[str, Any]],
-    send: list[dict[str, Any]],
+    order: RepairOrder,
+    rank: int,
+    global_rank_of: Callable[[int], int],
 ) -> tuple[StepSnapshot | None, bool]:
-    """Run this rank's part of the shard transfers; returns the snapshot received (if any)
-    and whether the complete model params of the lock step came with it.
+    """Run control-plane rank `rank`'s part of `order`'s shard transfers (its `receive` and
+    `send` entries, as the controller planned them); returns the snapshot received (if
+    any) and whether the complete model params of the lock step came with it.
 
-    Point-to-point on the (rebuilt) world group, layout-checked by `copy_shard`. A send
-    entry marked `params` (its receiver is a new process) carries this rank's param buffers
-    too when they are complete at the lock step (`StepSnapshots.params_iteration`); a
-    receive entry marked `params` (this rank is the new process) expects them."""
+    Point-to-point on the (rebuilt) world group, layout-checked by `copy_shard`; an entry's
+    peer is a control-plane rank, `global_rank_of` its rank in that group (they differ
+    after a shrink). A send to one of the order's `new_ranks` (a new process) carries this
+    rank's param buffers too when they are complete at the lock step
+    (`StepSnapshots.params_iteration`); a receive of a new process expects them."""
     me = dist.get_rank()
+    lock_step = order.lock_step
     received: StepSnapshot | None = None
     got_params = False
-    for entry in receive:
-        src = int(entry["from"])
+    for entry in order.receive:
+        src = global_rank_of(entry.source)
         copied = copy_shard(state.optimizer, state.model, src=src, dst=me,
-                            expect_params=bool(entry.get("params")))
+                            expect_params=rank in order.new_ranks)
         received = decode_snapshot(_recv_bytes(src))
         copied.check()  # a damaged shard fails the repair (after the sender's last bytes)
         got_params |= copied.param_bytes > 0
-        emit("shard_received", me, source=src, optimizer=entry["optimizer"],
-             shard=entry["shard"], iteration=lock_step, bytes=copied.nbytes,
+        emit("shard_received", me, source=src, optimizer=entry.optimizer,
+             shard=entry.shard, iteration=lock_step, bytes=copied.nbytes,
              param_bytes=copied.param_bytes, seconds=round(copied.seconds, 4),
              check_seconds=round(copied.check_seconds, 4),
              hash_seconds=round(copied.hash_seconds, 4))
         log.info("rank %d received %s shard %s from rank %d (%d bytes)", me,
-                 entry["optimizer"], entry["shard"], src, copied.nbytes)
-    for entry in send:
-        dst = int(entry["to"])
-        with_params = bool(entry.get("params")) and snapshots.params_iteration == lock_step
+                 entry.optimizer, entry.shard, src, copied.nbytes)
+    for send in order.send:
+        dst = global_rank_of(send.target)
+        with_params = (send.target in order.new_ranks
+                       and snapshots.params_iteration == lock_step)
         copy_shard(state.optimizer, state.model, src=me, dst=dst, with_params=with_params)
         _send_bytes(encode_snapshot(snapshots.at(lock_step, state.opt_param_scheduler)), dst)
-        log.info("rank %d sent %s shard %s to rank %d", me, entry["optimizer"], entry["shard"],
-                 dst)
+        log.info("rank %d sent %s shard %s to rank %d", me, send.optimizer, send.shard, dst)
     return received, got_params
 
 

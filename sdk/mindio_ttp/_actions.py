@@ -30,7 +30,7 @@ import os
 from typing import Any
 
 from mindspeed_tft.control import Processor
-from mindspeed_tft.control.wire.callbacks import NoRecovery
+from mindspeed_tft.control.wire.callbacks import RecoveryCallbacks
 from mindspeed_tft.control.wire.order_types import (
     CleanOrder,
     DumpOrder,
@@ -38,6 +38,7 @@ from mindspeed_tft.control.wire.order_types import (
     PauseOrder,
     RenameOrder,
     RepairOrder,
+    ResumeOrder,
     RollbackOrder,
     ScaleInOrder,
     ScaleOutOrder,
@@ -66,9 +67,9 @@ class HandlerError(RuntimeError):
     """A handler returned what the SDK counts as a failure."""
 
 
-class SdkActions(NoRecovery):
-    """The processor callbacks of one process (`callbacks.RecoveryCallbacks`; see the
-    module docstring)."""
+class SdkActions(RecoveryCallbacks):
+    """The processor callbacks of one process (`callbacks.RecoveryCallbacks`, every method
+    its own; see the module docstring)."""
 
     def __init__(self, runtime: Runtime) -> None:
         self.rt = runtime
@@ -200,6 +201,11 @@ class SdkActions(NoRecovery):
         # where the dump is, for the controller (a shrink or grow follows a renamed dump): the
         # SDK's handlers know the folder, the SDK does not
         return RenameResult(step, f"the rename handler's checkpoint of step {step}")
+
+    def resume(self, order: ResumeOrder) -> None:
+        """Nothing to call: the SDK has no resume handler (its rollback handler already put
+        the state at the step; the processor lets the training thread train on)."""
+        return None
 
     def exit(self, order: ExitOrder) -> None:
         try:

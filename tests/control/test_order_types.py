@@ -1,6 +1,6 @@
-"""The typed orders (`order_types`) and results (`results`): the wire form they had as plain
-maps, byte for byte, and a clear refusal of every payload that does not match (pure: no
-processes)."""
+"""The typed orders (`order_types`), results (`results`) and messages (`messages`): the wire
+form they had as plain maps, byte for byte, and a clear refusal of every payload that does not
+match (pure: no processes)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,21 @@ from mindspeed_tft.control import ControlConfig, Processor
 from mindspeed_tft.control.controller.strategy import Strategy
 from mindspeed_tft.control.processor.core import OwnOrder, Run
 from mindspeed_tft.control.wire.callbacks import NoRecovery
+from mindspeed_tft.control.wire.messages import (
+    MESSAGE_TYPES,
+    AckMessage,
+    ActionMessage,
+    BackupMessage,
+    ByeMessage,
+    ExitedMessage,
+    HeartbeatMessage,
+    RedirectMessage,
+    RegisteredMessage,
+    RegisterMessage,
+    RejectMessage,
+    SyncMessage,
+    SyncRow,
+)
 from mindspeed_tft.control.wire.order_types import (
     ORDER_TYPES,
     CleanOrder,
@@ -35,7 +50,14 @@ from mindspeed_tft.control.wire.order_types import (
     from_wire,
     to_wire,
 )
-from mindspeed_tft.control.wire.protocol import ACTIONS
+from mindspeed_tft.control.wire.protocol import (
+    ACTIONS,
+    PROTOCOL_VERSION,
+    MsgType,
+    ProtocolError,
+    decode,
+    encode,
+)
 from mindspeed_tft.control.wire.results import (
     CleanResult,
     DumpResult,
@@ -45,6 +67,7 @@ from mindspeed_tft.control.wire.results import (
     RenameResult,
     RepairResult,
     ReportMessage,
+    ResultEnvelope,
     ResultError,
     ResultMessage,
     RollbackResult,
@@ -300,3 +323,122 @@ def test_a_bad_exit_order_still_ends_the_rank_with_the_failure_code() -> None:
         assert "exit order: bad 'code': 'now'" in decision.reason
     finally:
         p.close()
+
+
+# -- the messages (`messages`): every type's payload typed, checked by one system ----------
+
+LAYOUT = {"dense": {"dp_index": 1, "dp_size": 2, "replica_num": 2, "shard": 0,
+                    "holders": [0, 1], "group": 3}}
+#: each message, its type and the map its sender built before it was typed (key order too)
+MESSAGES: list[tuple[str, Any, dict[str, Any]]] = [
+    # `LinkCore.registration`, with and without the job's token and /proc identity
+    (MsgType.REGISTER, RegisterMessage(4, 77, "node-1", LAYOUT, True, 9, "updating", "s3cret",
+                                       "77:1234"),
+     {"world_size": 4, "pid": 77, "host": "node-1", "replica": LAYOUT, "failover": True,
+      "step": 9, "status": "updating", "token": "s3cret", "proc": "77:1234"}),
+    (MsgType.REGISTER, RegisterMessage(4, 77, "node-1"),
+     {"world_size": 4, "pid": 77, "host": "node-1", "replica": None, "failover": False,
+      "step": 0, "status": "updated"}),
+    # `LinkCore._talk`
+    (MsgType.HEARTBEAT, HeartbeatMessage(9, "updating", 8, False),
+     {"step": 9, "status": "updating", "progress": 8, "ack": False}),
+    # `BackupSync._hello_payload`, with and without the job's token
+    (MsgType.BACKUP, BackupMessage("[::1]:8001", 1, "s3cret"),
+     {"endpoint": "[::1]:8001", "index": 1, "token": "s3cret"}),
+    (MsgType.BACKUP, BackupMessage("10.0.0.2:8001", 0), {"endpoint": "10.0.0.2:8001", "index": 0}),
+    # `BackupSync._sync_payload`
+    (MsgType.SYNC, SyncMessage("RECOVER", 2, 2, {"dump": True},
+                               (SyncRow(0, 9, "updated", "alive", LAYOUT),
+                                SyncRow(1, 8, "updating", "lost", None)), ("[::1]:8001",), 9),
+     {"state": "RECOVER", "epoch": 2, "world_size": 2, "features": {"dump": True},
+      "ranks": [[0, 9, "updated", "alive", LAYOUT], [1, 8, "updating", "lost", None]],
+      "backups": ["[::1]:8001"], "lock_step": 9}),
+    # the rest, as their senders build them
+    (MsgType.BYE, ByeMessage(0), {"code": 0}),
+    (MsgType.EXITED, ExitedMessage(77, -9, "s3cret", "no budget"),
+     {"pid": 77, "code": -9, "token": "s3cret", "no_replacement": "no budget"}),
+    (MsgType.REGISTERED, RegisteredMessage(3, "NORMAL", 2.0, 3, ("[::1]:8001",), True, None,
+                                           "active"),
+     {"epoch": 3, "state": "NORMAL", "interval": 2.0, "misses": 3, "backups": ["[::1]:8001"],
+      "rejoin": True, "lock_step": None, "role": "active"}),
+    (MsgType.ACK, AckMessage("NORMAL", 3, "standby"),
+     {"state": "NORMAL", "epoch": 3, "role": "standby"}),
+    (MsgType.ACTION, ActionMessage(7, "hold", 180.0, {"incident": 4}),
+     {"id": 7, "name": "hold", "timeout": 180.0, "payload": {"incident": 4}}),
+    (MsgType.REJECT, RejectMessage("refused", False), {"reason": "refused", "retry": False}),
+    (MsgType.REDIRECT, RedirectMessage("the active controller is alive"),
+     {"reason": "the active controller is alive"}),
+    (MsgType.REPORT, ReportMessage("comm", "HCCL timeout", 9, "updated"),
+     {"kind": "comm", "message": "HCCL timeout", "step": 9, "status": "updated"}),
+    (MsgType.RESULT, ResultEnvelope(7, "rollback", True, {"step": 9}),
+     {"id": 7, "action": "rollback", "ok": True, "result": {"step": 9}}),
+]
+
+
+@pytest.mark.parametrize("mtype,body,wire", MESSAGES, ids=lambda v: type(v).__name__)
+def test_a_message_is_the_frame_sent_before_and_decodes_typed(mtype: str, body: Any,
+                                                              wire: dict[str, Any]) -> None:
+    before = msgpack.packb([PROTOCOL_VERSION, mtype, 3, 11, wire], use_bin_type=True)
+    assert encode(mtype, 3, 11, body) == encode(mtype, 3, 11, wire) == before  # byte for byte
+    assert list(body.to_wire()) == list(wire)  # the key order too
+    assert decode(before) == (mtype, 3, 11, wire, body)
+    assert MESSAGE_TYPES[mtype] is type(body) and type(body).TYPE == mtype
+
+
+def test_every_message_type_has_its_class() -> None:
+    types = {v for k, v in vars(MsgType).items() if not k.startswith("_")}
+    assert set(MESSAGE_TYPES) == types and len(types) == 13
+    assert {mtype for mtype, _, _ in MESSAGES} == types
+
+
+BAD_MESSAGES = [
+    (MsgType.REGISTER, {"world_size": "4", "pid": 1, "host": "h"},
+     "register message: bad 'world_size': '4' (allowed: a world size: an integer in "
+     "[1, 16777216])"),
+    (MsgType.REGISTER, {"world_size": 4, "pid": 1, "host": "h", "replica": {"dense": 3}},
+     "register message: bad 'replica': {'dense': 3} (allowed: a replica layout: "),
+    (MsgType.HEARTBEAT, {"step": 1, "status": "x"},
+     "hb message: bad 'status': 'x' (allowed: one of updated, updating)"),
+    (MsgType.HEARTBEAT, {"step": 1}, "hb message: missing 'status' (one of updated, updating)"),
+    (MsgType.HEARTBEAT, {"step": 1, "status": "updated", "evil": 1},
+     "hb message: unknown key 'evil' (allowed: ack, progress, status, step)"),
+    (MsgType.BACKUP, {"endpoint": "[::1]:8001", "index": 8},
+     "backup message: bad 'index': 8 (allowed: an integer in [0, 7])"),
+    (MsgType.SYNC, {"state": "NORMAL", "epoch": 0, "world_size": 2, "features": {},
+                    "ranks": [[0, 1, "updated", "alive"]], "backups": [], "lock_step": None},
+     "sync message: bad 'ranks': [[0, 1, 'updated', 'alive']] (allowed: a list of [rank, "
+     "step, status, health, replica layout or nil])"),
+    (MsgType.ACK, [1], "ack message: the payload is list, not a map"),
+    (MsgType.RESULT, {"id": 1, "action": "fly", "ok": True, "result": {}},
+     "result message: bad 'action': 'fly' (allowed: one of pause, "),
+]
+
+
+@pytest.mark.parametrize("mtype,wire,error", BAD_MESSAGES)
+def test_a_bad_message_is_dropped_naming_the_field(mtype: str, wire: Any, error: str) -> None:
+    frame = msgpack.packb([PROTOCOL_VERSION, mtype, 0, 1, wire], use_bin_type=True)
+    with pytest.raises(ProtocolError) as dropped:
+        decode(frame)
+    assert dropped.value.reason == "schema"
+    assert dropped.value.detail.startswith(error), dropped.value.detail
+    with pytest.raises(ProtocolError):  # a sender's bug fails at the sender
+        encode(mtype, 0, 1, wire)
+
+
+def test_a_message_of_another_type_is_not_sent() -> None:
+    with pytest.raises(ProtocolError, match="hb message: a ByeMessage"):
+        encode(MsgType.HEARTBEAT, 0, 1, ByeMessage(0))
+    with pytest.raises(ProtocolError, match="hb message: bad 'step': -1"):
+        encode(MsgType.HEARTBEAT, 0, 1, HeartbeatMessage(-1, "updated"))
+
+
+def test_a_result_that_does_not_match_its_order_reaches_the_controller() -> None:
+    """The frame of a result is checked as an envelope: the order's own result is read by
+    its type afterwards, so a mismatch fails that order instead of dropping the frame."""
+    wire = {"id": 7, "action": "rollback", "ok": True, "result": {"iteration": 9}}
+    envelope = decode(encode(MsgType.RESULT, 1, 2, wire)).read(ResultEnvelope)
+    with pytest.raises(ResultError, match="rollback result: missing 'step'"):
+        envelope.typed()
+    assert envelope.failed("ResultError: x") == ResultMessage(7, "rollback", error="ResultError: x")
+    assert ResultEnvelope(7, "stop", False, {}, "boom").typed() == ResultMessage(
+        7, "stop", error="boom")

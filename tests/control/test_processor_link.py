@@ -33,8 +33,9 @@ from mindspeed_tft.control.processor.link import (
 )
 from mindspeed_tft.control.processor.watchdog import ProgressWatchdog
 from mindspeed_tft.control.wire.classify import FaultKind
+from mindspeed_tft.control.wire.messages import MESSAGE_TYPES
 from mindspeed_tft.control.wire.order_types import RollbackOrder
-from mindspeed_tft.control.wire.protocol import CONTROLLER, Message, MsgType
+from mindspeed_tft.control.wire.protocol import CONTROLLER, Message, MsgType, message
 from mindspeed_tft.control.wire.results import HoldResult, ReportMessage, ResultMessage
 
 A, B = ("10.0.0.1", 29000), ("10.0.0.2", 29000)
@@ -63,7 +64,12 @@ HEARTBEAT = {"step": 0, "status": "updated", "progress": 0}
 
 
 def _msg(mtype: str, **payload: Any) -> Message:
-    return Message(mtype, CONTROLLER, 1, payload)
+    return message(mtype, CONTROLLER, 1, payload)
+
+
+def _typed(mtype: str, wire: dict[str, Any]) -> Transmit:
+    """What the link sends: the typed message of the map `wire` (as `decode` reads it)."""
+    return Transmit(mtype, MESSAGE_TYPES[mtype].from_wire(wire))
 
 
 def _registered(role: str = "active", backups: list[str] | None = None) -> Message:
@@ -78,11 +84,12 @@ REGISTER = {"world_size": 4, "pid": 123, "host": "node1", "replica": None, "fail
 def test_it_registers_every_interval_until_a_controller_answers() -> None:
     link, core = _link()
     assert link.wait(0.0) == 0.0
-    assert _tick(link, core, 0.0) == [Transmit(MsgType.REGISTER, REGISTER)]
+    assert _tick(link, core, 0.0) == [_typed(MsgType.REGISTER, REGISTER)]
     assert _tick(link, core, 0.5) == []
-    assert _tick(link, core, 1.0) == [Transmit(MsgType.REGISTER, REGISTER)]
+    assert _tick(link, core, 1.0) == [_typed(MsgType.REGISTER, REGISTER)]
     assert _on(link, core, _registered(), 1.2) == [Accepted()]
-    assert link.join_info["role"] == "active" and link.registered_here
+    assert link.join_info is not None and link.join_info.role == "active"
+    assert link.registered_here
 
 
 def test_a_registered_rank_heartbeats_asking_for_an_ack_only_when_it_needs_one() -> None:
@@ -91,13 +98,13 @@ def test_a_registered_rank_heartbeats_asking_for_an_ack_only_when_it_needs_one()
     core.handle(UpdateEnd(5), 0.0)
     core.handle(Progress(5), 0.0)
     hb = {"step": 5, "status": "updated", "progress": 5}
-    assert _tick(link, core, 0.1) == [Transmit(MsgType.HEARTBEAT, {**hb, "ack": False}),
+    assert _tick(link, core, 0.1) == [_typed(MsgType.HEARTBEAT, {**hb, "ack": False}),
                                       CheckHang()]
     assert _tick(link, core, 0.5) == [CheckHang()]
-    assert _tick(link, core, 1.6) == [Transmit(MsgType.HEARTBEAT, {**hb, "ack": True}),
+    assert _tick(link, core, 1.6) == [_typed(MsgType.HEARTBEAT, {**hb, "ack": True}),
                                       CheckHang()]  # 1.6 >= 1.5
     _on(link, core, _msg(MsgType.ACK, state="normal", epoch=1, role="active"), 1.7)
-    assert _tick(link, core, 2.7) == [Transmit(MsgType.HEARTBEAT, {**hb, "ack": False}),
+    assert _tick(link, core, 2.7) == [_typed(MsgType.HEARTBEAT, {**hb, "ack": False}),
                                       CheckHang()]
 
 
@@ -106,14 +113,14 @@ def test_a_hang_is_checked_only_where_the_rank_is_registered() -> None:
     registered (the core reports it once: test_processor_core); not while it registers."""
     link, core = _link()
     core.handle(Progress(3), 0.0)
-    assert _tick(link, core, 0.0) == [Transmit(MsgType.REGISTER, REGISTER)]
+    assert _tick(link, core, 0.0) == [_typed(MsgType.REGISTER, REGISTER)]
     assert _tick(link, core, 0.5) == []
     _on(link, core, _registered(), 0.6)
     assert _tick(link, core, 0.7) == [
-        Transmit(MsgType.HEARTBEAT, {**HEARTBEAT, "progress": 3, "ack": False}), CheckHang()]
+        _typed(MsgType.HEARTBEAT, {**HEARTBEAT, "progress": 3, "ack": False}), CheckHang()]
     _on(link, core, _msg(MsgType.ACK, state="normal", epoch=1, role="active"), 34.9)
     assert _tick(link, core, 35.0) == [
-        Transmit(MsgType.HEARTBEAT, {**HEARTBEAT, "progress": 3, "ack": False}), CheckHang()]
+        _typed(MsgType.HEARTBEAT, {**HEARTBEAT, "progress": 3, "ack": False}), CheckHang()]
     assert core.handle(CheckHang(), 35.0) == [Send("report", ReportMessage(
         "hang", "rank 1: no training progress for 35.0s (timeout 30.0s) after step 3", 0,
         "updated"))]
@@ -123,11 +130,11 @@ def test_a_silent_controller_is_left_for_the_next_and_a_redirect_sends_the_rank_
     link, core = _link()
     _tick(link, core, 0.0)
     # not registered there yet: patience is interval x (misses + 1) plus the storm allowance
-    assert _tick(link, core, 4.0 + STORM) == [Transmit(MsgType.REGISTER, REGISTER)]
+    assert _tick(link, core, 4.0 + STORM) == [_typed(MsgType.REGISTER, REGISTER)]
     assert _tick(link, core, 4.0 + STORM + 0.01) == [Connect(1, B)]
     link.handle(Connected(), 5.0)
     assert link.failovers == 1 and not link.registered_here
-    assert _tick(link, core, 5.0) == [Transmit(MsgType.REGISTER, REGISTER)]
+    assert _tick(link, core, 5.0) == [_typed(MsgType.REGISTER, REGISTER)]
     _on(link, core, _msg(MsgType.REDIRECT, reason="not in charge"), 5.1)
     assert _tick(link, core, 5.2) == [Connect(0, A)]
 
@@ -148,7 +155,8 @@ def test_a_new_active_controller_is_told_the_unanswered_error() -> None:
     link.handle(Connected(), 10.0)  # failed over
     assert _on(link, core, _registered(), 10.1) == [Transmit(MsgType.REPORT, {
         "kind": "uce", "message": "RuntimeError: UCE", "step": 4, "status": "updated"})]
-    assert link.registration(core.state()) == {**REGISTER, "failover": True, "step": 4}
+    assert link.registration(core.state()).to_wire() == {**REGISTER, "failover": True,
+                                                         "step": 4}
 
 
 def test_a_new_layout_told_to_the_same_controller_sends_no_error_again() -> None:
@@ -163,7 +171,7 @@ def test_a_new_layout_told_to_the_same_controller_sends_no_error_again() -> None
     core.handle(Failed(FaultKind.COMM, "RuntimeError: Connection closed by peer"), 0.0)
     layout = {"dense": {"dp_index": 1, "dp_size": 3, "replica_num": 1, "shard": 1,
                         "holders": [1]}}
-    assert link.handle(NewReplica(layout, core.state()), 0.05) == [Transmit(
+    assert link.handle(NewReplica(layout, core.state()), 0.05) == [_typed(
         MsgType.REGISTER, {**REGISTER, "replica": layout, "failover": True, "step": 4})]
     assert _on(link, core, _registered(), 0.1) == []
     link.handle(NewReplica(layout, core.state()), 0.2)
@@ -194,7 +202,8 @@ def test_orders_go_to_the_core_once_registered_and_a_refusal_ends_it() -> None:
 def test_a_message_not_for_a_processor_is_heard_and_ignored() -> None:
     link, core = _link()
     _on(link, core, _registered(), 0.0)
-    assert _on(link, core, _msg(MsgType.HEARTBEAT, step=1), 3.9) == []
+    heartbeat = _msg(MsgType.HEARTBEAT, step=1, status="updated", progress=1)
+    assert _on(link, core, heartbeat, 3.9) == []
     assert link.last_heard == 3.9
 
 

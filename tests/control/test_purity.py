@@ -47,12 +47,13 @@ CORES = [
 SHARED = [
     "control.wire.protocol", "control.wire.order_types", "control.wire.results",
     "control.wire.fields", "control.wire.classify", "control.wire.peers",
+    "control.wire.messages", "control.wire.names",
     "records", "features", "elastic",
 ]
 PURE = CORES + SHARED
 
 STDLIB_ALLOWED = frozenset({
-    "__future__", "abc", "bisect", "collections", "copy", "dataclasses", "enum",
+    "__future__", "abc", "bisect", "builtins", "collections", "copy", "dataclasses", "enum",
     "functools", "heapq", "hmac", "ipaddress", "itertools", "logging", "math", "numbers",
     "operator", "re", "statistics", "string", "typing",
 })

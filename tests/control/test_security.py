@@ -186,7 +186,8 @@ def test_processors_refuse_a_forged_controller(tmp_path: Path) -> None:
                                       ("127.0.0.1", fake_ports["plain"]), ("127.0.0.1", port)])
         proc.start(timeout=10)
         assert proc.registered and proc.failovers == 2
-        assert proc.join_info["role"] == "active" and proc.interval == INTERVAL
+        assert proc.join_info is not None and proc.join_info.role == "active"
+        assert proc.interval == INTERVAL
         for name, s in fakes.items():
             assert not heard_anything(s, 0.1), f"the {name} fake controller received a frame"
         assert proc.drops.total == 0  # nor did anything from the fakes reach the processor

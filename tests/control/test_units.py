@@ -28,6 +28,7 @@ from mindspeed_tft.control.controller.strategy import (
 from mindspeed_tft.control.processor.watchdog import ProgressWatchdog
 from mindspeed_tft.control.wire.classify import FaultKind, classify_error
 from mindspeed_tft.control.wire.keys import main as keys_main
+from mindspeed_tft.control.wire.messages import ByeMessage, HeartbeatMessage
 from mindspeed_tft.control.wire.protocol import (
     PROTOCOL_VERSION,
     DropCounter,
@@ -45,7 +46,12 @@ from mindspeed_tft.events import configure_events, emit, read_events
 def test_round_trip_and_fields() -> None:
     frame = encode(MsgType.HEARTBEAT, 3, 7, {"step": 5, "status": "updating", "progress": 4})
     msg = decode(frame)
-    assert msg == (MsgType.HEARTBEAT, 3, 7, {"step": 5, "status": "updating", "progress": 4})
+    assert msg == (MsgType.HEARTBEAT, 3, 7, {"step": 5, "status": "updating", "progress": 4},
+                   HeartbeatMessage(5, "updating", 4, True))
+    assert msg.read(HeartbeatMessage).progress == 4
+    with pytest.raises(TypeError, match="a hb message holds a HeartbeatMessage, not a "
+                                        "ByeMessage"):
+        msg.read(ByeMessage)
     assert msgpack.unpackb(frame)[0] == PROTOCOL_VERSION
 
 

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ...features import Features
 from ...records import CONTROLLER_RANK
 from ..wire.classify import FaultKind
+from ..wire.messages import BackupMessage, SyncMessage, SyncRow
 from ..wire.order_types import ExitOrder, Payload
 from ..wire.peers import hostport, parse_hostport, token_ok
 from ..wire.protocol import CONTROLLER, DropCounter, Message, MsgType, ProtocolError, decode, encode
@@ -139,9 +140,10 @@ class BackupSync:
         job's token (`TTP_JOB_TOKEN`) must match when there is one. Without either (CURVE
         off on loopback, no token) any local peer naming a `TTP_BACKUP_ADDRS` entry is
         taken for a backup."""
-        ep = msg.payload["endpoint"]
+        hello = msg.read(BackupMessage)
+        ep = hello.endpoint
         if (self.server_key is not None and peer_key != self.server_key) or not token_ok(
-                self.config, msg.payload.get("token")):
+                self.config, hello.token):
             self.drops.drop("backup_refused", f"{ep[:80]} without the backup key or token")
             self.host.mark_dirty()
             return
@@ -154,7 +156,7 @@ class BackupSync:
             self.host.mark_dirty()
             return
         new = identity not in self.peers
-        self.peers[identity] = {"endpoint": key, "index": msg.payload["index"],
+        self.peers[identity] = {"endpoint": key, "index": hello.index,
                                 "last_seen": now}
         if new:
             log.info("backup controller %s joined", key)
@@ -182,16 +184,13 @@ class BackupSync:
         for ident in self.peers:
             self.host.raw_send(ident, frame)
 
-    def _sync_payload(self) -> dict[str, Any]:
+    def _sync_payload(self) -> SyncMessage:
         host = self.host
-        return {
-            "state": self.sm.state.value, "epoch": host.epoch, "world_size": self.world_size,
-            "features": host.features.to_dict(),
-            "ranks": [[r.rank, r.step, r.status, r.health.value, r.replica]
-                      for r in self.table.all()],
-            "backups": self.addresses(),
-            "lock_step": host.incident_lock_step(),
-        }
+        return SyncMessage(
+            self.sm.state.value, host.epoch, self.world_size, host.features.to_dict(),
+            tuple(SyncRow(r.rank, r.step, r.status, r.health.value, r.replica)
+                  for r in self.table.all()),
+            tuple(self.addresses()), host.incident_lock_step())
 
     # -- backup controller ------------------------------------------------------------------
     def linked(self, now: float) -> None:
@@ -226,23 +225,23 @@ class BackupSync:
         if msg.type != MsgType.SYNC or msg.sender != CONTROLLER or self.host.role != "backup":
             self.drops.drop("unexpected_type", "upstream " + msg.type)
             return
-        p = msg.payload
+        p = msg.read(SyncMessage)
         try:
-            state = State(p["state"])
-            rows = [(r, step, st, Health(h), rep) for r, step, st, h, rep in p["ranks"]]
+            state = State(p.state)
+            rows = [(r.rank, r.step, r.status, Health(r.health), r.replica) for r in p.ranks]
         except ValueError:
             self.drops.drop("schema", "sync values")
             return
-        if p["world_size"] != self.world_size:
-            self.drops.drop("schema", f"sync for world size {p['world_size']}")
+        if p.world_size != self.world_size:
+            self.drops.drop("schema", f"sync for world size {p.world_size}")
             return
         self._last_sync = now
         try:
-            features = Features.from_dict(p["features"])
+            features = Features.from_dict(p.features)
         except ValueError as e:
             self.drops.drop("schema", f"sync features: {e}")
             return
-        self.host.adopt(p["epoch"], features)
+        self.host.adopt(p.epoch, features)
         self._adopt_rows(rows, now)
         if state is not self.sm.state:
             self.sm.force(state, "synced from the active controller")
@@ -260,11 +259,8 @@ class BackupSync:
             if health in (Health.DONE, Health.LOST, Health.EXITING) or not row.identity:
                 row.health = health
 
-    def _hello_payload(self) -> dict[str, Any]:
-        hello: dict[str, Any] = {"endpoint": self.host.endpoint, "index": self.backup_index}
-        if self.config.job_token is not None:
-            hello["token"] = self.config.job_token
-        return hello
+    def _hello_payload(self) -> BackupMessage:
+        return BackupMessage(self.host.endpoint, self.backup_index, self.config.job_token)
 
     def active_alive(self, now: float) -> bool:
         """Did the active controller sync within the heartbeat timeout?"""

@@ -18,6 +18,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..wire.classify import FaultKind
+from ..wire.messages import BackupMessage, ByeMessage, ExitedMessage, HeartbeatMessage
 from ..wire.order_types import ExitOrder, Payload, ResumeOrder
 from ..wire.peers import token_ok
 from ..wire.protocol import (
@@ -32,7 +33,7 @@ from ..wire.protocol import (
     peek,
     seq_in_window,
 )
-from ..wire.results import ReportMessage, ResultError, ResultMessage
+from ..wire.results import ReportMessage, ResultEnvelope, ResultError
 from .backup import BackupSync
 from .incident import IncidentFlow
 from .inputs import Frame
@@ -125,7 +126,7 @@ class Inbox:
         elif t == MsgType.BACKUP and self.host.role == "active":
             key = frame.key
             server_key = self.backups.server_key
-            if token_ok(self.config, msg.payload.get("token")) and (
+            if token_ok(self.config, msg.read(BackupMessage).token) and (
                     server_key is None or key == server_key):
                 self.host.out.admit("token")  # a backup controller: it holds the job's token
             self.backups.on_backup(identity, msg, now, key)
@@ -159,10 +160,9 @@ class Inbox:
             return
         health = row.health
         if health in CONNECTED:
-            p = msg.payload
-            row.step = p["step"]
-            row.status = p["status"]
-            progress = p.get("progress", row.progress)
+            hb = msg.read(HeartbeatMessage)
+            row.step, row.status = hb.step, hb.status
+            progress = row.progress if hb.progress is None else hb.progress
             flow = self.host.flow
             if health is Health.HUNG and progress > row.progress and flow is not None:
                 flow.clear_fault(row.rank)
@@ -183,7 +183,7 @@ class Inbox:
             self.host.send(identity, MsgType.REDIRECT, {"reason": "the active controller is alive"})
             self.backups.redirected(now)
             return
-        if not msg.payload.get("ack", True):
+        if not msg.read(HeartbeatMessage).ack:
             return
         self.host.raw_send(identity, self.host.ack_frame())
 
@@ -191,12 +191,7 @@ class Inbox:
         row = self._bound(identity, msg)
         if row is None or self.host.role != "active":
             return
-        try:
-            report = ReportMessage.from_wire(msg.payload)
-        except ResultError as e:  # (the frame's check leaves only the detail's keys)
-            self.drops.drop("bad report", f"rank {row.rank}: {e}")
-            self.host.mark_dirty()
-            return
+        report = msg.read(ReportMessage)
         kind = report.fault
         if row.health in CONNECTED:
             row.step, row.status = report.step, report.status
@@ -219,14 +214,14 @@ class Inbox:
         flow = self.host.flow
         if row is None or flow is None:
             return
-        p = msg.payload  # id, action, ok, result, error: checked with the frame
+        envelope = msg.read(ResultEnvelope)  # id, action, ok, result, error: checked
         try:
-            result = ResultMessage.from_wire(p)
+            result = envelope.typed()
         except ResultError as e:
             # a result that does not match its order's type: the order failed, and the
             # failure names the field
             log.error("rank %d: %s", row.rank, e)
-            result = ResultMessage(p["id"], p["action"], error=f"ResultError: {e}")
+            result = envelope.failed(f"ResultError: {e}")
         flow.on_result(row.rank, result)
 
     def _on_exited(self, msg: Message, key: str | None) -> None:
@@ -239,8 +234,8 @@ class Inbox:
         frame is sent)."""
         if self.host.role != "active":
             return
-        p, rank = msg.payload, msg.sender
-        if not token_ok(self.config, p.get("token")) or (
+        p, rank = msg.read(ExitedMessage), msg.sender
+        if not token_ok(self.config, p.token) or (
                 self.config.job_token is None and key is None):
             self.drops.drop("bad_token", f"exited claiming rank {rank}")
             self.host.mark_dirty()
@@ -251,12 +246,12 @@ class Inbox:
             self.host.mark_dirty()
             return
         row = self.table.get(rank)
-        if row is None or row.pid != p["pid"]:
+        if row is None or row.pid != p.pid:
             log.info("rank %d: its launcher reports pid %d ended (code %d), not the process "
-                     "registered for it%s: nothing to do", rank, p["pid"], p["code"],
+                     "registered for it%s: nothing to do", rank, p.pid, p.code,
                      "" if row is None else f" (pid {row.pid})")
             return
-        self.host.launcher_exit(rank, p["code"], p.get("no_replacement"))
+        self.host.launcher_exit(rank, p.code, p.no_replacement)
 
     def _on_bye(self, identity: bytes, msg: Message) -> None:
         row = self._bound(identity, msg)
@@ -264,7 +259,7 @@ class Inbox:
             return
         row.health = Health.DONE
         self.host.mark_dirty()
-        log.info("rank %d finished (code %d)", row.rank, msg.payload["code"])
+        log.info("rank %d finished (code %d)", row.rank, msg.read(ByeMessage).code)
         flow = self.host.flow
         if flow is not None:
             flow.on_gone(row.rank, "finished")

@@ -16,6 +16,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ...features import Features
+from ..wire.messages import RegisterMessage
 from ..wire.peers import REFUSED, REFUSED_FOR_NOW, token_ok
 from ..wire.protocol import DropCounter, Message, MsgType, seq_in_window
 from .elasticity import Elasticity
@@ -87,13 +88,13 @@ class Registration:
         job does not have, or beyond the rank cap of admitted connections (True: refused).
         A refusal says nothing about the job (no world size, no rank state): the details
         go to this controller's log only."""
-        p, rank = msg.payload, msg.sender
-        if not token_ok(self.config, p.get("token")):
+        p, rank = msg.read(RegisterMessage), msg.sender
+        if not token_ok(self.config, p.token):
             self.drops.drop("bad_token", f"register claiming rank {rank}")
             self.host.send(identity, MsgType.REJECT, REFUSED)
             return True
-        if not (0 <= rank < self.world_size) or p["world_size"] != self.world_size:
-            self.drops.drop("bad_register", f"rank {rank} of world size {p['world_size']} "
+        if not (0 <= rank < self.world_size) or p.world_size != self.world_size:
+            self.drops.drop("bad_register", f"rank {rank} of world size {p.world_size} "
                             f"(this job: {self.world_size})")
             self.host.send(identity, MsgType.REJECT, REFUSED)
             return True
@@ -119,19 +120,19 @@ class Registration:
         if row is not None and row.identity == identity:  # a repeated registration
             self._repeated(row, msg, now)
             return
-        failover = bool(msg.payload.get("failover", False))
+        failover = msg.read(RegisterMessage).failover
         if self._taken(identity, row, rank, key, failover, now):
             return
         self._bind(identity, msg, now, key, row, failover)
 
     def _repeated(self, row: RankInfo, msg: Message, now: float) -> None:
-        p, rank = msg.payload, row.rank
+        p, rank = msg.read(RegisterMessage), row.rank
         if seq_in_window(msg.seq, row.last_seq):
             row.last_seq = msg.seq
         row.last_seen = now
-        if p.get("replica") is not None:  # the layout, known after the registration
-            row.replica = p["replica"]
-            self.elasticity.note_registration(rank, p["replica"])
+        if p.replica is not None:  # the layout, known after the registration
+            row.replica = p.replica
+            self.elasticity.note_registration(rank, p.replica)
             self.host.mark_dirty()
         if row.health is Health.LOST and (self.sm.state is State.INIT or self.host.role == "backup"):
             row.health = Health.ALIVE
@@ -165,23 +166,23 @@ class Registration:
               row: RankInfo | None, failover: bool) -> None:
         """Bind `rank` to this connection (a first registration, a restarted process or a
         failover) and tell the rest of the controller."""
-        p, rank = msg.payload, msg.sender
+        p, rank = msg.read(RegisterMessage), msg.sender
         state = self.sm.state
         fresh = state is not State.INIT and not failover and self.host.role == "active"
         prev_health = row.health if row is not None else None
         prev_replica = row.replica if row is not None else None
-        info = self.table.register(rank, identity, p["host"], p["pid"], now, p.get("replica"),
-                                   p.get("step", 0), p.get("status", "updated"))
+        info = self.table.register(rank, identity, p.host, p.pid, now, p.replica, p.step,
+                                   p.status)
         info.last_seq = msg.seq
         info.fresh = fresh
-        self.host.out.watch(rank, p["pid"], p.get("proc"))
-        self.elasticity.note_registration(rank, p.get("replica"))
+        self.host.out.watch(rank, p.pid, p.proc)
+        self.elasticity.note_registration(rank, p.replica)
         if key is not None:
             self.rank_keys.setdefault(rank, key)
         if prev_health in (Health.DONE,) and failover:
             info.health = Health.DONE
         self.host.mark_dirty()
-        log.info("rank %d registered (pid %s on %s%s)", rank, p["pid"], p["host"],
+        log.info("rank %d registered (pid %s on %s%s)", rank, p.pid, p.host,
                  ", restarted" if fresh else (", failover" if failover else ""))
         self.host.send_registered(info)
         if self.host.role != "active":

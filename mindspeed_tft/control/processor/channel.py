@@ -33,6 +33,8 @@ import zmq
 from ... import procfs
 from ...events import work_counts
 from ..wire.config import ControlConfig
+from ..wire.fields import Wire
+from ..wire.messages import RegisteredMessage
 from ..wire.priority import raise_priority
 from ..wire.protocol import CONTROLLER, DropCounter, ProtocolError, decode, encode
 from ..wire.transport import CurveKeys, connect_dealer, new_routing_id, storm_allowance
@@ -94,7 +96,7 @@ class Channel:
         #: one identity for the life of this process: a reconnect to the same controller is
         #: recognised as this rank, not taken for a second process claiming it
         self._routing_id = new_routing_id()
-        self._outbox: deque[tuple[str, dict[str, Any]]] = deque()
+        self._outbox: deque[tuple[str, Wire | dict[str, Any]]] = deque()
         self._wake_r, self._wake_w = os.pipe()
         self._seq = 0
         self._thread: threading.Thread | None = None
@@ -110,7 +112,7 @@ class Channel:
         return self.link.addresses
 
     @property
-    def join_info(self) -> dict[str, Any]:
+    def join_info(self) -> RegisteredMessage | None:
         return self.link.join_info
 
     @property
@@ -169,7 +171,7 @@ class Channel:
             self._thread.join(5.0)
 
     # -- outgoing -----------------------------------------------------------------------
-    def post(self, mtype: str, payload: dict[str, Any]) -> None:
+    def post(self, mtype: str, payload: Wire | dict[str, Any]) -> None:
         """Queue a message for the controller (sent once registered there)."""
         self._outbox.append((mtype, payload))
         self._wake()
@@ -283,7 +285,7 @@ class Channel:
                 return
             self._on_frames(frames, now)
 
-    def _send(self, mtype: str, payload: dict[str, Any]) -> None:
+    def _send(self, mtype: str, payload: Wire | dict[str, Any]) -> None:
         self._seq += 1
         frame = encode(mtype, self.rank, self._seq, payload)
         work_counts.add(f"control_sent.{mtype}")

@@ -104,9 +104,6 @@ class Action:
     wire: Any           # the order's payload, as sent
     timeout: float      # its time limit in seconds from its arrival
 
-    @classmethod
-    def from_payload(cls, payload: dict[str, Any]) -> Action:
-        return cls(payload["id"], payload["name"], payload["payload"], payload["timeout"])
 
 
 @dataclass(frozen=True)

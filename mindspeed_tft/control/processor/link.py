@@ -30,6 +30,16 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from ..wire.fields import Wire
+from ..wire.messages import (
+    AckMessage,
+    ActionMessage,
+    HeartbeatMessage,
+    RedirectMessage,
+    RegisteredMessage,
+    RegisterMessage,
+    RejectMessage,
+)
 from ..wire.peers import parse_hostport
 from ..wire.protocol import Message, MsgType
 from .core import Action, CheckHang, RankState
@@ -76,10 +86,11 @@ LinkInput = Connected | Tick | FromController | NewReplica
 
 @dataclass(frozen=True)
 class Transmit:
-    """Send `payload` as a `mtype` message to the controller now."""
+    """Send `payload` (the typed message, or its map) as a `mtype` message to the
+    controller now."""
 
     mtype: str
-    payload: dict[str, Any]
+    payload: Wire | dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -147,7 +158,7 @@ class LinkCore:
         self.controller_state: str | None = None
         self.controller_role: str | None = None
         #: the first registration reply of the active controller
-        self.join_info: dict[str, Any] = {}
+        self.join_info: RegisteredMessage | None = None
         self.last_ack: float | None = None
         self.failovers = 0
         self.last_heard = 0.0
@@ -178,19 +189,12 @@ class LinkCore:
             return []
         return self._update_replica(event.replica, event.rank)
 
-    def registration(self, rank: RankState) -> dict[str, Any]:
+    def registration(self, rank: RankState) -> RegisterMessage:
         """The payload of a registration (the rank's identity, layout and position)."""
         step, status = rank.step, rank.status
         who = self.identity
-        payload: dict[str, Any] = {
-            "world_size": who.world_size, "pid": who.pid, "host": who.host[:255],
-            "replica": self.replica, "failover": self.ever_registered, "step": step,
-            "status": status}
-        if who.token is not None:  # the job's secret (over CURVE: encrypted)
-            payload["token"] = who.token
-        if who.proc is not None:  # a controller in the same pid namespace watches /proc
-            payload["proc"] = who.proc
-        return payload
+        return RegisterMessage(who.world_size, who.pid, who.host[:255], self.replica,
+                               self.ever_registered, step, status, who.token, who.proc)
 
     def _update_replica(self, replica: dict[str, Any], rank: RankState) -> list[Out]:
         self.replica = replica
@@ -256,9 +260,9 @@ class LinkCore:
             step, status, progress = rank.step, rank.status, rank.progress
             # an ack only when needed to know the controller is there: with the default
             # 3 misses, every other heartbeat (half the traffic)
-            out.append(Transmit(MsgType.HEARTBEAT, {
-                "step": step, "status": status, "progress": progress,
-                "ack": now - self.last_heard >= self.interval * self.misses / 2}))
+            out.append(Transmit(MsgType.HEARTBEAT, HeartbeatMessage(
+                step, status, progress,
+                now - self.last_heard >= self.interval * self.misses / 2)))
         out.append(CheckHang())
         return out
 
@@ -266,35 +270,35 @@ class LinkCore:
         self.last_heard = now
         if msg.type not in TO_PROCESSOR:
             return []  # heard, but not for a processor (the shell counts it dropped)
-        p, t = msg.payload, msg.type
-        if t == MsgType.ACTION or (t in (MsgType.ACK, MsgType.REGISTERED)
-                                   and p.get("role") == "active"):
+        p = msg.body
+        if isinstance(p, ActionMessage) or (isinstance(p, (AckMessage, RegisteredMessage))
+                                            and p.role == "active"):
             self.last_active = now
-        if t == MsgType.ACK:
+        if isinstance(p, AckMessage):
             self.last_ack = now
-            self.controller_state, self.controller_role = p["state"], p["role"]
-        elif t == MsgType.ACTION:
+            self.controller_state, self.controller_role = p.state, p.role
+        elif isinstance(p, ActionMessage):
             if self.registered_here:
-                return [Action.from_payload(p)]
-        elif t == MsgType.REGISTERED:
+                return [Action(p.id, p.name, p.payload, p.timeout)]
+        elif isinstance(p, RegisteredMessage):
             return self._on_registered(p, rank)
-        elif t == MsgType.REJECT:
-            if p["retry"]:
-                log.warning("rank %d: controller says: %s", self.rank, p["reason"])
+        elif isinstance(p, RejectMessage):
+            if p.retry:
+                log.warning("rank %d: controller says: %s", self.rank, p.reason)
             else:
-                self.refused = p["reason"]
-                return [Refused(p["reason"])]
-        elif t == MsgType.REDIRECT and self.index != 0:
-            log.info("rank %d: %s; going back", self.rank, p["reason"])
+                self.refused = p.reason
+                return [Refused(p.reason)]
+        elif isinstance(p, RedirectMessage) and self.index != 0:
+            log.info("rank %d: %s; going back", self.rank, p.reason)
             self.switch_to = 0
         return []
 
-    def _on_registered(self, p: dict[str, Any], rank: RankState) -> list[Out]:
-        self.controller_state, self.controller_role = p["state"], p["role"]
+    def _on_registered(self, p: RegisteredMessage, rank: RankState) -> list[Out]:
+        self.controller_state, self.controller_role = p.state, p.role
         update, self.updating_here = self.updating_here, False
-        self.interval = float(p["interval"])
-        self.misses = int(p["misses"])
-        for b in p["backups"]:
+        self.interval = float(p.interval)
+        self.misses = p.misses
+        for b in p.backups:
             try:
                 hp = parse_hostport(b, "backup from controller")
             except ValueError:
@@ -302,16 +306,16 @@ class LinkCore:
             if hp not in self.addresses:
                 self.addresses.append(hp)
         if not self.registered_here:
-            log.info("rank %d registered with %s controller (state %s)", self.rank, p["role"],
-                     p["state"])
+            log.info("rank %d registered with %s controller (state %s)", self.rank, p.role,
+                     p.state)
         self.registered_here = True
-        if p["role"] != "active":
+        if p.role != "active":
             return []  # a standby backup: heartbeat here, wait for it to take charge
         first = not self.ever_registered
         self.ever_registered = True
         out: list[Out] = []
         if first:
-            self.join_info = dict(p)
+            self.join_info = p
             out.append(Accepted())
         report = rank.unanswered
         if report is not None and not first and not update:  # the new controller never saw it

@@ -57,6 +57,7 @@ from ..wire.callbacks import NoRecovery, RecoveryCallbacks, run_callback
 from ..wire.classify import FaultKind
 from ..wire.config import ControlConfig, setup_logging
 from ..wire.fields import WireError
+from ..wire.messages import RegisteredMessage
 from ..wire.order_types import ExitOrder, TypedOrder
 from ..wire.protocol import DropCounter, MsgType
 from ..wire.results import ActionResult, ResultMessage
@@ -167,7 +168,8 @@ class Processor:
     @property
     def rejoining(self) -> bool:
         """A restarted process joining a job being recovered: wait for the repair first."""
-        return bool(self._channel.join_info.get("rejoin"))
+        info = self._channel.join_info
+        return info is not None and info.rejoin
 
     @property
     def stopped(self) -> bool:
@@ -179,8 +181,8 @@ class Processor:
 
     # -- what the controller said (read-only views of the channel) ------------------------
     @property
-    def join_info(self) -> dict[str, Any]:
-        """The first registration reply of the active controller."""
+    def join_info(self) -> RegisteredMessage | None:
+        """The first registration reply of the active controller (None: none yet)."""
         return self._channel.join_info
 
     @property

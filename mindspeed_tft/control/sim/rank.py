@@ -61,7 +61,8 @@ from ..processor.link import (
 from ..processor.watchdog import ProgressWatchdog
 from ..wire.callbacks import run_callback
 from ..wire.classify import FaultKind
-from ..wire.fields import WireError
+from ..wire.fields import Wire, WireError
+from ..wire.messages import ActionMessage
 from ..wire.order_types import ExitOrder
 from ..wire.protocol import MsgType, ProtocolError, decode, encode
 from ..wire.results import ResultMessage
@@ -152,7 +153,7 @@ class SimRank:
         self.alive = False
         self.job.exited(self, code)
 
-    def send(self, mtype: str, payload: dict[str, Any]) -> None:
+    def send(self, mtype: str, payload: Wire | dict[str, Any]) -> None:
         if not self.alive:
             return
         self.seq += 1
@@ -211,21 +212,21 @@ class SimRank:
             self.job.violation(f"rank {self.rank} got an undecodable frame: {e}")
             return
         if msg.type == MsgType.ACTION and self.link.registered_here:
-            if not self._arrived(msg.payload, frame):
+            if not self._arrived(msg.read(ActionMessage), frame):
                 return
         self._outputs(self.link.handle(FromController(msg, self.core.state()),
                                       self.job.loop.now))
         self._schedule(self.job.loop.now)  # a redirect, an ack: the link looks again
         self.poke()
 
-    def _arrived(self, p: dict[str, Any], frame: bytes) -> bool:
+    def _arrived(self, p: ActionMessage, frame: bytes) -> bool:
         """An order arrives (the I/O thread): the invariants see it, its fault strikes.
         False: the process is gone."""
-        aid, name = p["id"], p["name"]
+        aid, name = p.id, p.name
         if aid in self.core.seen:  # the core drops it as a repeat
             self.job.violation(f"rank {self.rank} dropped order {name} as a repeat of "
                                f"action {aid}: an action id was reused")
-        self.job.order_seen(self, name, p["payload"], aid)
+        self.job.order_seen(self, name, p.payload, aid)
         self._known[aid] = self.job.known_damaged(frame)
         fault = self.job.fault_at(self, name, -1)
         if fault is None:
@@ -260,7 +261,8 @@ class SimRank:
                 self.link.handle(Connected(), now)
                 self._schedule(now)
             elif isinstance(out, Accepted):
-                self._rejoining = bool(self.link.join_info.get("rejoin")) or self.fresh
+                info = self.link.join_info
+                self._rejoining = (info is not None and info.rejoin) or self.fresh
             elif isinstance(out, Refused):
                 self.job.loop.after(0.01, self.die, 1)
             elif isinstance(out, GiveUp):

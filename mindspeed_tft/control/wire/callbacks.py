@@ -4,16 +4,21 @@ The processor runs the controller's orders; what an order does to the training s
 its business but the host's: the plugin's `recovery.actions.RecoveryActions`, the
 `mindio_ttp` shim's `SdkActions`. Both implement `RecoveryCallbacks`, one method per order
 that has a callback, taking the typed order (`order_types`) and returning the typed result
-(`results`); mypy checks them against it. `run_callback` dispatches an order to its method
-by the order's type: no name of a method is kept anywhere or looked up.
+(`results`). `run_callback` dispatches an order to its method by the order's type: no name
+of a method is kept anywhere or looked up.
+
+Every method of the Protocol is abstract, and a host names the Protocol as its base: a
+host that leaves one out cannot be built (mypy: "Cannot instantiate abstract class";
+Python: TypeError), so a forgotten `repair` is never a silent success. A host with nothing
+to do for an order says so in that method's own body; nothing is inherited.
 
 `NoRecovery` is the host that does nothing (every order succeeds without touching
-anything); a host inherits from it the orders it has nothing to add to (exit, pause,
-resume: the processor does what they need itself).
+anything): the processor's default before a host registers, and tests' base.
 """
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -48,53 +53,64 @@ from .results import (
 class RecoveryCallbacks(Protocol):
     """What a rank does for each order (called on the processor's order threads)."""
 
+    @abstractmethod
     def stop(self, order: StopOrder) -> StopResult:
         """Make a training thread stuck in a collective raise (the processor holds the
         rank and reports where it is: the result's `step`, `status`, `parked` are its)."""
         ...
 
+    @abstractmethod
     def clean(self, order: CleanOrder) -> CleanResult:
         """Clean the device state before a repair."""
         ...
 
+    @abstractmethod
     def repair(self, order: RepairOrder) -> RepairResult:
         """Bring the rank's state to the lock step (replica shards, or the checkpoint)."""
         ...
 
+    @abstractmethod
     def rollback(self, order: RollbackOrder) -> RollbackResult:
         """Put the training state back to `order.step`."""
         ...
 
+    @abstractmethod
     def dump(self, order: DumpOrder) -> DumpResult:
         """Write this rank's part of the dying-gasp checkpoint."""
         ...
 
+    @abstractmethod
     def rename(self, order: RenameOrder) -> RenameResult:
         """Publish the dump."""
         ...
 
+    @abstractmethod
     def scale_in(self, order: ScaleInOrder) -> ScaleResult:
         """Continue in a smaller world from the dump (elastic training)."""
         ...
 
+    @abstractmethod
     def scale_out(self, order: ScaleOutOrder) -> ScaleResult:
         """Continue in a larger world from the dump (elastic training)."""
         ...
 
+    @abstractmethod
     def exit(self, order: ExitOrder) -> None:
         """Before the process ends (the training thread is let go after it)."""
         ...
 
+    @abstractmethod
     def pause(self, order: PauseOrder) -> None:
         """The rank is held by an operator pause."""
         ...
 
+    @abstractmethod
     def resume(self, order: ResumeOrder) -> None:
         """Before the training thread trains on."""
         ...
 
 
-class NoRecovery:
+class NoRecovery(RecoveryCallbacks):
     """A host with nothing to do for any order (see the module docstring)."""
 
     def stop(self, order: StopOrder) -> StopResult:

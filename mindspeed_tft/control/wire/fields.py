@@ -1,4 +1,4 @@
-"""Checked reading of the maps that orders and results travel as (`order_types`, `results`).
+"""Checked reading of the maps every message travels as (`messages`, `order_types`, `results`).
 
 A `Reader` reads the fields of one wire map: each read checks the value and raises the
 reader's error naming the message, the field, the value and what is allowed; `done` refuses
@@ -9,10 +9,11 @@ the sender.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar, TypeVar
 
-from .protocol import MAX_RANK, MAX_STEP
+from .names import MAX_RANK, MAX_STEP
 
 T = TypeVar("T")
 WireT = TypeVar("WireT", bound="Wire")
@@ -48,9 +49,70 @@ def is_records(v: Any) -> bool:
         type(x) is dict and all(type(k) is str for k in x) for x in v)
 
 
+def is_text(max_len: int) -> Callable[[Any], bool]:
+    """A check: a string of at most `max_len` characters."""
+    def check(v: Any) -> bool:
+        return type(v) is str and len(v) <= max_len
+    return check
+
+
+def is_int(lo: int, hi: int) -> Callable[[Any], bool]:
+    """A check: an integer in [lo, hi] (not a bool)."""
+    def check(v: Any) -> bool:
+        return type(v) is int and lo <= v <= hi
+    return check
+
+
+def is_map(v: Any) -> bool:
+    """An opaque map with string keys (its values were decoded by msgpack: plain data)."""
+    return type(v) is dict and all(type(k) is str for k in v)
+
+
+_REPLICA_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "dp_index": is_int(0, MAX_RANK),
+    "dp_size": is_int(1, MAX_RANK + 1),
+    "replica_num": is_int(1, MAX_RANK + 1),
+    "shard": is_int(0, MAX_RANK),
+    "holders": lambda v: type(v) is list and len(v) <= 1 << 16 and all(is_rank(x) for x in v),
+}
+#: optional: the index of the rank's DP group (its model-parallel position)
+_REPLICA_OPTIONAL: dict[str, Callable[[Any], bool]] = {"group": is_int(0, MAX_RANK)}
+REPLICA = ("a replica layout: {optimizer name: {dp_index, dp_size, replica_num, shard, "
+           "holders[, group]}}")
+
+
+def is_replica(v: Any) -> bool:
+    """{optimizer name: {dp_index, dp_size, replica_num, shard, holders[, group]}} (SPEC 2, 7)."""
+    if type(v) is not dict or len(v) > 16:
+        return False
+    for name, info in v.items():
+        if type(name) is not str or len(name) > 64 or type(info) is not dict:
+            return False
+        optional = info.keys() - _REPLICA_FIELDS.keys()
+        if not _REPLICA_FIELDS.keys() <= info.keys() or not optional <= _REPLICA_OPTIONAL.keys():
+            return False
+        if not all(check(info[k]) for k, check in _REPLICA_FIELDS.items()):
+            return False
+        if not all(_REPLICA_OPTIONAL[k](info[k]) for k in optional):
+            return False
+        if info["dp_index"] >= info["dp_size"] or not info["holders"]:
+            return False
+    return True
+
+
 RANK = f"a rank: an integer in [0, {MAX_RANK}]"
 STEP = "a step: an integer in [0, 2**62]"
 RANKS = f"a list of ranks (integers in [0, {MAX_RANK}])"
+
+
+_ABSENT = object()
+
+
+@functools.lru_cache(maxsize=64)
+def _one_of(names: tuple[str, ...]) -> tuple[Callable[[Any], bool], str]:
+    """The check and its text for a value that is one of `names`."""
+    allowed = frozenset(names)
+    return (lambda v: type(v) is str and v in allowed), "one of " + ", ".join(names)
 
 
 class Reader:
@@ -67,11 +129,11 @@ class Reader:
     def get(self, key: str, check: Callable[[Any], bool], allowed: str,
             required: bool = True) -> Any:
         self.seen.add(key)
-        if key not in self.payload:
+        value = self.payload.get(key, _ABSENT)
+        if value is _ABSENT:
             if required:
                 raise self.error(f"{self.what}: missing {key!r} ({allowed})")
             return None
-        value = self.payload[key]
         if not check(value):
             raise self.error(f"{self.what}: bad {key!r}: {show(value)} (allowed: {allowed})")
         return value
@@ -91,9 +153,8 @@ class Reader:
         return None if value is None else tuple(value)
 
     def choice(self, key: str, allowed: Iterable[str]) -> str:
-        names = tuple(allowed)
-        return str(self.get(key, lambda v: type(v) is str and v in names,
-                            "one of " + ", ".join(names)))
+        check, text = _one_of(tuple(allowed))
+        return str(self.get(key, check, text))
 
     def text(self, key: str) -> str:
         return str(self.get(key, lambda v: type(v) is str, "a string"))
@@ -114,6 +175,8 @@ class Reader:
 
     def done(self) -> None:
         """Refuse keys that no field reads (as the protocol refuses unknown keys)."""
+        if self.payload.keys() <= self.seen:
+            return
         for key in self.payload:
             if key not in self.seen:
                 raise self.error(f"{self.what}: unknown key {show(key)} (allowed: "
@@ -134,10 +197,12 @@ class Wire:
     def _read(cls: type[WireT], r: Reader) -> WireT:
         raise NotImplementedError
 
-    def to_wire(self) -> dict[str, Any]:
-        """The map sent on the wire (checked as `from_wire` checks it)."""
+    def to_wire(self, check: bool = True) -> dict[str, Any]:
+        """The map sent on the wire (checked as `from_wire` checks it, unless `check` is
+        false: a large message its sender builds from checked parts)."""
         wire = self._wire()
-        type(self).from_wire(wire)
+        if check:
+            type(self).from_wire(wire)
         return wire
 
     @classmethod

@@ -2,7 +2,7 @@
 
 The controller's planner (`strategy.StrategyPlanner`) and incident flow build these frozen
 dataclasses; the controller sends `to_wire()` as the `payload` of an `action` message
-(`protocol.SCHEMAS`: an opaque map there); the processor turns the map back into the
+(`messages.ActionMessage`: an opaque map there); the processor turns the map back into the
 dataclass with `from_wire()` before a callback sees it, so the recovery actions (the
 plugin's `RecoveryActions`, the `mindio_ttp` shim's `SdkActions`) read typed fields.
 
@@ -29,7 +29,7 @@ from .fields import is_rank as _is_rank
 from .fields import is_records as _is_records
 from .fields import is_step as _is_step
 from .fields import show as _show
-from .protocol import MAX_RANK
+from .names import MAX_RANK
 
 #: the strategies an order can name (`strategy.Strategy` values; `none`: a false alarm)
 STRATEGY_NAMES = ("dump", "retry", "recover", "load_checkpoint", "exit", "none")

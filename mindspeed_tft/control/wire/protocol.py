@@ -1,4 +1,4 @@
-"""Wire protocol between processors and controllers: msgpack frames with a schema per type.
+"""Wire protocol between processors and controllers: msgpack frames, each payload typed.
 
 Every message is one ZeroMQ frame holding a msgpack array
 
@@ -7,8 +7,10 @@ Every message is one ZeroMQ frame holding a msgpack array
 `version` is `PROTOCOL_VERSION`; `type` one of the `MsgType` names; `sender` the sending
 rank (`CONTROLLER` = -1 for controllers); `seq` a per-sender counter that only grows (a
 receiver takes a message only within `SEQ_WINDOW` of the sender's last one);
-`payload` a map checked against the schema of its type (`SCHEMAS`): required and optional
-keys with their types and ranges; unknown keys are refused.
+`payload` a map checked by the typed class of its type (`messages.MESSAGE_TYPES`, one
+frozen dataclass per type, like the orders and results): required and optional keys with
+their types and ranges; unknown keys are refused. A receiver gets the typed payload
+(`Message.body`) and reads its attributes.
 
 `decode` never unpickles and never trusts a length, and what a frame can cost is bounded
 before any of it is decoded: `peek` reads the fixed header (`0x95`, the version, the type as
@@ -16,29 +18,38 @@ a msgpack fixstr: what every msgpack packer writes) in constant time, and a fram
 its type's cap (`Limits`: a heartbeat is tens of bytes, a sync one row per rank) is refused
 there. Only then does msgpack run, with limits on every container and string sized by the
 world size (`Limits.for_world`) and no extension types; anything that does not match its
-schema raises `ProtocolError` with a short reason. Receivers count and log those
+type raises `ProtocolError` with a short reason (`schema`: the detail names the message,
+the field, the value and what is allowed). Receivers count and log those
 (`DropCounter`) and carry on; nothing that arrives can crash or block them.
 """
 
 from __future__ import annotations
 
+import builtins
 import functools
 import logging
-import math
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import msgpack
 
+from .fields import Wire, WireError
+from .messages import MESSAGE_TYPES, MessageBody
+from .names import ACTIONS as ACTIONS
+from .names import DATA_STATUS as DATA_STATUS
+from .names import MAX_EXIT_REASON as MAX_EXIT_REASON
+from .names import MAX_RANK as MAX_RANK
+from .names import MAX_RANKS_PER_MESSAGE as MAX_RANKS_PER_MESSAGE
+from .names import MAX_STEP as MAX_STEP
+from .names import MAX_TEXT as MAX_TEXT
+from .names import REPORT_KINDS as REPORT_KINDS
+from .names import ROLES as ROLES
+from .names import MsgType as MsgType
+
 log = logging.getLogger("mindspeed_tft.control.protocol")
+BodyT = TypeVar("BodyT", bound=Wire)
 
 PROTOCOL_VERSION = 1
 CONTROLLER = -1
-MAX_RANK = (1 << 24) - 1
-MAX_STEP = (1 << 62)
-MAX_TEXT = 4096
-#: the longest reason a launcher's `exited` report gives for not restarting a worker
-MAX_EXIT_REASON = 1024
 #: how far one message's `seq` may run ahead of the last one its receiver took from the same
 #: sender (a sender's messages arrive in order over one connection: far more than a rank
 #: sends in hours); one further ahead is dropped, so that a forged frame cannot push the
@@ -49,38 +60,6 @@ SEQ_WINDOW = 100_000
 def seq_in_window(seq: int, last: int) -> bool:
     """Whether `seq` follows `last` within `SEQ_WINDOW`."""
     return last < seq <= last + SEQ_WINDOW
-MAX_RANKS_PER_MESSAGE = 1 << 21
-
-
-class MsgType:
-    """Message type names (strings on the wire)."""
-
-    # processor -> controller
-    REGISTER = "register"
-    HEARTBEAT = "hb"
-    REPORT = "report"
-    RESULT = "result"
-    BYE = "bye"
-    # launcher -> controller: a worker of another node's launcher ended
-    EXITED = "exited"
-    # controller -> processor
-    REGISTERED = "registered"
-    ACK = "ack"
-    ACTION = "action"
-    REJECT = "reject"
-    REDIRECT = "redirect"
-    # backup controller <-> active controller
-    BACKUP = "backup"
-    SYNC = "sync"
-
-
-#: actions a controller can order; processors run the callback registered for each name
-ACTIONS = ("pause", "hold", "stop", "clean", "repair", "rollback", "dump", "rename", "resume",
-           "exit", "scale_in", "scale_out")
-#: what a processor can report (SPEC 6): see `classify.FaultKind`
-REPORT_KINDS = ("uce", "comm", "normal", "unknown", "hang")
-DATA_STATUS = ("updated", "updating")
-ROLES = ("active", "standby")
 
 
 class ProtocolError(ValueError):
@@ -93,218 +72,54 @@ class ProtocolError(ValueError):
 
 
 class Message(NamedTuple):
-    """A decoded, schema-checked message."""
+    """A decoded, checked message: `payload` the map as it arrived, `body` its typed form
+    (the class of `messages.MESSAGE_TYPES` for its type) that receivers read."""
 
     type: str
     sender: int
     seq: int
     payload: dict[str, Any]
+    body: MessageBody
+
+    def read(self, kind: builtins.type[BodyT]) -> BodyT:
+        """The typed payload as `kind`, the class of this message's type (TypeError when
+        it is another's: a receiver's bug)."""
+        body = self.body
+        if not isinstance(body, kind):
+            raise TypeError(f"a {self.type} message holds a {type(body).__name__}, "
+                            f"not a {kind.__name__}")
+        return body
 
 
-# ---------------------------------------------------------------------------------------
-# field checks: each returns True when the value is acceptable
-
-
-Check = Callable[[Any], bool]
-
-
-def _int(lo: int, hi: int) -> Check:
-    def check(v: Any) -> bool:
-        return type(v) is int and lo <= v <= hi
-    return check
-
-
-def _num(lo: float, hi: float) -> Check:
-    def check(v: Any) -> bool:
-        return (type(v) is int or type(v) is float) and math.isfinite(v) and lo <= v <= hi
-    return check
-
-
-def _str(max_len: int) -> Check:
-    def check(v: Any) -> bool:
-        return type(v) is str and len(v) <= max_len
-    return check
-
-
-def _enum(*values: str) -> Check:
-    allowed = frozenset(values)
-
-    def check(v: Any) -> bool:
-        return type(v) is str and v in allowed
-    return check
-
-
-def _bool(v: Any) -> bool:
-    return type(v) is bool
-
-
-def _list_of(item: Check, max_len: int) -> Check:
-    def check(v: Any) -> bool:
-        return type(v) is list and len(v) <= max_len and all(item(x) for x in v)
-    return check
-
-
-def _nullable(inner: Check) -> Check:
-    def check(v: Any) -> bool:
-        return v is None or inner(v)
-    return check
-
-
-def _map(v: Any) -> bool:
-    """An opaque map with string keys (its values were decoded by msgpack: plain data)."""
-    return type(v) is dict and all(type(k) is str for k in v)
-
-
-_rank = _int(0, MAX_RANK)
-_step = _int(0, MAX_STEP)
-_ranks = _list_of(_rank, MAX_RANKS_PER_MESSAGE)
-_REPLICA_FIELDS: dict[str, Check] = {
-    "dp_index": _int(0, MAX_RANK),
-    "dp_size": _int(1, MAX_RANK + 1),
-    "replica_num": _int(1, MAX_RANK + 1),
-    "shard": _int(0, MAX_RANK),
-    "holders": _list_of(_rank, 1 << 16),
-}
-#: optional: the index of the rank's DP group (its model-parallel position)
-_REPLICA_OPTIONAL: dict[str, Check] = {"group": _int(0, MAX_RANK)}
-
-
-def _replica(v: Any) -> bool:
-    """{optimizer name: {dp_index, dp_size, replica_num, shard, holders[, group]}} (SPEC 2, 7)."""
-    if type(v) is not dict or len(v) > 16:
-        return False
-    for name, info in v.items():
-        if type(name) is not str or len(name) > 64 or type(info) is not dict:
-            return False
-        optional = info.keys() - _REPLICA_FIELDS.keys()
-        if not _REPLICA_FIELDS.keys() <= info.keys() or not optional <= _REPLICA_OPTIONAL.keys():
-            return False
-        if not all(check(info[k]) for k, check in _REPLICA_FIELDS.items()):
-            return False
-        if not all(_REPLICA_OPTIONAL[k](info[k]) for k in optional):
-            return False
-        if info["dp_index"] >= info["dp_size"] or not info["holders"]:
-            return False
-    return True
-
-
-def _sync_ranks(v: Any) -> bool:
-    """[[rank, step, status, health, replica-or-None], ...] (controller -> backup)."""
-    if type(v) is not list or len(v) > MAX_RANKS_PER_MESSAGE:
-        return False
-    for row in v:
-        if type(row) is not list or len(row) != 5:
-            return False
-        if not (_rank(row[0]) and _step(row[1]) and type(row[2]) is str
-                and type(row[3]) is str and (row[4] is None or _replica(row[4]))):
-            return False
-    return True
-
-
-Schema = dict[str, tuple[Check, bool]]  # key -> (check, required)
-
-SCHEMAS: dict[str, Schema] = {
-    MsgType.REGISTER: {
-        "world_size": (_int(1, MAX_RANK + 1), True),
-        "pid": (_int(0, 1 << 31), True),
-        "host": (_str(255), True),
-        "proc": (_str(160), False),  # procfs.identity(): where the process runs, its start
-        "token": (_str(256), False),  # TTP_JOB_TOKEN, when the job has one
-        "replica": (_nullable(_replica), False),
-        "failover": (_bool, False),
-        "step": (_step, False),
-        "status": (_enum(*DATA_STATUS), False),
-    },
-    MsgType.HEARTBEAT: {
-        "step": (_step, True),
-        "status": (_enum(*DATA_STATUS), True),
-        "progress": (_step, False),
-        "ack": (_bool, False),  # answer with an ack (default true); see Processor
-    },
-    MsgType.REPORT: {
-        "kind": (_enum(*REPORT_KINDS), True),
-        "message": (_str(MAX_TEXT), True),
-        "step": (_step, True),
-        "status": (_enum(*DATA_STATUS), True),
-        "detail": (_map, False),
-    },
-    MsgType.RESULT: {
-        "id": (_int(0, MAX_STEP), True),
-        "action": (_enum(*ACTIONS), True),
-        "ok": (_bool, True),
-        "result": (_map, True),
-        "error": (_str(MAX_TEXT), False),
-    },
-    MsgType.BYE: {"code": (_int(-(1 << 31), 1 << 31), True)},
-    # sender: the rank whose process ended; pid: that process (as it registered)
-    MsgType.EXITED: {
-        "pid": (_int(0, 1 << 31), True),
-        "code": (_int(-(1 << 31), 1 << 31), True),
-        "token": (_str(256), False),  # TTP_JOB_TOKEN, when the job has one
-        "no_replacement": (_str(MAX_EXIT_REASON), False),  # why its launcher will not restart it
-    },
-    MsgType.REGISTERED: {
-        "epoch": (_int(0, MAX_STEP), True),
-        "state": (_str(32), True),
-        "interval": (_num(1e-3, 3600), True),
-        "misses": (_int(1, 1000), True),
-        "backups": (_list_of(_str(300), 8), True),
-        "rejoin": (_bool, True),
-        "lock_step": (_nullable(_step), True),
-        "role": (_enum(*ROLES), True),
-    },
-    MsgType.ACK: {
-        "state": (_str(32), True),
-        "epoch": (_int(0, MAX_STEP), True),
-        "role": (_enum(*ROLES), True),
-    },
-    MsgType.ACTION: {
-        "id": (_int(0, MAX_STEP), True),
-        "name": (_enum(*ACTIONS), True),
-        "timeout": (_num(0, 1e6), True),
-        "payload": (_map, True),
-    },
-    MsgType.REJECT: {"reason": (_str(MAX_TEXT), True), "retry": (_bool, True)},
-    MsgType.REDIRECT: {"reason": (_str(MAX_TEXT), True)},
-    MsgType.BACKUP: {
-        "endpoint": (_str(300), True),
-        "index": (_int(0, 7), True),
-        "token": (_str(256), False),  # TTP_JOB_TOKEN, when the job has one
-    },
-    MsgType.SYNC: {
-        "state": (_str(32), True),
-        "epoch": (_int(0, MAX_STEP), True),
-        "world_size": (_int(1, MAX_RANK + 1), True),
-        "features": (_map, True),
-        "ranks": (_sync_ranks, True),
-        "backups": (_list_of(_str(300), 8), True),
-        "lock_step": (_nullable(_step), True),
-    },
-}
-
-
-def check_payload(mtype: str, payload: Any) -> None:
-    """Raise ProtocolError unless `payload` matches the schema of `mtype`."""
-    schema = SCHEMAS.get(mtype)
-    if schema is None:
+def check_payload(mtype: str, payload: Any) -> MessageBody:
+    """The typed payload of an `mtype` message; raises ProtocolError (`unknown_type`, or
+    `schema` naming the message, the field, the value and what is allowed)."""
+    kind = MESSAGE_TYPES.get(mtype)
+    if kind is None:
         raise ProtocolError("unknown_type", repr(mtype)[:64])
-    if type(payload) is not dict:
-        raise ProtocolError("schema", f"{mtype}: payload is not a map")
-    for key in payload:
-        if key not in schema:
-            raise ProtocolError("schema", f"{mtype}: unknown key {str(key)[:64]!r}")
-    for key, (check, required) in schema.items():
-        if key in payload:
-            if not check(payload[key]):
-                raise ProtocolError("schema", f"{mtype}: bad value for {key!r}")
-        elif required:
-            raise ProtocolError("schema", f"{mtype}: missing {key!r}")
+    try:
+        return kind.from_wire(payload)
+    except WireError as e:
+        raise ProtocolError("schema", str(e)) from None
 
 
-def encode(mtype: str, sender: int, seq: int, payload: dict[str, Any], *,
+def message(mtype: str, sender: int, seq: int, payload: dict[str, Any]) -> Message:
+    """A message as `decode` gives it, from its parts (the payload is checked)."""
+    return Message(mtype, sender, seq, payload, check_payload(mtype, payload))
+
+
+def encode(mtype: str, sender: int, seq: int, payload: Wire | dict[str, Any], *,
            check: bool = True) -> bytes:
-    """One frame for a message (the payload is checked: a bad send is a bug here)."""
-    if check:
+    """One frame for a message: `payload` its typed form (the class of its type) or its
+    map; checked unless `check` is false (a bad send is a bug here)."""
+    if isinstance(payload, Wire):
+        if type(payload) is not MESSAGE_TYPES.get(mtype):
+            raise ProtocolError("schema", f"{mtype} message: a {type(payload).__name__}")
+        try:
+            payload = payload.to_wire(check)
+        except WireError as e:
+            raise ProtocolError("schema", str(e)) from None
+    elif check:
         check_payload(mtype, payload)
     return msgpack.packb([PROTOCOL_VERSION, mtype, sender, seq, payload], use_bin_type=True)
 
@@ -369,11 +184,11 @@ class Limits:
         """Limits when the world size is not known (every container up to
         `MAX_RANKS_PER_MESSAGE` entries, every type up to `max_bytes`)."""
         limits = cls(1, max(max_bytes, 1024))
-        limits.caps = dict.fromkeys(SCHEMAS, max_bytes)
+        limits.caps = dict.fromkeys(MESSAGE_TYPES, max_bytes)
         limits.unpack_kwargs = {
             t: {"max_array_len": MAX_RANKS_PER_MESSAGE, "max_map_len": 1 << 16,
                 "max_str_len": max_bytes, "max_bin_len": max_bytes, "max_ext_len": 0}
-            for t in SCHEMAS}
+            for t in MESSAGE_TYPES}
         return limits
 
 
@@ -429,14 +244,13 @@ def decode(frame: bytes, max_bytes: int = 1 << 20, *, limits: Limits | None = No
     version, mtype, sender, seq, payload = obj
     if version != PROTOCOL_VERSION or type(version) is not int:
         raise ProtocolError("version", repr(version)[:32])
-    if type(mtype) is not str or mtype not in SCHEMAS:
+    if type(mtype) is not str or mtype not in MESSAGE_TYPES:
         raise ProtocolError("unknown_type", repr(mtype)[:64])
     if type(sender) is not int or not (CONTROLLER <= sender <= MAX_RANK):
         raise ProtocolError("schema", "bad sender")
     if type(seq) is not int or not (0 <= seq <= MAX_STEP):
         raise ProtocolError("schema", "bad seq")
-    check_payload(mtype, payload)
-    return Message(mtype, sender, seq, payload)
+    return Message(mtype, sender, seq, payload, check_payload(mtype, payload))
 
 
 class DropCounter:

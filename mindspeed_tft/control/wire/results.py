@@ -10,6 +10,11 @@ the msgpack bytes are the same) and whose `from_wire()` checks every field, rais
 
 The results of the recovery callbacks (`callbacks.RecoveryCallbacks`) are these classes;
 the processor adds what it knows itself (a stop's `step`, `status`, `parked`).
+
+A `result` frame is checked as a `ResultEnvelope` (the order's id and name, ok, the result
+as a map, the error): the controller then reads the result by the order's type
+(`ResultEnvelope.typed`), so one that does not match fails that order, naming the field,
+instead of being dropped as a bad frame.
 """
 
 from __future__ import annotations
@@ -19,8 +24,8 @@ from typing import Any, ClassVar
 
 from .classify import FaultKind
 from .fields import Reader, Wire, WireError, is_ranks, is_step
-from .protocol import ACTIONS, DATA_STATUS, MAX_RANK, MAX_STEP, MAX_TEXT, REPORT_KINDS
-from .protocol import _replica as _is_replica  # the registration's check of a layout
+from .fields import is_replica as _is_replica  # the registration's check of a layout
+from .names import ACTIONS, DATA_STATUS, MAX_RANK, MAX_STEP, MAX_TEXT, REPORT_KINDS, MsgType
 
 
 class ResultError(WireError):
@@ -264,8 +269,8 @@ RESULT_TYPES: dict[str, type[ActionResult]] = {
 
 @dataclass(frozen=True)
 class ResultMessage(Wire):
-    """The payload of a `result` message: order `id` (`action`) succeeded with `result`,
-    or failed with `error`."""
+    """A rank's answer to an order, typed: order `id` (`action`) succeeded with `result`,
+    or failed with `error`. Its wire form is a `ResultEnvelope`'s."""
 
     WHAT: ClassVar[str] = "result"
     ERROR: ClassVar[type[WireError]] = ResultError
@@ -288,14 +293,54 @@ class ResultMessage(Wire):
 
     @classmethod
     def _read(cls, r: Reader) -> ResultMessage:
+        return ResultEnvelope._read(r).typed()
+
+
+@dataclass(frozen=True)
+class ResultEnvelope(Wire):
+    """The payload of a `result` message as the frame is checked: the order's id and name,
+    whether it succeeded, its result as a map (read by the order's name in `typed`: one
+    that does not match its order fails that order, it does not drop the frame), the
+    error."""
+
+    TYPE: ClassVar[str] = MsgType.RESULT
+    WHAT: ClassVar[str] = "result message"
+    ERROR: ClassVar[type[WireError]] = ResultError
+    id: int
+    action: str
+    ok: bool
+    result: dict[str, Any]
+    error: str | None = None
+
+    def _wire(self) -> dict[str, Any]:
+        wire: dict[str, Any] = {"id": self.id, "action": self.action, "ok": self.ok,
+                                "result": self.result}
+        if self.error is not None:
+            wire["error"] = self.error
+        return wire
+
+    @classmethod
+    def _read(cls, r: Reader) -> ResultEnvelope:
         aid = r.get("id", is_step, "an order id")
         action = r.choice("action", ACTIONS)
         ok = r.get("ok", lambda v: type(v) is bool, "true or false")
-        result = r.get("result", lambda v: type(v) is dict, "a map")
-        if not ok:
-            error = r.get("error", lambda v: type(v) is str, "a string", required=False)
-            return cls(aid, action, None, "failed" if error is None else error)
-        return cls(aid, action, RESULT_TYPES[action].from_wire(result))
+        result = r.get("result", lambda v: type(v) is dict and all(type(k) is str for k in v),
+                       "a map with string keys")
+        error = r.get("error", lambda v: type(v) is str and len(v) <= MAX_TEXT,
+                      f"a text of at most {MAX_TEXT} characters", required=False)
+        return cls(aid, action, ok, result, error)
+
+    def typed(self) -> ResultMessage:
+        """The typed result: the order's result read by its type (`RESULT_TYPES`); raises
+        `ResultError` naming the field when it does not match."""
+        if not self.ok:
+            return ResultMessage(self.id, self.action, None,
+                                 "failed" if self.error is None else self.error)
+        return ResultMessage(self.id, self.action, RESULT_TYPES[self.action].from_wire(self.result))
+
+    def failed(self, error: str) -> ResultMessage:
+        """This order failed with `error` (its result did not match its type)."""
+        return ResultMessage(self.id, self.action, error=error)
 
 
 @dataclass(frozen=True)
@@ -304,6 +349,7 @@ class ReportMessage(Wire):
     the training thread, where the rank's data was (`step`, `status`), and optional plain
     `detail` for the planner (e.g. `{"target": "activation"}` for a UCE)."""
 
+    TYPE: ClassVar[str] = MsgType.REPORT
     WHAT: ClassVar[str] = "report"
     ERROR: ClassVar[type[WireError]] = ResultError
     kind: str
