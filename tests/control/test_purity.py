@@ -39,7 +39,7 @@ CORES = [
     "control.controller.incident", "control.controller.scaling",
     "control.controller.strategy", "control.controller.ranktable",
     "control.controller.elasticity", "control.controller.phases",
-    "control.controller.dumping",
+    "control.controller.dumping", "control.controller.context",
     "control.processor.core", "control.processor.link", "control.processor.lanes",
     "control.processor.watchdog",
 ]

@@ -7,6 +7,7 @@ parts it hands each input to; `controller.Controller` is its shell. Imports `wir
 Modules:
 
 - `core`: `ControllerCore`, every decision of a controller, a state machine without I/O
+- `context`: what every part of the core shares: settings, table, state machine, outbox
 - `inputs`: what the core takes in, one typed value per kind of input (`handle`'s)
 - `outbox`: what the core decides in answer to one input: frames, events, the upstream
 - `registration`: which connection speaks for which rank, and the roll call of INIT

@@ -53,12 +53,13 @@ from ..wire.classify import FaultKind
 from ..wire.messages import BackupMessage, SyncMessage, SyncRow
 from ..wire.order_types import ExitOrder, Payload
 from ..wire.peers import hostport, parse_hostport, token_ok
-from ..wire.protocol import CONTROLLER, DropCounter, Message, MsgType, ProtocolError, decode, encode
-from .ranktable import CONNECTED, Health, RankInfo, RankTable
-from .states import INCIDENT_STATES, State, StateMachine
+from ..wire.protocol import CONTROLLER, Message, MsgType, ProtocolError, decode, encode
+from .context import Context
+from .ranktable import CONNECTED, Health, RankInfo
+from .states import INCIDENT_STATES, State
 
 if TYPE_CHECKING:  # the type only: its module reads the environment
-    from ..wire.config import ControlConfig
+    pass
 
 log = logging.getLogger("mindspeed_tft.control.backup")
 
@@ -67,40 +68,30 @@ SYNC_MAX_BYTES = 256 << 20
 
 
 class BackupHost(Protocol):
-    """What `BackupSync` needs from its controller (all from the controller's loop thread)."""
+    """What `BackupSync` asks of the rest of the core (from the controller's loop thread):
+    the incident's lock step, taking the active controller's epoch and features, taking
+    charge, and what a takeover sends and reports."""
 
-    role: str
-    epoch: int
-    features: Features
-
-    @property
-    def endpoint(self) -> str: ...
     def incident_lock_step(self) -> int | None: ...
     def adopt(self, epoch: int, features: Features) -> None: ...
     def become_active(self) -> None: ...
-    def next_seq(self) -> int: ...
-    def raw_send(self, identity: bytes, frame: bytes) -> None: ...
-    def mark_dirty(self) -> None: ...
     def broadcast(self, payload: Payload) -> None: ...
     def send_registered(self, row: RankInfo) -> None: ...
     def fault(self, rank: int, kind: FaultKind, message: str) -> None: ...
-    def emit(self, event: str, rank: int, **fields: Any) -> dict[str, Any]: ...
-    def send_upstream(self, frame: bytes) -> None: ...
-    def close_upstream(self) -> None: ...
 
 
 class BackupSync:
     """The backup half of a controller (see the module docstring)."""
 
-    def __init__(self, host: BackupHost, *, config: ControlConfig, table: RankTable,
-                 sm: StateMachine, drops: DropCounter, world_size: int,
-                 backup_index: int, absent_ranks_return: bool = True) -> None:
+    def __init__(self, ctx: Context, host: BackupHost, *, backup_index: int,
+                 absent_ranks_return: bool = True) -> None:
+        self.ctx = ctx
         self.host = host
-        self.config = config
-        self.table = table
-        self.sm = sm
-        self.drops = drops
-        self.world_size = world_size
+        self.config = config = ctx.config
+        self.table = ctx.table
+        self.sm = ctx.sm
+        self.drops = ctx.drops
+        self.world_size = ctx.world_size
         self.backup_index = backup_index
         #: addresses a backup may announce (`TTP_BACKUP_ADDRS`)
         self.allowed = {hostport(a, p) for a, p in config.backups}
@@ -145,7 +136,7 @@ class BackupSync:
         if (self.server_key is not None and peer_key != self.server_key) or not token_ok(
                 self.config, hello.token):
             self.drops.drop("backup_refused", f"{ep[:80]} without the backup key or token")
-            self.host.mark_dirty()
+            self.ctx.mark_dirty()
             return
         try:
             key = hostport(*parse_hostport(ep, "backup endpoint"))
@@ -153,14 +144,14 @@ class BackupSync:
             key = ""
         if key not in self.allowed:
             self.drops.drop("backup_unknown", ep[:80])
-            self.host.mark_dirty()
+            self.ctx.mark_dirty()
             return
         new = identity not in self.peers
         self.peers[identity] = {"endpoint": key, "index": hello.index,
                                 "last_seen": now}
         if new:
             log.info("backup controller %s joined", key)
-            self.host.mark_dirty()
+            self.ctx.mark_dirty()
             self.sync(now)
 
     def sync_soon(self) -> None:
@@ -179,15 +170,15 @@ class BackupSync:
             log.warning("backup controller %s went silent", self.peers.pop(ident)["endpoint"])
         if not self.peers:
             return
-        frame = encode(MsgType.SYNC, CONTROLLER, self.host.next_seq(), self._sync_payload(),
+        frame = encode(MsgType.SYNC, CONTROLLER, self.ctx.next_seq(), self._sync_payload(),
                        check=False)
         for ident in self.peers:
-            self.host.raw_send(ident, frame)
+            self.ctx.raw_send(ident, frame)
 
     def _sync_payload(self) -> SyncMessage:
-        host = self.host
+        host, ctx = self.host, self.ctx
         return SyncMessage(
-            self.sm.state.value, host.epoch, self.world_size, host.features.to_dict(),
+            self.sm.state.value, ctx.epoch, self.world_size, ctx.features.to_dict(),
             tuple(SyncRow(r.rank, r.step, r.status, r.health.value, r.replica)
                   for r in self.table.all()),
             tuple(self.addresses()), host.incident_lock_step())
@@ -200,7 +191,7 @@ class BackupSync:
 
     def next_deadline(self, now: float) -> float:
         """When `tick_active` / `standby_tick` next has something to do (loop clock)."""
-        if self.host.role == "active":
+        if self.ctx.role == "active":
             return self._next_sync if self.peers else float("inf")
         cfg = self.config
         silent = self._last_sync + cfg.lost_after
@@ -222,7 +213,7 @@ class BackupSync:
         except ProtocolError as e:
             self.drops.drop(e.reason, "upstream " + e.detail)
             return
-        if msg.type != MsgType.SYNC or msg.sender != CONTROLLER or self.host.role != "backup":
+        if msg.type != MsgType.SYNC or msg.sender != CONTROLLER or self.ctx.role != "backup":
             self.drops.drop("unexpected_type", "upstream " + msg.type)
             return
         p = msg.read(SyncMessage)
@@ -245,7 +236,7 @@ class BackupSync:
         self._adopt_rows(rows, now)
         if state is not self.sm.state:
             self.sm.force(state, "synced from the active controller")
-        self.host.mark_dirty()
+        self.ctx.mark_dirty()
 
     def _adopt_rows(self, rows: list[tuple[int, int, str, Health, Any]], now: float) -> None:
         for rank, step, status, health, replica in rows:
@@ -260,7 +251,7 @@ class BackupSync:
                 row.health = health
 
     def _hello_payload(self) -> BackupMessage:
-        return BackupMessage(self.host.endpoint, self.backup_index, self.config.job_token)
+        return BackupMessage(self.ctx.endpoint, self.backup_index, self.config.job_token)
 
     def active_alive(self, now: float) -> bool:
         """Did the active controller sync within the heartbeat timeout?"""
@@ -275,7 +266,7 @@ class BackupSync:
         """Say hello upstream; take charge when the active controller is gone."""
         if self.upstream and now >= self._next_hello:
             self._next_hello = now + self.config.heartbeat_interval
-            self.host.send_upstream(encode(MsgType.BACKUP, CONTROLLER, self.host.next_seq(),
+            self.ctx.out.send_upstream(encode(MsgType.BACKUP, CONTROLLER, self.ctx.next_seq(),
                                            self._hello_payload()))
         if self.active_alive(now):
             return
@@ -297,16 +288,16 @@ class BackupSync:
         log.warning("backup %d takes charge%s: active controller silent, %d of %d ranks here",
                     self.backup_index, " (dump-only)" if dump_only else "", live,
                     self.world_size)
-        host = self.host
+        host, ctx = self.host, self.ctx
         host.become_active()
         self.dump_only = dump_only
         if dump_only:  # every fault is handled with a dump (strategy.strategy_for)
-            host.adopt(host.epoch, dataclasses.replace(host.features, worker_reboot=False,
+            host.adopt(ctx.epoch, dataclasses.replace(ctx.features, worker_reboot=False,
                                                        hbm_repair=False))
         if self.upstream:
-            self.host.close_upstream()
+            self.ctx.out.close_upstream()
             self.upstream = False
-        host.emit("controller_takeover", CONTROLLER_RANK, endpoint=host.endpoint, epoch=host.epoch,
+        ctx.emit("controller_takeover", CONTROLLER_RANK, endpoint=ctx.endpoint, epoch=ctx.epoch,
              live=live, backup_index=self.backup_index, dump_only=dump_only)
         synced = self.sm.state
         faulty = self._survey(now)

@@ -26,10 +26,11 @@ from typing import TYPE_CHECKING, Any
 from ...features import Features
 from ...records import CONTROLLER_RANK
 from ..wire.classify import FaultKind
+from ..wire.messages import AckMessage, RegisteredMessage
 from ..wire.order_types import ExitOrder, PauseOrder, Payload, ResumeOrder
 from ..wire.protocol import CONTROLLER, DropCounter, Limits, MsgType, encode
 from .backup import BackupSync
-from .elasticity import Elasticity
+from .context import Context
 from .inbox import Inbox
 from .incident import IncidentFlow
 from .incidents import Incidents
@@ -49,12 +50,12 @@ from .inputs import (
     Tick,
     Upstream,
 )
-from .liveness import Liveness
+from .liveness import Liveness, Lost
 from .nodes import Nodes
-from .outbox import Outbox, Outputs
-from .ranktable import RankInfo, RankTable
+from .outbox import Outputs
+from .ranktable import RankInfo
 from .registration import Registration
-from .states import State, StateMachine
+from .states import State
 from .strategy import StrategyPlanner
 
 if TYPE_CHECKING:  # the type only: its module reads the environment
@@ -73,48 +74,33 @@ class ControllerCore:
                  planner: StrategyPlanner | None = None, role: str = "active",
                  backup_index: int = 0, endpoint: str = "",
                  absent_ranks_return: bool = True) -> None:
-        self.config = config
-        self.world_size = world_size
-        self.features = features
-        self.planner = planner or StrategyPlanner(features)
-        self.role = role
-        self.backup_index = backup_index
-        #: `ip:port` of the controller this core decides for (a backup names it upstream)
-        self.endpoint = endpoint
-        self.out = Outbox()
-        self.table = RankTable(world_size)
-        self.sm = StateMachine(self.out.emit, State.INIT, emit_events=False)
+        planner = planner or StrategyPlanner(features)
+        planner.features = features
+        #: what every part shares (`context.Context`)
+        self.ctx = ctx = Context(world_size, config, planner, role=role, endpoint=endpoint,
+                                 drops=DropCounter(log),
+                                 limits=Limits.for_world(world_size, config.max_message_bytes))
+        self.config, self.world_size, self.planner = config, world_size, planner
+        self.out, self.table, self.sm = ctx.out, ctx.table, ctx.sm
+        self.drops, self.limits, self.elasticity = ctx.drops, ctx.limits, ctx.elasticity
         self.sm.listeners.append(self._on_transition)
-        self.drops = DropCounter(log)
-        #: per-type frame caps and msgpack limits for this world size (protocol.Limits)
-        self.limits = Limits.for_world(world_size, config.max_message_bytes)
-        self.epoch = 0
-        #: elastic training: home replicas, the global batch in micro-batches (scale-out)
-        self.elasticity = Elasticity()
-        self.exit_code: int | None = None
+        self.backup_index = backup_index
+        #: the job's end decided outside an incident (training finished, INIT failed)
+        self._exit_code: int | None = None
         self.started = 0.0
-        self._seq = 0
         self._ack_frame: bytes | None = None
-        self.backups = BackupSync(self, config=config, table=self.table, sm=self.sm,
-                                  drops=self.drops, world_size=world_size,
-                                  backup_index=backup_index,
+        self.backups = BackupSync(ctx, self, backup_index=backup_index,
                                   absent_ranks_return=absent_ranks_return)
-        #: silent ranks and ended processes (`liveness.Liveness`, through `LivenessHost`)
-        self.liveness = Liveness(self, config=config, table=self.table, sm=self.sm)
+        #: silent ranks and ended processes (`liveness.Liveness`)
+        self.liveness = Liveness(ctx)
         #: registrations and the INIT roll call (`registration.Registration`)
-        self.registration = Registration(
-            self, config=config, world_size=world_size, table=self.table, sm=self.sm,
-            drops=self.drops, elasticity=self.elasticity)
+        self.registration = Registration(ctx, self)
         #: silent launchers of other nodes, and the ranks that get no replacement (`nodes`)
-        self.nodes = Nodes(self, config)
+        self.nodes = Nodes(ctx)
         #: the incident under way, the orders it sends, its counters (`incidents.Incidents`)
-        self.incidents = Incidents(self, config=config, table=self.table, sm=self.sm,
-                                   planner=self.planner, elasticity=self.elasticity,
-                                   unreplaceable=self.nodes.unreplaceable)
+        self.incidents = Incidents(ctx, unreplaceable=self.nodes.unreplaceable)
         #: what processors and backups send (`inbox.Inbox`)
-        self.inbox = Inbox(self, config=config, table=self.table, sm=self.sm,
-                           drops=self.drops, limits=self.limits,
-                           registration=self.registration, backups=self.backups)
+        self.inbox = Inbox(ctx, self, registration=self.registration, backups=self.backups)
 
     # -- reading ------------------------------------------------------------------------
     @property
@@ -131,12 +117,33 @@ class ControllerCore:
         """The time of the input being handled (loop clock)."""
         return self.out.now
 
+    @property
+    def role(self) -> str:
+        return self.ctx.role
+
+    @property
+    def epoch(self) -> int:
+        return self.ctx.epoch
+
+    @property
+    def endpoint(self) -> str:
+        return self.ctx.endpoint
+
+    @property
+    def features(self) -> Features:
+        return self.ctx.features
+
+    @property
+    def exit_code(self) -> int | None:
+        """The job's exit code once decided (None: not yet)."""
+        return self._exit_code if self._exit_code is not None else self.incidents.exit_code
+
     def role_name(self) -> str:
-        return "active" if self.role == "active" else "standby"
+        return self.ctx.role_name()
 
     def emit(self, event: str, rank: int, **fields: Any) -> dict[str, Any]:
         """An event (into the outbox: the shell writes it, the simulator checks it)."""
-        return self.out.emit(event, rank, **fields)
+        return self.ctx.emit(event, rank, **fields)
 
     # -- inputs -------------------------------------------------------------------------
     def handle(self, event: Input, now: float) -> Outputs:
@@ -159,7 +166,7 @@ class ControllerCore:
         """The controller listens."""
         self.started = self.now
         self.out.wall_offset = start.wall_offset
-        self.endpoint = start.endpoint or self.endpoint
+        self.ctx.endpoint = start.endpoint or self.ctx.endpoint
         self.backups.server_key = start.server_key
         if self.role == "backup":
             self.backups.linked(self.now)
@@ -179,23 +186,41 @@ class ControllerCore:
                 self.sm.to(State.NORMAL, "operator resume")
                 self.broadcast(ResumeOrder(0, None, "none", True))
         elif isinstance(cmd, ProcessExit):
-            self.liveness.on_process_exit(cmd.rank, cmd.returncode, cmd.source)
+            self._lost(self.liveness.on_process_exit(cmd.rank, cmd.returncode, cmd.source))
             if cmd.no_replacement is not None and self.flow is not None:
                 self.flow.no_replacement(cmd.rank, cmd.no_replacement)
         elif isinstance(cmd, ProcessGone):
-            self.liveness.process_gone(cmd.rank, cmd.how, cmd.source)
+            self._lost(self.liveness.process_gone(cmd.rank, cmd.how, cmd.source))
         elif isinstance(cmd, NoReplacement):
             if self.flow is not None:
                 self.flow.no_replacement(cmd.rank, cmd.why)
         elif isinstance(cmd, NodeSilent):
             if self.role == "active":
-                self.nodes.on_silent(cmd.node, tuple(cmd.ranks), cmd.silent_for, self.now)
+                self._no_replacement(self.nodes.on_silent(cmd.node, tuple(cmd.ranks),
+                                                          cmd.silent_for, self.now))
         elif isinstance(cmd, NodeBack):
             self.nodes.on_back(cmd.node)
         elif isinstance(cmd, NewFeatures):
             self.adopt(self.epoch, cmd.features)
         else:  # pragma: no cover - a new input type without its case
             raise TypeError(f"unknown controller input {cmd!r}")
+
+    def _lost(self, lost: Lost | None) -> None:
+        """Liveness decided a rank is lost: the roll call waits for it again (INIT), or a
+        `lost` fault."""
+        if lost is None:
+            return
+        if lost.during_init:
+            self.registration.mark_missing(lost.rank)
+        else:
+            self.fault(lost.rank, FaultKind.LOST, lost.message)
+
+    def _no_replacement(self, given_up: list[tuple[int, str]]) -> None:
+        """Ranks no replacement is coming for (`Nodes`): the incident under way knows."""
+        flow = self.flow
+        if flow is not None:
+            for rank, why in given_up:
+                flow.no_replacement(rank, why)
 
     def launcher_exit(self, rank: int, returncode: int, no_replacement: str | None) -> None:
         """Another node's launcher reported `rank`'s process' end (`inbox`, `exited`): the
@@ -211,8 +236,9 @@ class ControllerCore:
         now = self.now
         state = self.sm.state
         if self.role == "active":
-            self.liveness.supervise(now)
-            self.nodes.tick(now)
+            for lost in self.liveness.supervise(now):
+                self._lost(lost)
+            self._no_replacement(self.nodes.tick(now))
             if self.flow is not None:
                 self.flow.tick(now)
             if state is State.INIT and (late := self.registration.overdue(now, self.started)):
@@ -259,8 +285,8 @@ class ControllerCore:
         frame = self._ack_frame
         if frame is None:
             frame = self._ack_frame = encode(
-                MsgType.ACK, CONTROLLER, self.next_seq(),
-                {"state": self.sm.state.value, "epoch": self.epoch, "role": self.role_name()})
+                MsgType.ACK, CONTROLLER, self.ctx.next_seq(),
+                AckMessage(self.sm.state.value, self.epoch, self.role_name()))
         return frame
 
     def training_finished(self) -> None:
@@ -268,21 +294,17 @@ class ControllerCore:
         self.sm.to(State.EXIT, "training finished")
         self.incidents.dismiss_returning("training finished before the job could grow by "
                                          "this rank")
-        self.exit_code = 0
+        self._exit_code = 0
         self.emit("exit", CONTROLLER_RANK, code=0, reason="training finished")
         self.sm.to(State.FINAL, "training finished")
 
-    def rank_missing(self, rank: int) -> None:
-        """A rank was lost during INIT: the roll call waits for it again."""
-        self.registration.missing.add(rank)
-
     def send_registered(self, row: RankInfo) -> None:
-        lock = self.incident_lock_step()
-        self.send(row.identity, MsgType.REGISTERED, {
-            "epoch": self.epoch, "state": self.sm.state.value,
-            "interval": self.config.heartbeat_interval, "misses": self.config.heartbeat_misses,
-            "backups": self.backups.addresses(), "rejoin": row.fresh,
-            "lock_step": lock, "role": self.role_name()})
+        """The answer to a registration: the rank is registered here."""
+        cfg = self.config
+        self.ctx.send(row.identity, MsgType.REGISTERED, RegisteredMessage(
+            self.epoch, self.sm.state.value, cfg.heartbeat_interval, cfg.heartbeat_misses,
+            tuple(self.backups.addresses()), row.fresh, self.incident_lock_step(),
+            self.role_name()))
 
     def fault(self, rank: int, kind: FaultKind, message: str,
               detail: dict[str, Any] | None = None) -> None:
@@ -302,7 +324,7 @@ class ControllerCore:
     def fail_init(self, reason: str) -> None:
         log.error("initialisation failed: %s", reason)
         code = self.config.failure_exit_code
-        self.exit_code = code
+        self._exit_code = code
         self.emit("exit", CONTROLLER_RANK, code=code, reason=reason)
         self.broadcast(ExitOrder(code, reason))
         self.sm.to(State.FINAL, reason)
@@ -313,41 +335,19 @@ class ControllerCore:
 
     def adopt(self, epoch: int, features: Features) -> None:
         """A backup takes the active controller's epoch and features (sync)."""
-        self.epoch = epoch
-        self.features = features
+        self.ctx.epoch = epoch
         self.planner.features = features
 
     def become_active(self) -> None:
         """A backup takes charge: a new epoch, and its transitions are events from now on."""
-        self.role = "active"
-        self.epoch += 1
+        self.ctx.role = "active"
+        self.ctx.epoch += 1
         # its action ids must not repeat ones the ranks saw from the controller before it
         # (a processor drops an id it has seen as a repeat): each epoch numbers its own
         # (found by the simulator: tft-sim --seed 480 --world 8)
         self.incidents.number_actions_from(self.epoch << ACTION_ID_BITS)
         self.sm.emit_events = True
         self._ack_frame = None
-
-    def mark_dirty(self) -> None:
-        """Something a snapshot shows changed."""
-        self.out.mark_dirty()
-
-    # -- sending ----------------------------------------------------------------------------
-    def next_seq(self) -> int:
-        self._seq += 1
-        return self._seq
-
-    def send(self, identity: bytes, mtype: str, payload: dict[str, Any]) -> None:
-        self.raw_send(identity, encode(mtype, CONTROLLER, self.next_seq(), payload))
-
-    def raw_send(self, identity: bytes, frame: bytes) -> None:
-        self.out.send(identity, frame)
-
-    def send_upstream(self, frame: bytes) -> None:
-        self.out.send_upstream(frame)
-
-    def close_upstream(self) -> None:
-        self.out.close_upstream()
 
     def broadcast(self, payload: Payload) -> None:
         """One order to every connected rank."""

@@ -24,8 +24,6 @@ from ..wire.peers import token_ok
 from ..wire.protocol import (
     SEQ_WINDOW,
     TO_CONTROLLER,
-    DropCounter,
-    Limits,
     Message,
     MsgType,
     ProtocolError,
@@ -35,15 +33,15 @@ from ..wire.protocol import (
 )
 from ..wire.results import ReportMessage, ResultEnvelope, ResultError
 from .backup import BackupSync
+from .context import Context
 from .incident import IncidentFlow
 from .inputs import Frame
-from .outbox import Outbox
-from .ranktable import CONNECTED, Health, RankInfo, RankTable
+from .ranktable import CONNECTED, Health, RankInfo
 from .registration import Registration
-from .states import State, StateMachine
+from .states import State
 
 if TYPE_CHECKING:  # the type only: its module reads the environment
-    from ..wire.config import ControlConfig
+    pass
 
 log = logging.getLogger("mindspeed_tft.control.controller")
 
@@ -52,20 +50,12 @@ _UNBOUND_TYPES = frozenset({MsgType.REGISTER, MsgType.BACKUP, MsgType.EXITED})
 
 
 class InboxHost(Protocol):
-    """What `Inbox` needs from its controller (all from the controller's loop thread)."""
-
-    role: str
-    out: Outbox
+    """What `Inbox` asks of the rest of the core (from the controller's loop thread)."""
 
     @property
     def flow(self) -> IncidentFlow | None: ...
-    @property
-    def now(self) -> float: ...
     def fault(self, rank: int, kind: FaultKind, message: str,
               detail: dict[str, Any] | None = None) -> None: ...
-    def mark_dirty(self) -> None: ...
-    def send(self, identity: bytes, mtype: str, payload: dict[str, Any]) -> None: ...
-    def raw_send(self, identity: bytes, frame: bytes) -> None: ...
     def ack_frame(self) -> bytes: ...
     def order(self, rank: int, payload: Payload) -> None: ...
     def training_finished(self) -> None: ...
@@ -75,15 +65,15 @@ class InboxHost(Protocol):
 class Inbox:
     """Messages to the controller (see the module docstring)."""
 
-    def __init__(self, host: InboxHost, *, config: ControlConfig, table: RankTable,
-                 sm: StateMachine, drops: DropCounter, limits: Limits,
-                 registration: Registration, backups: BackupSync) -> None:
+    def __init__(self, ctx: Context, host: InboxHost, *, registration: Registration,
+                 backups: BackupSync) -> None:
+        self.ctx = ctx
         self.host = host
-        self.config = config
-        self.table = table
-        self.sm = sm
-        self.drops = drops
-        self.limits = limits
+        self.config = ctx.config
+        self.table = ctx.table
+        self.sm = ctx.sm
+        self.drops = ctx.drops
+        self.limits = ctx.limits
         self.registration = registration
         self.backups = backups
 
@@ -103,16 +93,16 @@ class Inbox:
             msg = decode(frame.data, limits=self.limits, mtype=t)
         except ProtocolError as e:
             self.drops.drop(e.reason, e.detail)
-            self.host.mark_dirty()
+            self.ctx.mark_dirty()
             return
         if bound is not None:
             # a registered rank's process, maybe on a new connection (a reconnect keeps its
             # routing id): that connection is admitted
-            self.host.out.admit("known")
+            self.ctx.out.admit("known")
         self._dispatch(t, identity, msg, frame)
 
     def _dispatch(self, t: str, identity: bytes, msg: Message, frame: Frame) -> None:
-        now = self.host.now
+        now = self.ctx.now
         if t == MsgType.HEARTBEAT:
             self._on_heartbeat(identity, msg)
         elif t == MsgType.REGISTER:
@@ -123,18 +113,18 @@ class Inbox:
             self._on_result(identity, msg)
         elif t == MsgType.BYE:
             self._on_bye(identity, msg)
-        elif t == MsgType.BACKUP and self.host.role == "active":
+        elif t == MsgType.BACKUP and self.ctx.role == "active":
             key = frame.key
             server_key = self.backups.server_key
             if token_ok(self.config, msg.read(BackupMessage).token) and (
                     server_key is None or key == server_key):
-                self.host.out.admit("token")  # a backup controller: it holds the job's token
+                self.ctx.out.admit("token")  # a backup controller: it holds the job's token
             self.backups.on_backup(identity, msg, now, key)
         elif t == MsgType.EXITED:
             self._on_exited(msg, frame.key)
         else:
             self.drops.drop("unexpected_type", t)
-            self.host.mark_dirty()
+            self.ctx.mark_dirty()
 
     def _bound(self, identity: bytes, msg: Message) -> RankInfo | None:
         row = self.table.lookup(identity)
@@ -149,9 +139,9 @@ class Inbox:
                                         f"{SEQ_WINDOW}")
         else:
             row.last_seq = msg.seq
-            row.last_seen = self.host.now
+            row.last_seen = self.ctx.now
             return row
-        self.host.mark_dirty()
+        self.ctx.mark_dirty()
         return None
 
     def _on_heartbeat(self, identity: bytes, msg: Message) -> None:
@@ -168,9 +158,9 @@ class Inbox:
                 flow.clear_fault(row.rank)
             row.progress = progress
         elif health is Health.LOST:
-            if self.sm.state is State.INIT or self.host.role == "backup":
+            if self.sm.state is State.INIT or self.ctx.role == "backup":
                 row.health = Health.ALIVE
-                self.host.mark_dirty()
+                self.ctx.mark_dirty()
                 if self.sm.state is State.INIT:
                     self.registration.arrived(row.rank)
             else:  # declared lost and handled as such: this process must go
@@ -178,18 +168,18 @@ class Inbox:
                                                             "this rank was declared lost"))
                 row.health = Health.EXITING
                 return
-        now = self.host.now
-        if self.host.role == "backup" and self.backups.active_alive(now):
-            self.host.send(identity, MsgType.REDIRECT, {"reason": "the active controller is alive"})
+        now = self.ctx.now
+        if self.ctx.role == "backup" and self.backups.active_alive(now):
+            self.ctx.send(identity, MsgType.REDIRECT, {"reason": "the active controller is alive"})
             self.backups.redirected(now)
             return
         if not msg.read(HeartbeatMessage).ack:
             return
-        self.host.raw_send(identity, self.host.ack_frame())
+        self.ctx.raw_send(identity, self.host.ack_frame())
 
     def _on_report(self, identity: bytes, msg: Message) -> None:
         row = self._bound(identity, msg)
-        if row is None or self.host.role != "active":
+        if row is None or self.ctx.role != "active":
             return
         report = msg.read(ReportMessage)
         kind = report.fault
@@ -206,7 +196,7 @@ class Inbox:
         if kind is FaultKind.HANG and flow is not None and row.rank in flow.incident.parked:
             return  # a report that crossed the stop: its training thread did come back
         row.health = Health.HUNG if kind is FaultKind.HANG else Health.FAULTY
-        self.host.mark_dirty()
+        self.ctx.mark_dirty()
         self.host.fault(row.rank, kind, report.message, report.detail)
 
     def _on_result(self, identity: bytes, msg: Message) -> None:
@@ -232,18 +222,18 @@ class Inbox:
         registered for the rank: a report that crossed its replacement's registration
         changes nothing. The connection stays pending (the launcher closes it once the
         frame is sent)."""
-        if self.host.role != "active":
+        if self.ctx.role != "active":
             return
         p, rank = msg.read(ExitedMessage), msg.sender
         if not token_ok(self.config, p.token) or (
                 self.config.job_token is None and key is None):
             self.drops.drop("bad_token", f"exited claiming rank {rank}")
-            self.host.mark_dirty()
+            self.ctx.mark_dirty()
             return
         owner = self.registration.rank_keys.get(rank)
         if key is not None and key != owner:
             self.drops.drop("rank_key", f"exited for rank {rank} with another CURVE key")
-            self.host.mark_dirty()
+            self.ctx.mark_dirty()
             return
         row = self.table.get(rank)
         if row is None or row.pid != p.pid:
@@ -255,10 +245,10 @@ class Inbox:
 
     def _on_bye(self, identity: bytes, msg: Message) -> None:
         row = self._bound(identity, msg)
-        if row is None or self.host.role != "active":
+        if row is None or self.ctx.role != "active":
             return
         row.health = Health.DONE
-        self.host.mark_dirty()
+        self.ctx.mark_dirty()
         log.info("rank %d finished (code %d)", row.rank, msg.read(ByeMessage).code)
         flow = self.host.flow
         if flow is not None:

@@ -11,51 +11,33 @@ controller only through the `IncidentsHost` methods below.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from ..wire.classify import FaultKind
 from ..wire.order_types import ExitOrder, Payload, to_wire
 from ..wire.protocol import CONTROLLER, MsgType, encode
-from .elasticity import Elasticity
+from .context import Context
 from .incident import Incident, IncidentFlow, IncidentStats
-from .ranktable import Health, RankInfo, RankTable
-from .states import StateMachine
-from .strategy import StrategyPlanner
+from .ranktable import Health, RankInfo
 
 if TYPE_CHECKING:  # the type only: its module reads the environment
-    from ..wire.config import ControlConfig
+    pass
 
 log = logging.getLogger("mindspeed_tft.control.controller")
-
-
-class IncidentsHost(Protocol):
-    """What `Incidents` needs from its controller (all from the controller's loop thread)."""
-
-    exit_code: int | None
-    endpoint: str
-    epoch: int
-
-    @property
-    def now(self) -> float: ...
-    def emit(self, event: str, rank: int, **fields: Any) -> dict[str, Any]: ...
-    def next_seq(self) -> int: ...
-    def send(self, identity: bytes, mtype: str, payload: dict[str, Any]) -> None: ...
-    def raw_send(self, identity: bytes, frame: bytes) -> None: ...
-    def mark_dirty(self) -> None: ...
 
 
 class Incidents:
     """The incident under way and the orders it sends (see the module docstring)."""
 
-    def __init__(self, host: IncidentsHost, *, config: ControlConfig, table: RankTable,
-                 sm: StateMachine, planner: StrategyPlanner, elasticity: Elasticity,
-                 unreplaceable: dict[int, str] | None = None) -> None:
-        self.host = host
-        self.config = config
-        self.table = table
-        self.sm = sm
-        self.planner = planner
-        self.elasticity = elasticity
+    def __init__(self, ctx: Context, unreplaceable: dict[int, str] | None = None) -> None:
+        self.ctx = ctx
+        self.config = ctx.config
+        self.table = ctx.table
+        self.sm = ctx.sm
+        self.planner = ctx.planner
+        self.elasticity = ctx.elasticity
+        #: the exit code the last incident ended the job with (None: it did not)
+        self.exit_code: int | None = None
         self.flow: IncidentFlow | None = None
         #: ranks that get no replacement whatever happens (their node's launcher is silent:
         #: `nodes.Nodes`), and why: every incident starts knowing them
@@ -105,7 +87,7 @@ class Incidents:
     def claim(self) -> str:
         """Who orders a dump (`DumpOrder.claim`): this controller's endpoint and epoch (a
         backup that took charge has a later epoch and another endpoint)."""
-        return f"controller {self.host.endpoint or '-'} epoch {self.host.epoch}"
+        return f"controller {self.ctx.endpoint or '-'} epoch {self.ctx.epoch}"
 
     def lock_step(self) -> int | None:
         """The lock step of the incident under way; None when there is none."""
@@ -129,10 +111,10 @@ class Incidents:
     # -- FlowHost ---------------------------------------------------------------------------
     def now(self) -> float:
         """The time of the input being handled (the core's loop clock)."""
-        return self.host.now
+        return self.ctx.now
 
     def emit(self, event: str, rank: int, **fields: Any) -> dict[str, Any]:
-        return self.host.emit(event, rank, **fields)
+        return self.ctx.emit(event, rank, **fields)
 
     def new_action_id(self) -> int:
         self._action_id += 1
@@ -147,20 +129,20 @@ class Incidents:
         row = self.table.get(rank)
         if row is None or not row.identity:
             return
-        self.host.send(row.identity, MsgType.ACTION,
+        self.ctx.send(row.identity, MsgType.ACTION,
                        {"id": action_id, "name": payload.KIND, "timeout": float(timeout),
                         "payload": to_wire(payload)})
 
     def send_action_many(self, ranks: list[int], action_id: int, payload: Payload,
                          timeout: float) -> None:
         """The same order to many ranks (encoded once)."""
-        frame = encode(MsgType.ACTION, CONTROLLER, self.host.next_seq(),
+        frame = encode(MsgType.ACTION, CONTROLLER, self.ctx.next_seq(),
                        {"id": action_id, "name": payload.KIND, "timeout": float(timeout),
                         "payload": to_wire(payload)})
         for rank in ranks:
             row = self.table.get(rank)
             if row is not None and row.identity:
-                self.host.raw_send(row.identity, frame)
+                self.ctx.raw_send(row.identity, frame)
 
     def flow_finished(self, flow: IncidentFlow) -> None:
         if self.flow is flow:
@@ -168,11 +150,11 @@ class Incidents:
         if flow.outcome is not None:
             self.stats.add(flow.outcome)
         if flow.exit_code is not None:
-            self.host.exit_code = flow.exit_code
+            self.exit_code = flow.exit_code
             self.dismiss_returning(f"the job ended (exit code {flow.exit_code}) before it "
                                    "could grow by this rank")
         self.grow_check = bool(self.returning)
-        self.host.mark_dirty()
+        self.ctx.mark_dirty()
 
     # -- elastic training: growing back ------------------------------------------------------
     def rank_returned(self, row: RankInfo, replica: dict[str, Any] | None) -> None:

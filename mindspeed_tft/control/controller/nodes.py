@@ -15,32 +15,18 @@ happens then is decided here, once per silence, and said in one `node_silent` ev
 
 A launcher heard again (`NodeBack`: the link returned, or a replacement launcher took the
 node over) cancels the wait and the refusal for what comes after; an incident that already
-decided keeps its decision. `Nodes` is part of the controller's core and talks to the
-incident under way only through `IncidentFlow.no_replacement`.
+decided keeps its decision. `Nodes` is part of the controller's core; it returns the ranks it
+gives up on, and why, and the core tells the incident under way
+(`IncidentFlow.no_replacement`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
 
-from ...features import Features
 from ...records import CONTROLLER_RANK
-from .incident import IncidentFlow
-
-if TYPE_CHECKING:  # the type only: its module reads the environment
-    from ..wire.config import ControlConfig
-
-
-class NodesHost(Protocol):
-    """What `Nodes` needs from its controller (all from the controller's loop thread)."""
-
-    features: Features
-
-    @property
-    def flow(self) -> IncidentFlow | None: ...
-    def emit(self, event: str, rank: int, **fields: Any) -> dict[str, Any]: ...
+from .context import Context
 
 
 @dataclass
@@ -53,26 +39,28 @@ class _Silence:
 class Nodes:
     """Silent launchers and the ranks that get no replacement (see the module docstring)."""
 
-    def __init__(self, host: NodesHost, config: ControlConfig) -> None:
-        self.host = host
-        self.config = config
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.config = ctx.config
         self.silent: dict[int, _Silence] = {}
         #: rank -> why it gets no replacement (every incident opened starts knowing it)
         self.unreplaceable: dict[int, str] = {}
 
     def on_silent(self, node: int, ranks: tuple[int, ...], silent_for: float,
-                  now: float) -> None:
-        """Node `node`'s launcher has not been heard for `silent_for` seconds."""
+                  now: float) -> list[tuple[int, str]]:
+        """Node `node`'s launcher has not been heard for `silent_for` seconds. Returns the
+        ranks given up now (no replacement is coming for them) and why."""
         if node in self.silent:
-            return
+            return []
         wait = self.config.node_replacement_wait
-        decision = "wait" if wait > 0 else ("shrink" if self.host.features.elastic else "dump")
-        self.host.emit("node_silent", CONTROLLER_RANK, node=node, ranks=list(ranks),
+        decision = "wait" if wait > 0 else ("shrink" if self.ctx.features.elastic else "dump")
+        self.ctx.emit("node_silent", CONTROLLER_RANK, node=node, ranks=list(ranks),
                        silent_s=round(silent_for, 3), decision=decision,
                        **({"wait_s": wait} if wait > 0 else {}))
         self.silent[node] = _Silence(ranks, now + wait if wait > 0 else math.inf)
-        if wait <= 0:
-            self._give_up(node, f"node {node}'s launcher silent for {silent_for:.1f}s")
+        if wait > 0:
+            return []
+        return self._give_up(node, f"node {node}'s launcher silent for {silent_for:.1f}s")
 
     def on_back(self, node: int) -> None:
         """Node `node`'s launcher is heard again."""
@@ -81,21 +69,23 @@ class Nodes:
             return
         for rank in silence.ranks:
             self.unreplaceable.pop(rank, None)
-        self.host.emit("node_back", CONTROLLER_RANK, node=node, ranks=list(silence.ranks))
+        self.ctx.emit("node_back", CONTROLLER_RANK, node=node, ranks=list(silence.ranks))
 
-    def tick(self, now: float) -> None:
+    def tick(self, now: float) -> list[tuple[int, str]]:
+        """The ranks whose wait for a replacement launcher ended now, and why."""
+        given_up = []
         for node, silence in self.silent.items():
             if now >= silence.deadline:
                 silence.deadline = math.inf
-                self._give_up(node, f"no replacement launcher for node {node} within "
-                                    f"{self.config.node_replacement_wait:g}s")
+                given_up += self._give_up(node, f"no replacement launcher for node {node} "
+                                                f"within {self.config.node_replacement_wait:g}s")
+        return given_up
 
     def next_deadline(self) -> float:
         return min((s.deadline for s in self.silent.values()), default=math.inf)
 
-    def _give_up(self, node: int, why: str) -> None:
-        flow = self.host.flow
-        for rank in self.silent[node].ranks:
+    def _give_up(self, node: int, why: str) -> list[tuple[int, str]]:
+        ranks = self.silent[node].ranks
+        for rank in ranks:
             self.unreplaceable[rank] = why
-            if flow is not None:
-                flow.no_replacement(rank, why)
+        return [(rank, why) for rank in ranks]

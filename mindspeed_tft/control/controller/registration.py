@@ -15,30 +15,23 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ...features import Features
 from ..wire.messages import RegisterMessage
 from ..wire.peers import REFUSED, REFUSED_FOR_NOW, token_ok
-from ..wire.protocol import DropCounter, Message, MsgType, seq_in_window
-from .elasticity import Elasticity
-from .outbox import Outbox
-from .ranktable import CONNECTED, Health, RankInfo, RankTable
-from .states import State, StateMachine
+from ..wire.protocol import Message, MsgType, seq_in_window
+from .context import Context
+from .ranktable import CONNECTED, Health, RankInfo
+from .states import State
 
 if TYPE_CHECKING:  # the type only: its module reads the environment
-    from ..wire.config import ControlConfig
+    pass
 
 log = logging.getLogger("mindspeed_tft.control.controller")
 
 
 class RegistrationHost(Protocol):
-    """What `Registration` needs from its controller (all from the controller's loop thread)."""
+    """What `Registration` asks of the rest of the core (from the controller's loop thread):
+    the answer to a registration, and a restarted or returning rank's place in an incident."""
 
-    role: str
-    features: Features
-    out: Outbox
-
-    def mark_dirty(self) -> None: ...
-    def send(self, identity: bytes, mtype: str, payload: dict[str, Any]) -> None: ...
     def send_registered(self, row: RankInfo) -> None: ...
     def rank_returned(self, row: RankInfo, replica: dict[str, Any] | None) -> None: ...
     def rank_restarted(self, row: RankInfo) -> None: ...
@@ -47,20 +40,23 @@ class RegistrationHost(Protocol):
 class Registration:
     """Registrations and the INIT roll call (see the module docstring)."""
 
-    def __init__(self, host: RegistrationHost, *, config: ControlConfig, world_size: int,
-                 table: RankTable, sm: StateMachine, drops: DropCounter,
-                 elasticity: Elasticity) -> None:
+    def __init__(self, ctx: Context, host: RegistrationHost) -> None:
+        self.ctx = ctx
         self.host = host
-        self.config = config
-        self.world_size = world_size
-        self.table = table
-        self.sm = sm
-        self.drops = drops
-        self.elasticity = elasticity
+        self.config = ctx.config
+        self.world_size = world_size = ctx.world_size
+        self.table = ctx.table
+        self.sm = ctx.sm
+        self.drops = ctx.drops
+        self.elasticity = ctx.elasticity
         #: CURVE: the client key each rank first registered with (rank -> z85 key)
         self.rank_keys: dict[int, str] = {}
         #: ranks not (or no longer) registered during INIT; NORMAL when it is empty
         self.missing: set[int] = set(range(world_size))
+
+    def mark_missing(self, rank: int) -> None:
+        """A rank was lost during INIT: the roll call waits for it again."""
+        self.missing.add(rank)
 
     def arrived(self, rank: int) -> None:
         """`rank` is registered (again) during INIT: NORMAL once every rank is."""
@@ -79,7 +75,7 @@ class Registration:
 
     def rebindable(self, row: RankInfo, now: float) -> bool:
         """May another connection take over this rank's row?"""
-        if self.host.role == "backup":
+        if self.ctx.role == "backup":
             return now - row.last_seen > self.config.lost_after
         return row.health not in CONNECTED
 
@@ -91,18 +87,18 @@ class Registration:
         p, rank = msg.read(RegisterMessage), msg.sender
         if not token_ok(self.config, p.token):
             self.drops.drop("bad_token", f"register claiming rank {rank}")
-            self.host.send(identity, MsgType.REJECT, REFUSED)
+            self.ctx.send(identity, MsgType.REJECT, REFUSED)
             return True
         if not (0 <= rank < self.world_size) or p.world_size != self.world_size:
             self.drops.drop("bad_register", f"rank {rank} of world size {p.world_size} "
                             f"(this job: {self.world_size})")
-            self.host.send(identity, MsgType.REJECT, REFUSED)
+            self.ctx.send(identity, MsgType.REJECT, REFUSED)
             return True
         if not room:  # its connection shows the token, but the cap is reached
             self.drops.drop("over_cap", f"register claiming rank {rank}")
-            self.host.send(identity, MsgType.REJECT, REFUSED_FOR_NOW)
+            self.ctx.send(identity, MsgType.REJECT, REFUSED_FOR_NOW)
             return True
-        self.host.out.admit("token")
+        self.ctx.out.admit("token")
         return False
 
     def on_register(self, identity: bytes, msg: Message, now: float, key: str | None = None,
@@ -133,11 +129,11 @@ class Registration:
         if p.replica is not None:  # the layout, known after the registration
             row.replica = p.replica
             self.elasticity.note_registration(rank, p.replica)
-            self.host.mark_dirty()
-        if row.health is Health.LOST and (self.sm.state is State.INIT or self.host.role == "backup"):
+            self.ctx.mark_dirty()
+        if row.health is Health.LOST and (self.sm.state is State.INIT or self.ctx.role == "backup"):
             row.health = Health.ALIVE
         self.host.send_registered(row)
-        if self.sm.state is State.INIT and self.host.role == "active":
+        if self.sm.state is State.INIT and self.ctx.role == "active":
             self.arrived(rank)
 
     def _taken(self, identity: bytes, row: RankInfo | None, rank: int, key: str | None,
@@ -145,20 +141,20 @@ class Registration:
         """Whether another connection, process or key holds `rank` (True: refused)."""
         if row is not None and row.identity and not self.rebindable(row, now):
             self.drops.drop("rank_taken", f"rank {rank} registers from a second connection")
-            self.host.send(identity, MsgType.REJECT, REFUSED_FOR_NOW)
+            self.ctx.send(identity, MsgType.REJECT, REFUSED_FOR_NOW)
             return True
         if row is not None and row.health is Health.DONE and not failover:
             # a rank that finished training is not restarted: only its own process, failing
             # over, reconnects (a fresh registration here would undo the job's end)
             self.drops.drop("rank_done", f"rank {rank} registers after it finished")
-            self.host.send(identity, MsgType.REJECT, REFUSED)
+            self.ctx.send(identity, MsgType.REJECT, REFUSED)
             return True
         owner = self.rank_keys.get(rank)
         if key is not None and owner is not None and key != owner:
             # CURVE: a rank is bound to the key it first registered with; only a process
             # holding that key (its replacement) takes it back
             self.drops.drop("rank_key", f"rank {rank} registers with another CURVE key")
-            self.host.send(identity, MsgType.REJECT, REFUSED)
+            self.ctx.send(identity, MsgType.REJECT, REFUSED)
             return True
         return False
 
@@ -168,28 +164,28 @@ class Registration:
         failover) and tell the rest of the controller."""
         p, rank = msg.read(RegisterMessage), msg.sender
         state = self.sm.state
-        fresh = state is not State.INIT and not failover and self.host.role == "active"
+        fresh = state is not State.INIT and not failover and self.ctx.role == "active"
         prev_health = row.health if row is not None else None
         prev_replica = row.replica if row is not None else None
         info = self.table.register(rank, identity, p.host, p.pid, now, p.replica, p.step,
                                    p.status)
         info.last_seq = msg.seq
         info.fresh = fresh
-        self.host.out.watch(rank, p.pid, p.proc)
+        self.ctx.out.watch(rank, p.pid, p.proc)
         self.elasticity.note_registration(rank, p.replica)
         if key is not None:
             self.rank_keys.setdefault(rank, key)
         if prev_health in (Health.DONE,) and failover:
             info.health = Health.DONE
-        self.host.mark_dirty()
+        self.ctx.mark_dirty()
         log.info("rank %d registered (pid %s on %s%s)", rank, p.pid, p.host,
                  ", restarted" if fresh else (", failover" if failover else ""))
         self.host.send_registered(info)
-        if self.host.role != "active":
+        if self.ctx.role != "active":
             return
         if state is State.INIT:
             self.arrived(rank)
-        elif fresh and self.host.features.elastic and (
+        elif fresh and self.ctx.features.elastic and (
                 prev_health is Health.LEFT or len(self.table.members()) < self.world_size):
             self.host.rank_returned(info, prev_replica)
         elif fresh:
