@@ -3,8 +3,8 @@
 Each message type's payload is a frozen dataclass on `fields.Wire`, like the orders
 (`order_types`) and the results and reports (`results`): `from_wire` checks every field and
 raises `MessageError` naming the message, the field, the value and what is allowed;
-`to_wire` is exactly the map its sender built before these classes existed (the same keys in
-the same order: the msgpack bytes are the same), checked the same way. `MESSAGE_TYPES` maps
+`to_wire` gives its map, the keys in a fixed order and optional ones only when set (the
+same msgpack bytes from every sender), checked the same way. `MESSAGE_TYPES` maps
 every `MsgType` to its class; `protocol` checks each payload by it, on sending and on
 receiving, and hands the receiver the typed payload (`protocol.Message.body`).
 

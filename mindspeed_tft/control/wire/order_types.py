@@ -6,9 +6,8 @@ dataclasses; the controller sends `to_wire()` as the `payload` of an `action` me
 dataclass with `from_wire()` before a callback sees it, so the recovery actions (the
 plugin's `RecoveryActions`, the `mindio_ttp` shim's `SdkActions`) read typed fields.
 
-The wire form is exactly what the controller sent before these classes existed: the same
-keys in the same order (msgpack keeps a map's order, so the frames are byte-for-byte the
-same), lists of ranks as lists, entries as maps. Both directions check every field:
+The wire form is a map with a fixed order of keys (msgpack keeps a map's order, so an order
+encodes to the same bytes on every controller), lists of ranks as lists, entries as maps. Both directions check every field:
 `from_wire` raises `OrderError` naming the order, the field, the value and what is
 allowed (a processor answers such an order with a failure instead of running it);
 `to_wire` raises it too, so a planner bug fails at the sender, as `protocol.encode` does.

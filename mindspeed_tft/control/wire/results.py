@@ -4,8 +4,8 @@ A rank answers every order with a `result` message (`ResultMessage`): the order'
 name, whether it succeeded, the order's result (one class per order below) or the error.
 It reports what went wrong in its training thread with a `report` message
 (`ReportMessage`). Like the orders (`order_types`), each is a frozen dataclass whose
-`to_wire()` is exactly the map sent before these classes existed (same keys, same order:
-the msgpack bytes are the same) and whose `from_wire()` checks every field, raising
+`to_wire()` is a map with a fixed order of keys (the msgpack bytes are the same on every
+rank) and whose `from_wire()` checks every field, raising
 `ResultError` naming the message, the field, the value and what is allowed.
 
 The results of the recovery callbacks (`callbacks.RecoveryCallbacks`) are these classes;
