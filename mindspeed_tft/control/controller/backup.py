@@ -96,7 +96,7 @@ class BackupSync:
         #: addresses a backup may announce (`TTP_BACKUP_ADDRS`)
         self.allowed = {hostport(a, p) for a, p in config.backups}
         #: CURVE: the ZAP User-Id a backup must present (the server's public key: backups
-        #: hold the server pair); from the `Start` input, None without CURVE
+        #: hold the server pair); `expect_server_key`, None without CURVE
         self.server_key: str | None = None
         #: on the active controller: the backups that joined, by connection
         self.peers: dict[bytes, dict[str, Any]] = {}
@@ -113,6 +113,11 @@ class BackupSync:
         self.dump_only = False
 
     # -- both roles -----------------------------------------------------------------------
+    def expect_server_key(self, key: str | None) -> None:
+        """Under CURVE, the key a backup shows (the controllers' server pair; None: no
+        CURVE): the controller learns it when it starts listening."""
+        self.server_key = key
+
     def addresses(self) -> list[str]:
         """The backup addresses processors may fail over to."""
         return sorted(self.allowed)

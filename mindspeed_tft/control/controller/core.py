@@ -167,7 +167,7 @@ class ControllerCore:
         self.started = self.now
         self.out.wall_offset = start.wall_offset
         self.ctx.endpoint = start.endpoint or self.ctx.endpoint
-        self.backups.server_key = start.server_key
+        self.backups.expect_server_key(start.server_key)
         if self.role == "backup":
             self.backups.linked(self.now)
         else:
@@ -244,7 +244,6 @@ class ControllerCore:
             if state is State.INIT and (late := self.registration.overdue(now, self.started)):
                 self.fail_init(late)
             if self.incidents.grow_check and self.flow is None and state is State.NORMAL:
-                self.incidents.grow_check = False
                 self.incidents.maybe_grow(now)
             self.backups.tick_active(now)
         else:
@@ -310,8 +309,6 @@ class ControllerCore:
               detail: dict[str, Any] | None = None) -> None:
         """A fault on `rank`: starts an incident, joins the one under way, or ends INIT."""
         state = self.sm.state
-        if detail and self.flow is not None:
-            self.flow.incident.details[rank] = detail
         if state is State.INIT:
             self.emit("fault_detected", CONTROLLER_RANK, ranks=[rank], kind=kind.value,
                       message=message[:500])
@@ -319,7 +316,7 @@ class ControllerCore:
         elif self.flow is None and state in (State.NORMAL, State.PAUSE):
             self.incidents.open(rank, kind, message, detail, self.now)
         elif self.flow is not None:
-            self.flow.add_fault(rank, kind, message)
+            self.flow.add_fault(rank, kind, message, detail)
 
     def fail_init(self, reason: str) -> None:
         log.error("initialisation failed: %s", reason)

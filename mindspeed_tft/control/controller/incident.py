@@ -294,9 +294,13 @@ class IncidentFlow:
         self.incident.detected = self.scaling.begin(world, dp_size, joining, self.incident.id)
         self._hold_every_rank()
 
-    def add_fault(self, rank: int, kind: FaultKind, message: str) -> None:
-        """A further fault while the incident is handled."""
+    def add_fault(self, rank: int, kind: FaultKind, message: str,
+                  detail: dict[str, Any] | None = None) -> None:
+        """A further fault while the incident is handled (`detail`: what its report said
+        beyond the kind)."""
         inc = self.incident
+        if detail:
+            inc.details[rank] = detail
         if kind is FaultKind.HANG and rank in inc.parked:
             log.info("rank %d: late hang report ignored (its training thread came back)", rank)
             return

@@ -56,10 +56,9 @@ class Incidents:
              now: float) -> None:
         """A first fault: a new incident (NORMAL/PAUSE -> ABNORMAL)."""
         self.count += 1
-        self.flow = IncidentFlow(self, Incident(self.count, now))
-        self.flow.incident.unreplaceable.update(self.unreplaceable)
-        if detail:
-            self.flow.incident.details[rank] = detail
+        self.flow = IncidentFlow(self, Incident(
+            self.count, now, details={rank: detail} if detail else {},
+            unreplaceable=dict(self.unreplaceable)))
         self.flow.begin(rank, kind, message)
 
     def view(self) -> dict[str, Any] | None:
@@ -178,6 +177,7 @@ class Incidents:
 
     def maybe_grow(self, now: float) -> None:
         """Start a scale-out when the returning ranks let the job grow (loop thread)."""
+        self.grow_check = False
         lost = self.config.lost_after
         for rank in sorted(self.returning):  # a returning process that went silent is gone
             row = self.table.get(rank)
