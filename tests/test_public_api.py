@@ -100,9 +100,9 @@ def test_the_sdk_imports_only_what_the_stable_api_lists() -> None:
 
 
 def test_an_unlisted_sdk_import_fails() -> None:
-    assert unlisted({"mindspeed_tft.control.controller.incident.IncidentFlow": ["x.py:3"]},
+    assert unlisted({"mindspeed_tft.control.controller.flow.IncidentFlow": ["x.py:3"]},
                     "`mindspeed_tft.control.Processor`") == [
-        "x.py:3: imports mindspeed_tft.control.controller.incident.IncidentFlow"]
+        "x.py:3: imports mindspeed_tft.control.controller.flow.IncidentFlow"]
 
 
 def test_the_sdk_pins_this_version() -> None:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from mindspeed_tft.control.controller.core import ControllerCore
-from mindspeed_tft.control.controller.incident import Incident, IncidentFlow
+from mindspeed_tft.control.controller.flow import Incident, IncidentFlow
 from mindspeed_tft.control.controller.inputs import (
     Frame,
     Input,

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mindspeed_tft.control.controller.incident import IncidentStats, Outcome
+from mindspeed_tft.control.controller.flow import IncidentStats, Outcome
 from mindspeed_tft.control.controller.metrics import EventsGoodput, MetricsServer, prometheus
 from mindspeed_tft.control.wire.config import ControlConfig, ControlConfigError
 from mindspeed_tft.launcher.options import LauncherError, launch_options

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mindspeed_tft.control.controller.incident import Incident, IncidentFlow
+from mindspeed_tft.control.controller.flow import Incident, IncidentFlow
 from mindspeed_tft.control.controller.phases import (
     FINAL_STAGES,
     NEXT,

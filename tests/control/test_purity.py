@@ -36,7 +36,7 @@ CORES = [
     "control.controller.inbox", "control.controller.registration",
     "control.controller.backup", "control.controller.states", "control.controller.liveness",
     "control.controller.nodes", "control.controller.incidents",
-    "control.controller.incident", "control.controller.scaling",
+    "control.controller.flow", "control.controller.scaling",
     "control.controller.strategy", "control.controller.ranktable",
     "control.controller.elasticity", "control.controller.phases",
     "control.controller.dumping", "control.controller.context",

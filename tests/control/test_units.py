@@ -11,7 +11,7 @@ import msgpack
 import pytest
 
 from mindspeed_tft.control import ControlConfig, ControlConfigError, Features, ForceStop
-from mindspeed_tft.control.controller.incident import Incident
+from mindspeed_tft.control.controller.flow import Incident
 from mindspeed_tft.control.controller.ranktable import Health, RankTable
 from mindspeed_tft.control.controller.states import (
     TRANSITIONS,

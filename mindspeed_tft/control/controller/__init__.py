@@ -14,7 +14,7 @@ Modules:
 - `liveness`: which connected ranks are gone, from their silence or their processes
 - `inbox`: what the controller does with each message a processor or a backup sends
 - `incidents`: the incident under way, the incident counters and the orders that carry it
-- `incident`: `IncidentFlow`, the phases of one fault's handling (SPEC 5)
+- `flow`: `IncidentFlow`, one incident's handling through its stages (SPEC 5)
 - `phases`: an incident's stages and their transitions as a table, and the decisions' reasons
 - `dumping`: the dying-gasp checkpoint's stages of an incident: dump, then rename
 - `scaling`: elastic training's phases: shrink or grow from the lock step's dump

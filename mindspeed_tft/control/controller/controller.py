@@ -56,7 +56,7 @@ from ..wire.transport import connect_dealer, hostport, new_routing_id
 from .admission import PENDING_MARGIN, Admission
 from .backup import SYNC_MAX_BYTES, BackupSync
 from .core import ControllerCore
-from .incident import IncidentFlow
+from .flow import IncidentFlow
 from .inputs import (
     Command,
     Frame,

@@ -2,7 +2,7 @@
 
 `ControllerCore` is everything a controller decides: registrations and the INIT roll call
 (`registration`), silent and ended ranks (`liveness`), what each message means (`inbox`),
-the incident under way and its phases (`incidents`, `incident`, `scaling`, `strategy`),
+the incident under way and its phases (`incidents`, `flow`, `phases`, `dumping`, `scaling`, `strategy`),
 backups kept in sync and a backup taking charge (`backup`). It holds no socket, thread,
 clock or random source, and calls nothing outside itself.
 
@@ -31,8 +31,8 @@ from ..wire.order_types import ExitOrder, PauseOrder, Payload, ResumeOrder
 from ..wire.protocol import CONTROLLER, DropCounter, Limits, MsgType, encode
 from .backup import BackupSync
 from .context import Context
+from .flow import IncidentFlow
 from .inbox import Inbox
-from .incident import IncidentFlow
 from .incidents import Incidents
 from .inputs import (
     Command,

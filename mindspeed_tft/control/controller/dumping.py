@@ -1,6 +1,6 @@
 """The dying-gasp checkpoint's stages of an incident (SPEC 7): dump, then rename.
 
-`Dumping` is held by an `incident.IncidentFlow` (`flow.dumping`) and runs in the
+`Dumping` is held by an `flow.IncidentFlow` (`flow.dumping`) and runs in the
 controller's loop thread. When the flow's table leads to the dump (`phases.NEXT`: no repair,
 a failed repair, a shrink or a grow), `start_dump` moves the controller to DUMP and orders
 the holders chosen by the planner (`StrategyPlanner.dump_payloads`) to write the lock step;
@@ -25,7 +25,7 @@ from .states import State, StateMachine
 from .strategy import PlanError, StrategyPlanner
 
 if TYPE_CHECKING:  # types only
-    from .incident import Incident
+    from .flow import Incident
     from .scaling import Scaling
 
 

@@ -34,7 +34,7 @@ from ..wire.protocol import (
 from ..wire.results import ReportMessage, ResultEnvelope, ResultError
 from .backup import BackupSync
 from .context import Context
-from .incident import IncidentFlow
+from .flow import IncidentFlow
 from .inputs import Frame
 from .ranktable import CONNECTED, Health, RankInfo
 from .registration import Registration

@@ -2,7 +2,7 @@
 carry them; with elastic training, the ranks waiting to grow the job back.
 
 `Incidents` is part of the controller's core (`ControllerCore.incidents`).
-It opens an `incident.IncidentFlow` for a fault (or a scale-out) and is that flow's
+It opens an `flow.IncidentFlow` for a fault (or a scale-out) and is that flow's
 `FlowHost`: it numbers actions, sends them to ranks (the same order to many encoded once),
 and counts each incident's outcome when the flow finishes. It reaches back into the
 controller only through the `IncidentsHost` methods below.
@@ -17,7 +17,7 @@ from ..wire.classify import FaultKind
 from ..wire.order_types import ExitOrder, Payload, to_wire
 from ..wire.protocol import CONTROLLER, MsgType, encode
 from .context import Context
-from .incident import Incident, IncidentFlow, IncidentStats
+from .flow import Incident, IncidentFlow, IncidentStats
 from .ranktable import Health, RankInfo
 
 if TYPE_CHECKING:  # the type only: its module reads the environment

@@ -1,6 +1,6 @@
 """An incident's phases and their transitions, as a table; and the decisions that drive it.
 
-An incident (`incident.IncidentFlow`) goes through stages. Most are phases: one order sent
+An incident (`flow.IncidentFlow`) goes through stages. Most are phases: one order sent
 to a set of ranks, ended when every one answered or its deadline passed (`HOLD`, `STOP`,
 `CLEAN`, `REPAIR`, `ROLLBACK`, `DUMP`, `RENAME`, `SCALE_IN`, `SCALE_OUT`) or a wait for
 restarted processes (`REJOIN`). The others end the incident or lead on at once: `RESUME`

@@ -1,7 +1,7 @@
 """Elastic training's phases of an incident: shrink without the lost ranks' data-parallel
 replicas, or grow by returning ranks, each from the dump of the lock step.
 
-`Scaling` is held by an `incident.IncidentFlow` (`flow.scaling`) and runs in the controller's
+`Scaling` is held by an `flow.IncidentFlow` (`flow.scaling`) and runs in the controller's
 loop thread. The flow decides to shrink (no replacement for a lost rank) or is opened to grow
 (`begin_scale_out`); once the dump is renamed it hands the path here: `start_scale_in` /
 `start_scale_out` send the scale order (or return why they cannot), `after_scale_in` /
@@ -54,7 +54,7 @@ class ScaleContext(Protocol):
 
 
 class PhaseResults(Protocol):
-    """What came back from one phase (`incident.Phase`)."""
+    """What came back from one phase (`flow.Phase`)."""
 
     @property
     def results(self) -> dict[int, ActionResult]: ...
@@ -63,7 +63,7 @@ class PhaseResults(Protocol):
 
 
 class ScaleFlow(Protocol):
-    """What `Scaling` needs from its incident flow (`incident.IncidentFlow`'s public
+    """What `Scaling` needs from its incident flow (`flow.IncidentFlow`'s public
     interface: its incident, send one order, start a phase)."""
 
     @property

@@ -19,7 +19,7 @@ it (subclass and pass to `Controller(planner=...)`) for richer UCE and ARF plans
 already picks dump holders per SPEC 7 and repair sources from the replica layout the ranks
 registered: `{optimizer name: {dp_index, dp_size, replica_num, shard, holders}}` where
 `holders` lists the global ranks holding the same shard in DP-index order (i, i + d/N, ...).
-The planner reads an incident through `IncidentFacts` (`incident.Incident` is one), so this
+The planner reads an incident through `IncidentFacts` (`flow.Incident` is one), so this
 module does not depend on the incident flow that uses it.
 """
 
