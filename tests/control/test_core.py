@@ -164,8 +164,18 @@ def test_no_replacement_for_a_lost_rank_ends_its_rejoin_round() -> None:
     h.answer("clean")
     assert h.core.flow is not None and h.core.flow.phase is not None
     assert h.core.flow.phase.name == "rejoin"
+    # the snapshot says what the incident waits for, until when, and why
+    view = h.core.incidents.view()
+    assert view is not None and view["phase"] == "rejoin" and view["waiting_for"] == [1]
+    assert view["until"] == h.core.flow.phase.deadline
+    assert view["why"] == {"stage": "rejoin", "code": "restarts",
+                           "text": "waiting for restarted workers", "ranks": [1]}
     h.feed(NoReplacement(1, "budget"))
     assert h.core.state in (State.EXIT, State.FINAL, State.DUMP)
+    (failed,) = h.named("repair_failed")
+    assert failed["why"] == "no_restart" and failed["ranks_of_reason"] == [1]
+    assert failed["reason"] == "restarted workers did not register: rank 1: no replacement " \
+                               "(budget)"
 
 
 def test_a_result_that_does_not_match_its_order_fails_the_order_naming_the_field() -> None:
