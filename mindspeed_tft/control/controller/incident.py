@@ -595,7 +595,7 @@ class IncidentFlow:
                    if (row := host.table.get(r)) is None
                    or row.health not in (*CONNECTED, Health.DONE) and not _left_before(inc, row)]
         if missing:
-            self._repair_failed(f"ranks {missing} are gone: nothing to repair them into")
+            self._repair_failed(f"ranks {missing} are gone: nothing to repair them into", missing)
             return
         targets = [r.rank for r in host.table.connected()]
         try:
@@ -651,9 +651,9 @@ class IncidentFlow:
         host.sm.to(State.NORMAL, "false alarm" if false_alarm else f"repaired ({inc.strategy})")
         self._finish()
 
-    def _repair_failed(self, reason: str) -> None:
+    def _repair_failed(self, reason: str, gone: list[int] | None = None) -> None:  # gone: why
         log.error("incident %d: %s; falling back to dump", self.incident.id, reason)
-        self.host.emit("repair_failed", CONTROLLER_RANK, reason=reason, incident=self.incident.id)
+        self.host.emit("repair_failed", CONTROLLER_RANK, reason=reason, incident=self.incident.id, gone=gone or [])
         self._enter_dump(reason)
 
     def _enter_dump(self, reason: str) -> None:
