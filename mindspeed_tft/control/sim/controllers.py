@@ -19,7 +19,7 @@ from ..controller.core import ControllerCore
 from ..controller.outbox import Outputs
 from ..controller.states import State
 from ..wire.config import ControlConfig
-from .invariants import Violation
+from .invariants import Checker, Violation
 from .loop import Loop, Network
 
 #: where the controllers listen (the backup's address is in `ControlConfig.backups`)
@@ -49,11 +49,11 @@ class ControllerHost(Protocol):
 
     loop: Loop
     net: Network
+    checker: Checker
 
     def deliver_to_rank(self, identity: bytes, frame: bytes, index: int,
                         core: ControllerCore) -> None: ...
     def on_events(self, events: list[dict[str, Any]], core: ControllerCore) -> None: ...
-    def violation(self, what: str) -> None: ...
 
 
 class SimController:
@@ -115,7 +115,7 @@ class SimControllers:
         except Violation:
             raise
         except Exception as e:  # a bug of the core: the run fails with it
-            self.job.violation(f"controller {c.index} raised {type(e).__name__}: {e}")
+            self.job.checker.crashed(f"controller {c.index}", e)
         self._route(c, core.take())
         self._schedule_tick(c)
 

@@ -18,7 +18,7 @@ in a simulated process, in the roles the plugin and `processor.handler` play in 
 
 What it truly holds (`held`: the step of a complete, undamaged state; None inside an
 update, after memory damage or before a restarted process got state) is what the invariants
-compare the controller's decisions with (`Cluster.violation`).
+compare the controller's decisions with (`invariants.Checker.state_used`).
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from ..wire.results import (
     ScaleResult,
     StopResult,
 )
+from .invariants import Checker
 from .loop import Loop, Network
 from .schedule import Fault, Layout
 
@@ -75,16 +76,18 @@ class Cluster(Protocol):
     rng: random.Random
     config: ControlConfig
     layout: Layout
-    #: the steps training takes
+    #: the steps training takes, and the seconds of a step's compute
     steps: int
+    compute: float
+    checker: Checker
 
     def to_controller(self, proc: Any, frame: bytes) -> None: ...
     def arrive(self, proc: Any, step: int) -> None: ...
     def exited(self, proc: Any, code: int) -> None: ...
-    def order_seen(self, proc: Any, name: str, wire: Any, action_id: int) -> None: ...
+    def order_seen(self, proc: Any, name: str, wire: Any, action_id: int,
+                   repeat: bool = False) -> None: ...
     def completed_step(self, step: int) -> None: ...
     def fault_at(self, proc: Any, point: str, step: int) -> Fault | None: ...
-    def violation(self, what: str) -> None: ...
     def layout_of(self, rank: int, world: list[int], dp_size: int) -> dict[str, Any]: ...
     def shrunk(self, ranks: list[int]) -> tuple[list[int], int]: ...
     def checkpoint(self, lock_step: int) -> int: ...
@@ -92,6 +95,7 @@ class Cluster(Protocol):
     def known_damaged(self, frame: bytes) -> frozenset[int]: ...
     def finished(self, proc: Any) -> None: ...
     def published(self, incident: int, lock_step: int) -> None: ...
+    def dump_written(self, incident: int, rank: int, shards: list[int]) -> None: ...
     def resumed(self, proc: Any, step: int | None, false_alarm: bool) -> None: ...
 
 
@@ -165,7 +169,8 @@ class Trainer:
         if self._fault(("start",), nxt):
             return
         self.thread = "compute"
-        self._later(COMPUTE * (0.8 + 0.4 * self.job.rng.random()), self._reduce, nxt)
+        compute = self.job.compute
+        self._later(compute * (0.8 + 0.4 * self.job.rng.random()), self._reduce, nxt)
 
     def _reduce(self, nxt: int) -> None:
         if self._fault(("allreduce",), nxt):
@@ -201,6 +206,8 @@ class Trainer:
         self._later(UPDATE, self._updated, nxt)
 
     def _updated(self, nxt: int) -> None:
+        if self._fault(("inside",), nxt):  # inside the update: its state is half-updated
+            return
         core = self.core
         core.update_end(nxt)
         self.step = self.held = nxt
@@ -264,7 +271,7 @@ class Trainer:
         fk, detail = {"uce": (FaultKind.UCE, {"target": fault.detail}),
                       "comm": (FaultKind.COMM, None),
                       "raise": (FaultKind.UNKNOWN, None)}[kind]
-        if kind == "uce" and fault.detail in ("params", "optimizer"):
+        if kind == "uce" and fault.detail in ("param", "optimizer"):
             self.intact = False
         self.error(fk, f"injected {kind}", detail, device)
         return True
@@ -298,13 +305,11 @@ class Trainer:
 
     # -- the recovery callbacks (`wire.callbacks.RecoveryCallbacks`) ----------------------
     def _check(self, what: str, source: int, held: int | None, intact: bool, step: int) -> None:
-        """State of `step` taken from `source`: a violation when it does not hold that step,
-        or holds it damaged or is gone and the controller knew; else damaged memory raises
-        (the device finds it) or the transfer from a dead process fails: the order fails."""
-        gone = held is None and not intact  # its process is dead: the transfer fails
-        if (held != step and not gone) or (not intact and source in self.known):
-            self.job.violation(f"rank {self.rank}: {what} rank {source} at step {step}, which "
-                               f"holds {held} ({'intact' if intact else 'damaged or gone'})")
+        """State of `step` taken from `source` (checked: `Checker.state_used`); damaged
+        memory raises (the device finds it), a transfer from a dead process fails: the order
+        fails."""
+        self.job.checker.state_used(self.rank, what, source, held, intact, step,
+                                    source in self.known)
         if not intact:
             raise Raised(f"rank {source}'s memory is damaged, or it is gone")
 
@@ -338,6 +343,7 @@ class Trainer:
     def dump(self, order: DumpOrder) -> DumpResult:
         if order.shards:
             self._check("dumped from", self.rank, self.held, self.intact, order.lock_step)
+            self.job.dump_written(order.incident, self.rank, [s.shard for s in order.shards])
         return DumpResult(tuple(f"/sim/shard_{s.shard}" for s in order.shards))
 
     def rename(self, order: RenameOrder) -> RenameResult:
