@@ -141,7 +141,30 @@ def generate(seed: int, world: int) -> Schedule:
     schedule = Schedule(seed, layout, faults, replacement, steps, (0.0005, hi))
     if layout.elastic and rng.random() < 0.5:
         schedule = _scaling(rng, schedule)
+    if schedule.layout.replicas >= 3 and rng.random() < 0.3:
+        schedule = _two_holders(rng, schedule)
     return schedule
+
+
+def holders(layout: Layout, rank: int) -> list[int]:
+    """The ranks holding the same optimizer shard as `rank` (itself included), in DP order."""
+    tp_i, dp_i, pp_i = rank % layout.tp, (rank // layout.tp) % layout.dp, rank // (
+        layout.tp * layout.dp)
+    chunk = layout.dp // layout.replicas
+    return [tp_i + layout.tp * (d + layout.dp * pp_i) for d in range(layout.dp)
+            if d % chunk == dp_i % chunk]
+
+
+def _two_holders(rng: random.Random, s: Schedule) -> Schedule:
+    """Two holders of one shard hit in one step (each to be repaired from a third copy)."""
+    first = rng.randrange(s.layout.world)
+    second = rng.choice([h for h in holders(s.layout, first) if h != first])
+    step, point = rng.randint(2, s.steps - 1), rng.choice(STEP_POINTS)
+    pair = tuple(Fault(kind, rank, point, step, 1, rng.choice(("param", "optimizer"))
+                       if kind == "uce" else "")
+                 for rank, kind in ((first, rng.choice(("uce", "kill"))),
+                                    (second, rng.choice(("uce", "kill")))))
+    return replace(s, faults=pair + s.faults[:1])
 
 
 def _scaling(rng: random.Random, s: Schedule) -> Schedule:
