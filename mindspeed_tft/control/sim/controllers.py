@@ -81,6 +81,8 @@ class SimControllers:
             core.backups.absent_ranks_return = False  # as tft-run's backups
             self.list.append(SimController(1, core))
         self.active = 0
+        #: every controller is dead
+        self.dead = False
 
     @property
     def core(self) -> ControllerCore:
@@ -94,6 +96,7 @@ class SimControllers:
     def kill(self, index: int) -> None:
         if index < len(self.list):
             self.list[index].alive = False
+            self.dead = not any(c.alive for c in self.list)
 
     # -- inputs -----------------------------------------------------------------------------
     def frame_from_rank(self, index: int, identity: bytes, frame: bytes) -> None:

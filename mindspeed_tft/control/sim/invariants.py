@@ -119,8 +119,10 @@ class Checker:
         self.published: dict[tuple[int, int], int] = {}
         #: per dump (epoch, incident): the (group, shard) keys written into it
         self.written: dict[tuple[int, int], set[tuple[int, int]]] = {}
-        #: when the last fault struck (0: none yet), and whether every one has
+        #: when the last fault struck (0: none yet); FINAL is due `bound` seconds later
         self.healed_at = 0.0
+        self.bound = PROGRESS_BOUND + 2.0 * steps
+        self.deadline_at = self.bound
         self.final = False
         self.failure: str | None = None
 
@@ -284,17 +286,13 @@ class Checker:
     def struck(self, now: float) -> None:
         """A fault struck: the progress bound counts from the last one."""
         self.healed_at = now
+        self.deadline_at = now + self.bound
 
-    def deadline(self, steps_left: int) -> float:
-        """The controller is FINAL by then (the steps left to train at 2 s each)."""
-        return self.healed_at + PROGRESS_BOUND + 2.0 * steps_left
-
-    def no_progress(self, now: float, state: str, steps_left: int) -> None:
+    def no_progress(self, now: float, state: str) -> None:
         """Liveness: FINAL within the bound of the heal."""
-        if not self.final and now > self.deadline(steps_left):
+        if not self.final and now >= self.deadline_at:
             self.fail(Kind.LIVENESS, f"not FINAL {now - self.healed_at:.0f}s after the last "
-                                     f"fault (bound {self.deadline(steps_left) - self.healed_at:g}"
-                                     f"s, state {state})")
+                                     f"fault (bound {self.bound:g}s, state {state})")
 
     def crashed(self, where: str, error: Exception) -> None:
         self.fail(Kind.CRASH, f"{where} raised {type(error).__name__}: {error}")

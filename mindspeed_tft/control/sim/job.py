@@ -310,14 +310,14 @@ class SimJob:
         self.ctl.start()
         for rank in range(self.layout.world):
             self.loop.at(0.2 * self.rng.random(), self.spawn, rank, True)
-        checker = self.checker
+        checker, loop, ctl = self.checker, self.loop, self.ctl
         try:
-            while self.loop:
-                if self.loop.next_time() > checker.deadline(self.steps):
-                    self.loop.now = checker.deadline(self.steps)
-                    checker.no_progress(self.loop.now, self.core.state.value, self.steps)
-                self.loop.step()
-                if self._over():
+            while loop:
+                if loop.next_time() > checker.deadline_at:
+                    loop.now = checker.deadline_at
+                    checker.no_progress(loop.now, self.core.state.value)
+                loop.step()
+                if (self.final_at is not None or ctl.dead) and self._over():
                     break
             if checker.failure is None:
                 checker.judge(owed(self.schedule, self.struck, self.early), ending_of(
@@ -334,7 +334,7 @@ class SimJob:
                        len(self.events), self.loop.now)
 
     def _over(self) -> bool:
-        if not any(c.alive for c in self.ctl.list):  # no controller left: the ranks give up
+        if self.ctl.dead:  # no controller left: the ranks give up
             self.checker.orphaned = True
             return not any(p.alive for p in self.procs.values())
         if self.final_at is None:
