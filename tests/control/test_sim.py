@@ -1,11 +1,29 @@
 """The control plane under deterministic simulation (`mindspeed_tft.control.sim`).
 
 A fixed set of seeds runs the real controller core with simulated ranks, launchers and
-network through faults of every kind at every point of a step and of a recovery, in DP, TP
-and PP layouts with and without elastic training; every invariant holds after every event.
-The mutation checks of issue 49 (the undone fixes of 8d83d6d and 51229db, and three more in
-the lock-step and strategy code, kept as patches out of the repository) were each caught by
-this set: W=8 seeds 1106 and 1340 for the two fixes.
+network through faults of every kind at every point of a step (one inside the optimizer
+update) and of a recovery (during shrinks, grows and dumps), in DP, TP and PP layouts with and
+without elastic training; every invariant holds after every event and every run ends no
+worse than the oracle says its schedule owes. The set reaches each state of `MUST_REACH`.
+
+Mutation checks (one-line changes kept as patches out of the repository, under
+/work/mutations/ when they were made; each applied alone, the set fails with this many
+seeds beyond `KNOWN`, the first one named):
+
+- processor-core-update-start-status (`ProcessorCore.update_start` records "updated"):
+  7 seeds, W=8 seed 83;
+- strategy-dump-holder (`dump_holders` takes the first registered holder, healthy or not):
+  567 seeds, W=8 seed 0;
+- strategy-repair-holder (`repair_payloads` sends from the first other holder, healthy or
+  not): 11 seeds, W=8 seed 139;
+- undo-51229db-unreplaceable-awaited (the undone fix of 51229db): 1 seed, W=8 seed 221;
+- undo-8d83d6d-left-ranks-in-repair (the undone fix of 8d83d6d): 21 seeds, W=8 seed 45.
+
+Not caught, and why: processor-core-hold-status (a hold answers "updated" while updating),
+processor-core-stop-catch-up (a stop lets no rank behind its lock step catch up) and
+processor-core-stop-result-status (a stop answers "updated"): the simulated all-reduce
+releases every rank to its update at the same instant, so no rank is ever behind the lock
+step when a stop lands, and a rank inside its update is one whose own fault made it faulty.
 """
 
 from __future__ import annotations
@@ -16,8 +34,10 @@ from collections import Counter
 
 import pytest
 
-from mindspeed_tft.control.sim import cli
+from mindspeed_tft.control.sim import cli, oracle
+from mindspeed_tft.control.sim.invariants import Checker, Violation
 from mindspeed_tft.control.sim.job import SimJob
+from mindspeed_tft.control.sim.oracle import Ending
 from mindspeed_tft.control.sim.schedule import Fault, Layout, Schedule, generate, shrink
 
 #: (world size, seeds): the CI seed set
@@ -206,3 +226,51 @@ def test_ranks_left_without_a_controller_exit_with_77_and_send_no_answer() -> No
     outcome = job.run()
     assert outcome.failure is None, outcome.failure
     assert codes == {0: -9, 1: -9, 2: -9, 3: -9, 4: 77, 5: 77, 6: 77, 7: 77}
+
+
+# -- the outcome oracle ------------------------------------------------------------------------
+@pytest.mark.parametrize(("layout", "faults", "replacement", "ending"), [
+    # a UCE in the optimizer state, HBM repair on, two copies: repaired from the other copy
+    (Layout(dp=4, replicas=2), [Fault("uce", 1, "inside", 3, detail="optimizer")],
+     ("restart",), Ending.REPAIRED),
+    # the same without HBM repair: dumped, from the other copy of rank 1's shard
+    (Layout(dp=4, replicas=2, hbm_repair=False),
+     [Fault("uce", 1, "end", 3, detail="optimizer")], ("restart",), Ending.DUMPED),
+    # one copy only, and it is damaged: nothing can save it
+    (Layout(dp=4, replicas=1, hbm_repair=False), [Fault("uce", 1, "end", 3, detail="param")],
+     ("restart",), Ending.LOST),
+    # a UCE in the gradients spares the optimizer state: its own rank dumps it
+    (Layout(dp=4, replicas=1, hbm_repair=False), [Fault("uce", 1, "end", 3, detail="grad")],
+     ("restart",), Ending.DUMPED),
+    # a lost rank without a replacement in an elastic job: it shrinks
+    (Layout(dp=4, replicas=2, elastic=True), [Fault("kill", 3, "start", 3)], ("never",),
+     Ending.SHRUNK),
+    # ... and then an unknown error in the shrunk job: a dump after the shrink
+    (Layout(dp=4, replicas=2, elastic=True),
+     [Fault("kill", 3, "start", 3), Fault("raise", 0, "end", 5)], ("never",), Ending.DUMPED),
+    # a kill during a repair's clean (a cascading fault): the dump, of the other copies
+    (Layout(dp=4, replicas=2), [Fault("uce", 1, "end", 3, detail="param"),
+                                Fault("kill", 2, "clean")], ("restart",), Ending.DUMPED),
+    # a fault before the first update completed: nothing to repair or dump
+    (Layout(dp=2, replicas=2), [Fault("comm", 1, "allreduce", 1)], ("restart",), Ending.LOST),
+])
+def test_the_oracle_owes(layout: Layout, faults: list[Fault], replacement: tuple[str, ...],
+                         ending: Ending) -> None:
+    schedule = Schedule(1, layout, tuple(faults), replacement, steps=8)
+    assert oracle.owed(schedule, faults).ending is ending
+
+
+def test_a_run_that_ends_worse_than_owed_fails() -> None:
+    """The oracle owes a repair (a UCE in one of two copies, HBM repair on): a run whose
+    controller ends it with a dump instead fails as a liveness failure, one that loses the
+    state as a correctness failure."""
+    schedule = Schedule(1, Layout(dp=4, replicas=2), (Fault("uce", 1, "end", 3,
+                                                            detail="optimizer"),),
+                        ("restart",), steps=6)
+    owed = oracle.owed(schedule, list(schedule.faults))
+    for got, kind in ((oracle.Ending.DUMPED, "liveness"), (oracle.Ending.LOST, "correctness")):
+        checker = Checker(4, 8, 75, 6)
+        with pytest.raises(Violation) as caught:
+            checker.judge(owed, got, {})
+        assert str(caught.value) == (f"{kind}: ended {got.name}, owed REPAIRED "
+                                     "(every fault repaired)")
