@@ -9,12 +9,15 @@ processor's real cores (`processor.core.ProcessorCore`: what a rank answers to e
 `processor.link.LinkCore`: registration, heartbeats, failover) over the real wire protocol,
 with a trainer model (update start and end, step reports, the fault handler, the recovery
 callbacks' effects on the state they hold); launchers restart (or do not restart) their
-workers. After every event the protocol's invariants (`invariants`) are checked. Nothing
-here reads a socket, a wall clock or an unseeded random source: a seed replays exactly.
+workers. After every event the protocol's invariants are checked, and at the end the
+run's ending is judged against the one its schedule owes (`oracle`). Nothing here reads a
+socket, a wall clock or an unseeded random source: a seed replays exactly.
 
 Modules: `loop` (virtual clock, network), `rank` (a simulated process: the processor's
 cores in a shell of virtual time), `trainer` (its training thread and callbacks), `launcher`,
-`schedule` (layouts, faults, the seeded generator, shrinking), `invariants`, `job` (one run),
+`controllers` (the active controller and a backup), `schedule` (layouts, faults, the seeded
+generator, shrinking), `invariants` (every check, classified: correctness, liveness, crash),
+`oracle` (the ending a schedule owes, a model apart from the controller), `job` (one run),
 `cli` (`tft-sim`). It imports the control plane's core and wire only, never hosts, the
 plugin or torch.
 """
