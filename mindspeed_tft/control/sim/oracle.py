@@ -208,8 +208,13 @@ class _Model:
             return self.end(job, Ending.LOST, f"{why}; no intact copy of shard {lost}")
         return self.end(job, Ending.DUMPED, why)
 
-    def episode(self, job: _Job, ep: _Episode) -> _Job:
-        """The job after one episode (ended, or training again)."""
+    def episode(self, job: _Job, ep: _Episode) -> list[_Job]:
+        """The job's possible states after one episode (ended, or training again)."""
+        out = self.one_episode(job, ep)
+        return out if isinstance(out, list) else [out]
+
+    def one_episode(self, job: _Job, ep: _Episode) -> _Job | list[_Job]:
+        """The job after one episode (several states where the model cannot tell)."""
         faults = ep.faults + [f for role, f in ep.later if role == "join"]
         job.unseen, self.current = False, faults
         kinds, bad = self.damage(job, faults)
@@ -286,8 +291,10 @@ class _Model:
         return job
 
     def recover(self, job: _Job, gone: list[int], bad: set[int], tag: str,
-                during_scale: list[Fault]) -> _Job:
-        unreplaced = [r for r in gone if r in job.silent or self.node(r) in job.dead_launchers
+                during_scale: list[Fault]) -> _Job | list[_Job]:
+        # in a shrunk job a lost rank's restarted process waits outside it: it shrinks again
+        unreplaced = [r for r in gone if job.shrunk or r in job.silent
+                      or self.node(r) in job.dead_launchers
                       or self.policy(r) not in _IN_TIME or job.restarts[r] >= _BUDGET]
         for r in gone:
             job.restarts[r] += 1
@@ -302,14 +309,15 @@ class _Model:
         return self.shrink(job, unreplaced, bad, tag, during_scale)
 
     def shrink(self, job: _Job, unreplaced: list[int], bad: set[int], tag: str,
-               during_scale: list[Fault]) -> _Job:
+               during_scale: list[Fault]) -> _Job | list[_Job]:
         dumped = self.dump(replace(job), bad, f"{tag}: the shrink's dump")
         if dumped.ended is Ending.LOST:
             return dumped
         lost_dp = {self.dp_index(job, r) for r in unreplaced}
         staying = [r for r in job.world if self.dp_index(job, r) not in lost_dp]
+        # restarted ranks of the staying replicas: back in time for the shrink, or not
         others_gone = [r for r in staying if r in bad and r not in unreplaced]
-        if not staying or others_gone or 2 * len(staying) < len(job.world) or during_scale:
+        if not staying or 2 * len(staying) < len(job.world) or during_scale:
             return self.end(job, Ending.DUMPED, f"{tag}: no shrink, the dump")
         replicas = sorted({self.dp_index(job, r) for r in staying})
         size = next(n for n in range(len(replicas), 0, -1) if self.lay.micro_batches % n == 0)
@@ -317,8 +325,12 @@ class _Model:
         world = tuple(r for r in job.world if self.dp_index(job, r) in kept)
         late = tuple(r for r in unreplaced if self.node(r) not in job.dead_launchers
                      and self.policy(r) == "late")
-        return replace(job, world=world, dp=size, shrunk=True,
-                       may_grow=job.world if late else ())
+        shrunk = replace(job, world=world, dp=size, shrunk=True,
+                         may_grow=job.world if late else ())
+        if others_gone:
+            return [shrunk, self.end(replace(job), Ending.DUMPED,
+                                     f"{tag}: ranks {others_gone} not back for the shrink")]
+        return shrunk
 
     # -- the whole schedule ----------------------------------------------------------------
     def run(self, struck: list[Fault]) -> Owed:
@@ -333,20 +345,11 @@ class _Model:
         for ep_choices in self.episodes(struck):
             nxt: list[_Job] = []
             for job in jobs:
-                if job.ended is not None:
-                    nxt.append(job)
-                    continue
-                for eps in ep_choices:
-                    states = [job]
-                    if job.may_grow:  # grown back by the late replacement, or not yet
-                        states.append(replace(job, world=job.may_grow, dp=lay.dp,
-                                              may_grow=()))
-                    for state in states:
-                        out = replace(state, restarts=Counter(state.restarts))
-                        for ep in eps:
-                            if out.ended is None:
-                                out = self.episode(out, ep)
-                        nxt.append(out)
+                for eps in ([[]] if job.ended is not None else ep_choices):
+                    outs = [job]
+                    for ep in eps:
+                        outs = [o for out in outs for o in self.then(out, ep)]
+                    nxt += outs
             jobs = nxt
         worst = min(jobs, key=lambda j: (
             Ending.REPAIRED if j.ended is None and not j.shrunk and not j.may_grow
@@ -356,6 +359,16 @@ class _Model:
         if worst.shrunk or worst.may_grow:
             return Owed(Ending.SHRUNK, "shrunk, trains on")
         return Owed(Ending.REPAIRED, "every fault repaired")
+
+    def then(self, job: _Job, ep: _Episode) -> list[_Job]:
+        """The job's possible states after `ep` (a shrunk job may have grown back first)."""
+        if job.ended is not None:
+            return [job]
+        states = [job]
+        if job.may_grow:  # grown back by the late replacement, or not yet
+            states.append(replace(job, world=job.may_grow, dp=self.lay.dp, may_grow=()))
+        return [o for state in states
+                for o in self.episode(replace(state, restarts=Counter(state.restarts)), ep)]
 
     def episodes(self, struck: list[Fault]) -> list[list[list[_Episode]]]:
         """Per group of faults: its possible splits into episodes (one incident, or two for
@@ -372,8 +385,8 @@ class _Model:
                 continue
             role = ("join" if f.point in _JOIN else "cascade" if f.point in _CASCADE else
                     "dump" if f.point in _DUMP else "grow" if f.point in _GROW else "scale_in")
-            if f.incident > len(groups) or not groups:  # a later incident: a grow's
-                groups.append(_Episode(10**6 + len(groups)))
+            if not groups or f.incident > len(groups) and len(groups[-1].faults) < 2:
+                groups.append(_Episode(10**6 + len(groups)))  # a later incident: a grow's
             if role == "join" and f.kind == "hang" and f.target in {
                     g.target for g in groups[-1].faults}:
                 # it waits in the fault handler: it hangs once the decision lets it train
