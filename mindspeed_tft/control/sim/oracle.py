@@ -225,7 +225,7 @@ class _Model:
         tag = f"faults {[(f.kind, f.target, f.point, f.step) for f in faults]}"
         if all(f.kind == "net" for f in faults) and not ep.later:
             return self.end(job, Ending.LOST, f"{tag}: {GAPS['silent_at_the_end']}")
-        broken = [f for role, f in ep.later if role == "dump" and f.kind != "net"]
+        broken = [f for role, f in ep.later if role == "dump"]
         if broken:
             return self.end(job, Ending.LOST, f"{tag}; {broken[0].kind} at the "
                                               f"{broken[0].point}: the dump may fail")
@@ -236,7 +236,7 @@ class _Model:
         locks = [self.lock(f) for f in faults if f.point in _STEP_POINTS]
         if locks and max(locks) == 0:
             return self.end(job, Ending.LOST, f"{tag}: no update completed (lock step 0)")
-        if job.at == 0 and all(f.point == "resume" for f in faults):
+        if job.at == 0 and all(f.point not in _STEP_POINTS for f in faults):
             return self.end(job, Ending.LOST, f"{tag}: reloaded to step 0, no update since")
         job.at = None
         if job.controllers != {0} and 0 not in job.controllers:  # a backup took charge
@@ -246,7 +246,7 @@ class _Model:
         strategy = self.strategy(kinds)
         after = [(role, f) for role, f in ep.later if role != "join"]
         for role, f in after:
-            if f.kind == "net" or role == "grow" and f.target not in job.world:
+            if role == "grow" and (f.kind == "net" or f.target not in job.world):
                 continue
             more, worse = self.damage(job, [f])
             if role in ("scale_in", "grow"):
@@ -335,7 +335,7 @@ class _Model:
     # -- the whole schedule ----------------------------------------------------------------
     def run(self, struck: list[Fault]) -> Owed:
         lay = self.lay
-        broken = [f for f in struck if f.point in _DUMP and f.kind != "net"]
+        broken = [f for f in struck if f.point in _DUMP]
         if broken:  # whichever dump it struck may fail: nothing is owed
             return Owed(Ending.LOST, f"{broken[0].kind} at a {broken[0].point}: the dump may "
                                      "fail")
@@ -391,6 +391,9 @@ class _Model:
                     g.target for g in groups[-1].faults}:
                 # it waits in the fault handler: it hangs once the decision lets it train
                 groups.append(_Episode(10**6 + len(groups), [f]))
+                continue
+            if role == "join" and f.kind == "hang":  # seen in this incident, or after it
+                groups[-1].faults.append(f)
                 continue
             groups[min(f.incident, len(groups)) - 1].later.append((role, f))
         out = []

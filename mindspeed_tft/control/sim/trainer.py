@@ -105,6 +105,8 @@ class Raised(RuntimeError):
 
 #: seconds of a step's phases (virtual)
 COMPUTE, UPDATE = 0.12, 0.03
+#: at most this long after the all-reduce a rank reaches its hold point
+SKEW = 0.02
 
 
 class Trainer:
@@ -121,7 +123,8 @@ class Trainer:
         #: the step of the state it holds (None: none complete), and whether it is undamaged
         self.held: int | None = None if fresh else step
         self.intact = True
-        #: the training thread: compute, allreduce, held (at the hold point), update,
+        #: the training thread: compute, allreduce, reduced (past it, not yet at the hold
+        #: point), held (at the hold point), update,
         #: parked (in the fault handler), hung, idle (finished)
         self.thread = "parked" if fresh else "compute"
         self._held_at = 0
@@ -182,9 +185,12 @@ class Trainer:
         self.job.arrive(self.proc, nxt)
 
     def reduced(self, nxt: int) -> None:
-        """Every rank of the world reached the all-reduce of `nxt`."""
+        """Every rank of the world reached the all-reduce of `nxt`: each leaves it a little
+        apart from the others (a stop may find one still before its update, behind a rank
+        that finished it: it catches up)."""
         if self.thread == "allreduce":
-            self._hold_point(nxt)
+            self.thread = "reduced"
+            self._later(SKEW * self.job.rng.random(), self._hold_point, nxt)
 
     def _hold_point(self, nxt: int) -> None:
         verdict = self.core.may_update(nxt)
