@@ -172,7 +172,9 @@ class _Model:
                 if f.point == "stop" and f.kind != "uce":
                     mine.add("process")  # its stop raised: it could not be stopped (hung)
                     bad.add(r)
-                behind = f.point in ("update", "inside")  # the others completed the step
+                # the others completed the step: at (or inside) its update, or at a hold or
+                # stop that found it between the all-reduce and its update
+                behind = f.point in ("update", "inside", "hold", "stop")
                 if behind or f.kind == "uce" and f.detail in ("param", "optimizer"):
                     bad.add(r)
         return kinds, bad
