@@ -48,9 +48,10 @@ class RecordingJob(SimJob):
         self.orders: dict[int, list[tuple[str, Any]]] = {}
         self.by_controller: list[tuple[int, dict[str, Any]]] = []
 
-    def order_seen(self, proc: SimRank, name: str, wire: Any, action_id: int) -> None:
+    def order_seen(self, proc: SimRank, name: str, wire: Any, action_id: int,
+                   repeat: bool = False) -> None:
         self.orders.setdefault(proc.rank, []).append((name, wire))
-        super().order_seen(proc, name, wire, action_id)
+        super().order_seen(proc, name, wire, action_id, repeat)
 
     def on_events(self, events: list[dict[str, Any]], core: ControllerCore) -> None:
         index = next(c.index for c in self.ctl.list if c.core is core)
@@ -207,7 +208,7 @@ def test_kill_during_a_repair_ends_cleanly_never_hangs(replacement: str) -> None
     (exit_event,) = job.of("exit")
     assert exit_event["code"] == 1
     assert "no healthy holder for dense shard 1 at lock step 6" in exit_event["reason"]
-    assert not job.published_dumps and not job.of("repaired")
+    assert not job.checker.published and not job.of("repaired")
     assert not [r for r, orders in job.orders.items() for n, _ in orders if n == "dump"]
 
 
@@ -216,7 +217,7 @@ def test_kill_during_a_repair_ends_cleanly_never_hangs(replacement: str) -> None
 # test_lockstep_pause.py's test_fault_before_the_first_update_exits_with_a_clear_reason) ------
 @pytest.mark.parametrize("features", ["dump", "dump,retry", "dump,retry,recover"])
 @pytest.mark.parametrize(("kind", "rank", "detail"), [
-    ("uce", 1, "params"), ("uce", 1, "optimizer"), ("raise", 1, ""), ("comm", 1, "")])
+    ("uce", 1, "param"), ("uce", 1, "optimizer"), ("raise", 1, ""), ("comm", 1, "")])
 def test_fault_before_the_first_update_exits_with_a_clear_reason(
         features: str, kind: str, rank: int, detail: str) -> None:
     """2 ranks; a fault in step 1, before its update (every rank registered): lock step 0,
@@ -234,4 +235,4 @@ def test_fault_before_the_first_update_exits_with_a_clear_reason(
     assert "no optimizer update completed yet (lock step 0): there is nothing to repair or " \
         "dump" in exit_event["reason"]
     assert {r: job.callbacks(r) for r in (0, 1)} == {0: ["stop", "exit"], 1: ["stop", "exit"]}
-    assert not job.published_dumps
+    assert not job.checker.published

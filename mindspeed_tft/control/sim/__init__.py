@@ -9,8 +9,9 @@ processor's real cores (`processor.core.ProcessorCore`: what a rank answers to e
 `processor.link.LinkCore`: registration, heartbeats, failover) over the real wire protocol,
 with a trainer model (update start and end, step reports, the fault handler, the recovery
 callbacks' effects on the state they hold); launchers restart (or do not restart) their
-workers. After every event the protocol's invariants (`invariants`) are checked. Nothing
-here reads a socket, a wall clock or an unseeded random source: a seed replays exactly.
+workers. After every event the protocol's invariants (`invariants`) are checked, and at the
+end the run's ending is judged against the one its schedule owes (`oracle`). Nothing here
+reads a socket, a wall clock or an unseeded random source: a seed replays exactly.
 It imports the control plane's core and wire only, never hosts, the plugin or torch.
 
 Modules:
@@ -22,7 +23,8 @@ Modules:
 - `trainer`: the trainer model of a simulated rank: its training thread and callbacks
 - `launcher`: a simulated launcher per node: its workers' ends and their replacements
 - `controllers`: the simulated controller processes: the active one and a backup
-- `invariants`: the protocol's invariants, checked after every event
+- `invariants`: every check, classified (correctness, liveness, crash), after every event
+- `oracle`: the ending a schedule owes, a model that shares no code with the controller
 - `cli`: `tft-sim`: many seeds, or one schedule replayed
 - `__main__`: `python -m mindspeed_tft.control.sim`, the same as `tft-sim`
 """

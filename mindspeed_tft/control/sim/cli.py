@@ -4,7 +4,8 @@
     tft-sim --seed 1234 --world 8              # one seed (its events with -v)
     tft-sim --replay '<schedule json>'         # exactly the schedule a failure printed
 
-For each failing seed it prints the failure, then the shortest schedule that still fails
+For each failing seed it prints the failure (correctness, liveness or crash: see
+`invariants`), then the shortest schedule that still fails
 (`schedule.shrink`) and the command that replays it. The last line is one JSON object:
 schedules, failures, per_minute (schedules a minute on this process's one core), seconds,
 world, failing (the first failing seeds). Exit status 0 when nothing failed, 1 otherwise.

@@ -19,7 +19,7 @@ from ..controller.inputs import Command, Frame, Input, Start, Tick, Upstream
 from ..controller.outbox import Outputs
 from ..controller.states import State
 from ..wire.config import ControlConfig
-from .invariants import Violation
+from .invariants import Checker, Violation
 from .loop import Loop, Network
 
 #: where the controllers listen (the backup's address is in `ControlConfig.backups`)
@@ -34,11 +34,11 @@ class ControllerHost(Protocol):
 
     loop: Loop
     net: Network
+    checker: Checker
 
     def deliver_to_rank(self, identity: bytes, frame: bytes, index: int,
                         core: ControllerCore) -> None: ...
     def on_events(self, events: list[dict[str, Any]], core: ControllerCore) -> None: ...
-    def violation(self, what: str) -> None: ...
 
 
 class SimController:
@@ -66,6 +66,8 @@ class SimControllers:
                                   absent_ranks_return=False)  # as tft-run's backups
             self.list.append(SimController(1, core))
         self.active = 0
+        #: every controller is dead
+        self.dead = False
 
     @property
     def core(self) -> ControllerCore:
@@ -79,6 +81,7 @@ class SimControllers:
     def kill(self, index: int) -> None:
         if index < len(self.list):
             self.list[index].alive = False
+            self.dead = not any(c.alive for c in self.list)
 
     # -- inputs -----------------------------------------------------------------------------
     def frame_from_rank(self, index: int, identity: bytes, frame: bytes) -> None:
@@ -98,7 +101,7 @@ class SimControllers:
         except Violation:
             raise
         except Exception as e:  # a bug of the core: the run fails with it
-            self.job.violation(f"controller {c.index} raised {type(e).__name__}: {e}")
+            self.job.checker.crashed(f"controller {c.index}", e)
             out = core.out.take()
         self._route(c, out)
         self._schedule_tick(c)

@@ -12,7 +12,6 @@ fails with the first violated invariant, an exception of the controller core or 
 from __future__ import annotations
 
 import random
-import re
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -24,18 +23,17 @@ from ..controller.states import State
 from ..wire.config import ControlConfig
 from ..wire.protocol import MsgType
 from .controllers import BACKUP_ADDR, SimControllers
-from .invariants import Checker, Violation
+from .invariants import Checker, Event, RankTruth, Violation
 from .launcher import SimLauncher
 from .loop import Loop, Network
+from .oracle import ending_of, owed
 from .rank import SimRank
 from .schedule import Fault, Schedule
+from .trainer import COMPUTE
 
 #: seconds a waiter in an all-reduce with a peer that will not come waits before its
 #: collective fails (a communication error) or goes on waiting (then only the stop ends it)
 COMM_TIMEOUT = 2.0
-
-
-_GONE = re.compile(r"ranks \[([0-9, ]+)\] are gone")
 
 
 @dataclass
@@ -64,6 +62,7 @@ class SimJob:
     def __init__(self, schedule: Schedule) -> None:
         lay = schedule.layout
         self.schedule, self.layout, self.steps = schedule, lay, schedule.steps
+        self.compute = schedule.extra.get("compute", COMPUTE)
         self.rng = random.Random(schedule.seed)
         self.loop = Loop()
         self.net = Network(self.loop, self.rng, schedule.delay)
@@ -73,9 +72,8 @@ class SimJob:
                             replica_num=lay.replicas, elastic=lay.elastic)
         #: the active controller (node 0's launcher) and maybe a backup (node 1's)
         self.ctl = SimControllers(self, lay.world, self.config, features, lay.backup)
-        cfg = self.config
-        bound = 12 * cfg.action_time_limit + cfg.effective_replacement_wait + 4 * cfg.lost_after
-        self.checker = Checker(lay.world, bound, lay.micro_batches)
+        self.checker = Checker(lay.world, lay.micro_batches, self.config.dump_exit_code,
+                               schedule.steps)
         self.procs: dict[int, SimRank] = {}
         self.by_identity: dict[bytes, SimRank] = {}
         self.launchers = [SimLauncher(self, n, (schedule.replacement or ("restart",))[
@@ -85,8 +83,13 @@ class SimJob:
         self.dp_size = lay.dp
         self.arrivals: dict[tuple[int, int], set[int]] = {}
         self.fired: set[int] = set()
+        self._all_registered = False
+        #: the faults in the order they struck (the oracle's input)
+        self.struck: list[Fault] = []
+        self.struck_at: list[float] = []
+        #: those that struck before every rank had registered
+        self.early: list[Fault] = []
         self.completed = 0
-        self.published_dumps: dict[tuple[int, int], int] = {}
         self.events: list[dict[str, Any]] = []
         self.final_at: float | None = None
         #: per frame sent: the ranks whose data the controller knew damaged, or whose
@@ -204,6 +207,16 @@ class SimJob:
             if (self.node_of(proc.rank) if node_kind else proc.rank) != fault.target:
                 continue
             self.fired.add(i)
+            self.struck.append(fault)
+            self.struck_at.append(self.loop.now)
+            self.checker.struck(self.loop.now)
+            if len(self.fired) == len(self.schedule.faults):
+                self.net.heal()  # the last fault: nothing more is injected, links come back
+            if not self._all_registered:
+                self._all_registered = all(p.link.registered_here for p in self.procs.values()
+                                           ) and len(self.procs) == self.layout.world
+                if not self._all_registered:
+                    self.early.append(fault)
             if node_kind:
                 self.lose_node(fault.target, fault.kind)
             return fault
@@ -221,8 +234,9 @@ class SimJob:
                 proc.die(-9)
 
     # -- what the ranks saw ---------------------------------------------------------------
-    def order_seen(self, proc: SimRank, name: str, wire: Any, action_id: int) -> None:
-        self.checker.on_order(proc.rank, name, wire, action_id, self.members)
+    def order_seen(self, proc: SimRank, name: str, wire: Any, action_id: int,
+                   repeat: bool = False) -> None:
+        self.checker.on_order(proc.rank, name, wire, action_id, self.members, repeat)
 
     def resumed(self, proc: SimRank, step: int | None, false_alarm: bool) -> None:
         for waiting in self.arrivals.values():
@@ -230,15 +244,20 @@ class SimJob:
         self.checker.resumed_at(proc.rank, proc.held, -1 if step is None else step,
                                 false_alarm)
 
-    def published(self, incident: int, lock_step: int) -> None:
-        key = (self.core.epoch, incident)  # the controller in charge ordered the rename
-        n = self.published_dumps.get(key, 0) + 1
-        self.published_dumps[key] = n
-        if n > 1:
-            self.checker.violation(f"incident {incident}: the dump was published {n} times")
+    def _group_shard(self, rank: int) -> tuple[int, int]:
+        dense = self.layout_of(rank, self.world, self.dp_size)["dense"]
+        return int(dense["group"]), int(dense["shard"])
 
-    def violation(self, what: str) -> None:
-        self.checker.violation(what)
+    def dump_written(self, incident: int, rank: int, shards: list[int]) -> None:
+        """`rank` wrote `shards` of its own group into the dump of `incident`."""
+        if rank in self.members:
+            group = self._group_shard(rank)[0]
+            self.checker.dump_written(self.core.epoch, incident, {(group, s) for s in shards})
+
+    def published(self, incident: int, lock_step: int) -> None:
+        # the controller in charge ordered the rename; the dump holds the job's every shard
+        self.checker.dump_published(self.core.epoch, incident, lock_step,
+                                    {self._group_shard(r) for r in self.world})
 
     # -- the controllers --------------------------------------------------------------------
     def to_controller(self, proc: SimRank, frame: bytes) -> None:
@@ -260,78 +279,62 @@ class SimJob:
         self.net.down(proc.conn, proc.deliver, frame)
 
     def on_events(self, events: list[dict[str, Any]], core: ControllerCore) -> None:
-        now = self.loop.now
         for e in events:
             self.events.append(e)
-            self.checker.on_event(e, now, self.completed, core.epoch)
-            if e["event"] in ("scale_in", "scale_out"):
-                self.world = list(e["ranks"])
+            ev = Event.of(e)
+            live = [p.step for p in self.procs.values() if p.alive and not p.fresh
+                    and p.rank in self.members] if ev.name == "strategy" else []
+            self.checker.on_event(ev, core.epoch, self.completed, live)
+            if ev.name in ("scale_in", "scale_out"):
+                self.world = list(ev.ranks)
                 self.members = set(self.world)
-                self.dp_size = int(e["dp_size"])
-            if e["event"] == "strategy" and e["strategy"] != "exit":
-                self._nothing_lost(e["lock_step"])
-            if e["event"] == "repair_failed":
-                self._gone_for_real(e["reason"], core)
-            if e["event"] == "exit" and e["code"] == self.config.dump_exit_code and not (
-                    self.published_dumps):
-                self.checker.violation("exit with the dump code but no dump was published")
-            if e["event"] == "state" and e["state"] == "FINAL" and self.final_at is None:
-                self.final_at = now
+                self.dp_size = ev.dp_size or self.dp_size
+            if ev.name == "repair_failed" and ev.gone:
+                self.checker.gone_for_real(ev, self.truths(core))
+            if ev.name == "state" and ev.state == "FINAL" and self.final_at is None:
+                self.final_at = self.loop.now
 
-    def _nothing_lost(self, lock_step: int) -> None:
-        """No fault loses more than the step in flight: the lock step is the highest step a
-        live rank of the job completed (a rank's last step before it died may be newer than
-        the controller could know)."""
-        live = [p.step for p in self.procs.values()
-                if p.alive and not p.fresh and p.rank in self.members]
-        if live and lock_step < max(live):
-            self.checker.violation(f"lock step {lock_step} below step {max(live)}, which live "
-                                   "ranks completed: iterations beyond the one in flight lost")
-
-    def _gone_for_real(self, reason: str, core: ControllerCore) -> None:
-        """A repair abandoned for "ranks [...] are gone": each of them is a member of the job
-        whose process is gone (not one outside the job, nor one alive again)."""
-        found = _GONE.search(reason)
-        if found is None:
-            return
-        for rank in (int(r) for r in found.group(1).split(",")):
-            proc, row = self.procs.get(rank), core.table.get(rank)
-            back = (proc is not None and proc.alive and row is not None
-                    and row.identity == proc.identity)  # registered from a live process
-            if rank not in self.members or back:
-                where = "outside the job" if rank not in self.members else "registered again"
-                self.checker.violation(f"repair abandoned for rank {rank} as gone, but it is "
-                                       f"{where}: {reason}")
+    def truths(self, core: ControllerCore | None = None) -> dict[int, RankTruth]:
+        """What each rank truly is now (`registered`: its current process is the one the
+        controller's table names)."""
+        out = {}
+        for rank, p in self.procs.items():
+            row = core.table.get(rank) if core is not None else None
+            out[rank] = RankTruth(rank, p.alive, rank in self.members,
+                                  row is not None and row.identity == p.identity, p.fresh,
+                                  p.step)
+        return out
 
     # -- the run --------------------------------------------------------------------------
-    def limit(self) -> float:
-        return 30.0 + 2 * self.steps + self.checker.bound * (1 + len(self.schedule.faults))
-
     def run(self) -> Outcome:
         self.ctl.start()
         for rank in range(self.layout.world):
             self.loop.at(0.2 * self.rng.random(), self.spawn, rank, True)
-        limit = self.limit()
-        failure = None
+        checker, loop, ctl = self.checker, self.loop, self.ctl
         try:
-            while self.loop:
-                if self.loop.next_time() > limit:
-                    self.checker.violation(
-                        f"deadlock: the job did not end within {limit:g}s (state "
-                        f"{self.core.state.value})")
-                self.loop.step()
-                self.checker.on_time(self.loop.now)
-                if self._over():
+            while loop:
+                if loop.next_time() > checker.deadline_at:
+                    loop.now = checker.deadline_at
+                    checker.no_progress(loop.now, self.core.state.value)
+                loop.step()
+                if (self.final_at is not None or ctl.dead) and self._over():
                     break
-        except Violation as v:
-            failure = str(v)
-        except Exception as e:  # a bug of a rank's cores (or of the simulator): a failure
-            failure = f"{type(e).__name__} at {self.loop.now:.3f}s: {e}"
-        return Outcome(failure, self.core.state.value, self.core.exit_code, len(self.events),
-                       self.loop.now)
+            if checker.failure is None:
+                checker.judge(owed(self.schedule, self.struck, self.early), ending_of(
+                    self.core.exit_code, len(self.members) < self.layout.world,
+                    self.config.dump_exit_code), self.truths())
+        except Violation:
+            pass
+        except Exception as e:  # a bug of a rank's cores (or of the simulator): a crash
+            try:
+                checker.crashed(f"at {self.loop.now:.3f}s", e)
+            except Violation:
+                pass
+        return Outcome(checker.failure, self.core.state.value, self.core.exit_code,
+                       len(self.events), self.loop.now)
 
     def _over(self) -> bool:
-        if not any(c.alive for c in self.ctl.list):  # no controller left: the ranks give up
+        if self.ctl.dead:  # no controller left: the ranks give up
             self.checker.orphaned = True
             return not any(p.alive for p in self.procs.values())
         if self.final_at is None:

@@ -96,6 +96,12 @@ class Network:
             return
         deliver(frame)
 
+    def heal(self) -> None:
+        """Every cut link comes back now (nothing more is cut)."""
+        now = self.loop.now
+        for link in self.links.values():
+            link.down_until = min(link.down_until, now)
+
     def disconnect(self, identity: bytes, seconds: float) -> None:
         """Cut a connection for `seconds`: in-flight frames are lost, then it reconnects."""
         link = self.links.setdefault(identity, _Link())

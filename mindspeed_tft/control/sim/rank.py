@@ -209,7 +209,7 @@ class SimRank:
         try:
             msg = decode(frame)
         except ProtocolError as e:
-            self.job.violation(f"rank {self.rank} got an undecodable frame: {e}")
+            self.job.checker.undecodable(self.rank, e)
             return
         if msg.type == MsgType.ACTION and self.link.registered_here:
             if not self._arrived(msg.read(ActionMessage), frame):
@@ -223,10 +223,8 @@ class SimRank:
         """An order arrives (the I/O thread): the invariants see it, its fault strikes.
         False: the process is gone."""
         aid, name = p.id, p.name
-        if aid in self.core.seen:  # the core drops it as a repeat
-            self.job.violation(f"rank {self.rank} dropped order {name} as a repeat of "
-                               f"action {aid}: an action id was reused")
-        self.job.order_seen(self, name, p.payload, aid)
+        # (the core would drop a repeat of an action id it saw)
+        self.job.order_seen(self, name, p.payload, aid, aid in self.core.seen)
         self._known[aid] = self.job.known_damaged(frame)
         fault = self.job.fault_at(self, name, -1)
         if fault is None:

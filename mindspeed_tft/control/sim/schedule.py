@@ -6,11 +6,12 @@ run still fails) holds, so a failure is reported with the shortest schedule that
 `to_text` / `from_text` give the schedule a one-line form for the replay command.
 
 Faults (`Fault.kind`): kill (SIGKILL of a worker), uce (an uncorrectable memory error on
-`target`: params, optimizer, grads or activation), comm (a communication error), hang (the
+`target`: param, optimizer, grad or activation: the names the plugin reports), comm (a communication error), hang (the
 training thread stops), raise (an unknown error), node (a whole node lost: its workers and
 its launcher), launcher (a node's launcher dies; its workers die with it), net (the rank's
 connection is cut and comes back). Each fires at a point (`Fault.point`): of a step (start,
-allreduce, update, end) at `Fault.step`, or of a recovery: when its rank receives an order
+allreduce, update: before the optimizer update, inside: half-way through it, end) at
+`Fault.step`, or of a recovery: when its rank receives an order
 (hold, stop, clean, repair, rollback, resume, dump, rename, scale_in, scale_out), of the
 `Fault.incident`-th incident (faults during recovery, several at once).
 """
@@ -23,8 +24,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
 KINDS = ("kill", "uce", "comm", "hang", "raise", "node", "launcher", "net")
-UCE_TARGETS = ("params", "optimizer", "grads", "activation")
-STEP_POINTS = ("start", "allreduce", "update", "end")
+UCE_TARGETS = ("param", "optimizer", "grad", "activation")
+STEP_POINTS = ("start", "allreduce", "update", "inside", "end")
 ORDER_POINTS = ("hold", "stop", "clean", "repair", "rollback", "resume", "dump", "rename",
                 "scale_in", "scale_out")
 #: how a launcher replaces a lost worker: restart, a warm spare (fast), late (after the
@@ -137,7 +138,67 @@ def generate(seed: int, world: int) -> Schedule:
     hi = rng.choice((0.002, 0.02, 0.3))
     # drawn last: the schedules of the seeds before backups were simulated stay the same
     layout = replace(layout, backup=layout.nodes >= 2 and rng.random() < 0.3)
-    return Schedule(seed, layout, faults, replacement, steps, (0.0005, hi))
+    schedule = Schedule(seed, layout, faults, replacement, steps, (0.0005, hi))
+    if layout.elastic and rng.random() < 0.5:
+        schedule = _scaling(rng, schedule)
+    if schedule.layout.replicas >= 3 and rng.random() < 0.3:
+        schedule = _two_holders(rng, schedule)
+    return schedule
+
+
+def holders(layout: Layout, rank: int) -> list[int]:
+    """The ranks holding the same optimizer shard as `rank` (itself included), in DP order."""
+    tp_i, dp_i, pp_i = rank % layout.tp, (rank // layout.tp) % layout.dp, rank // (
+        layout.tp * layout.dp)
+    chunk = layout.dp // layout.replicas
+    return [tp_i + layout.tp * (d + layout.dp * pp_i) for d in range(layout.dp)
+            if d % chunk == dp_i % chunk]
+
+
+def _two_holders(rng: random.Random, s: Schedule) -> Schedule:
+    """Two holders of one shard hit in one step (each to be repaired from a third copy)."""
+    first = rng.randrange(s.layout.world)
+    second = rng.choice([h for h in holders(s.layout, first) if h != first])
+    step, point = rng.randint(2, s.steps - 1), rng.choice(STEP_POINTS)
+    pair = tuple(Fault(kind, rank, point, step, 1, rng.choice(("param", "optimizer"))
+                       if kind == "uce" else "")
+                 for rank, kind in ((first, rng.choice(("uce", "kill"))),
+                                    (second, rng.choice(("uce", "kill")))))
+    return replace(s, faults=pair + s.faults[:1])
+
+
+def _scaling(rng: random.Random, s: Schedule) -> Schedule:
+    """An elastic job driven where real ones go: a rank lost without a replacement in time
+    (the job shrinks), maybe its late replacement (the job grows back: slower steps, so that
+    it comes while the job still trains), then faults during the shrink, the grow or their
+    dumps, or a later fault the shrunk job can only dump for."""
+    lay = s.layout
+    if rng.random() < 0.5:  # one rank a replica: the job can grow back without its peers
+        lay = replace(lay, dp=lay.world, tp=1, pp=1, micro_batches=lay.world * (lay.world - 1),
+                      replicas=rng.choice([n for n in (1, 2, lay.world) if lay.world % n == 0]))
+    victim = rng.randrange(lay.world)
+    node = victim // lay.ranks_per_node
+    policy = rng.choice(("late", "late", "never"))
+    replacement = tuple(policy if n == node else r for n, r in enumerate(s.replacement))
+    first = Fault("kill", victim, rng.choice(STEP_POINTS), rng.randint(2, 3))
+    extra = dict(s.extra)
+    if policy == "late":
+        extra["compute"] = 1.0
+    faults = [first]
+    for _ in range(rng.choice((1, 1, 2))):
+        target = rng.randrange(lay.world)
+        kind = rng.choice(("kill", "raise", "comm", "uce", "hang"))
+        if rng.random() < 0.5:  # during the shrink (incident 1) or the grow (incident 2)
+            point = rng.choice(("dump", "rename", "scale_in", "scale_out", "hold", "stop"))
+            incident = 2 if point == "scale_out" else rng.choice((1, 2))
+            faults.append(Fault(kind, target, point, first.step, incident,
+                                rng.choice(UCE_TARGETS) if kind == "uce" else ""))
+        else:  # in the shrunk (or grown) job
+            faults.append(Fault(kind, target, rng.choice(STEP_POINTS),
+                                rng.randint(first.step + 1, s.steps - 1), 1,
+                                rng.choice(UCE_TARGETS) if kind == "uce" else ""))
+    return replace(s, layout=replace(lay, worker_reboot=True), faults=tuple(faults),
+                   replacement=replacement, extra=extra)
 
 
 def shrink(schedule: Schedule, fails: Callable[[Schedule], bool],

@@ -18,7 +18,7 @@ in a simulated process, in the roles the plugin and `processor.handler` play in 
 
 What it truly holds (`held`: the step of a complete, undamaged state; None inside an
 update, after memory damage or before a restarted process got state) is what the invariants
-compare the controller's decisions with (`Cluster.violation`).
+compare the controller's decisions with (`invariants.Checker.state_used`).
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ from ..wire.results import (
     ScaleResult,
     StopResult,
 )
+from .invariants import Checker
 from .loop import Loop, Network
 from .schedule import Fault, Layout
 
@@ -89,16 +90,18 @@ class Cluster(Protocol):
     rng: random.Random
     config: ControlConfig
     layout: Layout
-    #: the steps training takes
+    #: the steps training takes, and the seconds of a step's compute
     steps: int
+    compute: float
+    checker: Checker
 
     def to_controller(self, proc: Any, frame: bytes) -> None: ...
     def arrive(self, proc: Any, step: int) -> None: ...
     def exited(self, proc: Any, code: int) -> None: ...
-    def order_seen(self, proc: Any, name: str, wire: Any, action_id: int) -> None: ...
+    def order_seen(self, proc: Any, name: str, wire: Any, action_id: int,
+                   repeat: bool = False) -> None: ...
     def completed_step(self, step: int) -> None: ...
     def fault_at(self, proc: Any, point: str, step: int) -> Fault | None: ...
-    def violation(self, what: str) -> None: ...
     def layout_of(self, rank: int, world: list[int], dp_size: int) -> dict[str, Any]: ...
     def shrunk(self, ranks: list[int]) -> tuple[list[int], int]: ...
     def checkpoint(self, lock_step: int) -> int: ...
@@ -106,6 +109,7 @@ class Cluster(Protocol):
     def known_damaged(self, frame: bytes) -> frozenset[int]: ...
     def finished(self, proc: Any) -> None: ...
     def published(self, incident: int, lock_step: int) -> None: ...
+    def dump_written(self, incident: int, rank: int, shards: list[int]) -> None: ...
     def resumed(self, proc: Any, step: int | None, false_alarm: bool) -> None: ...
 
 
@@ -115,6 +119,8 @@ class Raised(RuntimeError):
 
 #: seconds of a step's phases (virtual)
 COMPUTE, UPDATE = 0.12, 0.03
+#: at most this long after the all-reduce a rank reaches its hold point
+SKEW = 0.02
 
 
 class Trainer:
@@ -131,7 +137,8 @@ class Trainer:
         #: the step of the state it holds (None: none complete), and whether it is undamaged
         self.held: int | None = None if fresh else step
         self.intact = True
-        #: the training thread: compute, allreduce, held (at the hold point), update,
+        #: the training thread: compute, allreduce, reduced (past it, not yet at the hold
+        #: point), held (at the hold point), update,
         #: parked (in the fault handler), hung, idle (finished)
         self.thread = "parked" if fresh else "compute"
         self._held_at = 0
@@ -182,7 +189,8 @@ class Trainer:
         if self._fault(("start",), nxt):
             return
         self.thread = "compute"
-        self._later(COMPUTE * (0.8 + 0.4 * self.job.rng.random()), self._reduce, nxt)
+        compute = self.job.compute
+        self._later(compute * (0.8 + 0.4 * self.job.rng.random()), self._reduce, nxt)
 
     def _reduce(self, nxt: int) -> None:
         if self._fault(("allreduce",), nxt):
@@ -194,9 +202,12 @@ class Trainer:
         self.job.arrive(self.proc, nxt)
 
     def reduced(self, nxt: int) -> None:
-        """Every rank of the world reached the all-reduce of `nxt`."""
+        """Every rank of the world reached the all-reduce of `nxt`: each leaves it a little
+        apart from the others (a stop may find one still before its update, behind a rank
+        that finished it: it catches up)."""
         if self.thread == "allreduce":
-            self._hold_point(nxt)
+            self.thread = "reduced"
+            self._later(SKEW * self.job.rng.random(), self._hold_point, nxt)
 
     def _hold_point(self, nxt: int) -> None:
         verdict = verdict_of(self._core(HoldPoint(nxt)))
@@ -214,6 +225,8 @@ class Trainer:
         self._later(UPDATE, self._updated, nxt)
 
     def _updated(self, nxt: int) -> None:
+        if self._fault(("inside",), nxt):  # inside the update: its state is half-updated
+            return
         self._core(UpdateEnd(nxt))
         self.step = self.held = nxt
         self.job.completed_step(nxt)
@@ -278,7 +291,7 @@ class Trainer:
         fk, detail = {"uce": (FaultKind.UCE, {"target": fault.detail}),
                       "comm": (FaultKind.COMM, None),
                       "raise": (FaultKind.UNKNOWN, None)}[kind]
-        if kind == "uce" and fault.detail in ("params", "optimizer"):
+        if kind == "uce" and fault.detail in ("param", "optimizer"):
             self.intact = False
         self.error(fk, f"injected {kind}", detail, device)
         return True
@@ -312,13 +325,11 @@ class Trainer:
 
     # -- the recovery callbacks (`wire.callbacks.RecoveryCallbacks`) ----------------------
     def _check(self, what: str, source: int, held: int | None, intact: bool, step: int) -> None:
-        """State of `step` taken from `source`: a violation when it does not hold that step,
-        or holds it damaged or is gone and the controller knew; else damaged memory raises
-        (the device finds it) or the transfer from a dead process fails: the order fails."""
-        gone = held is None and not intact  # its process is dead: the transfer fails
-        if (held != step and not gone) or (not intact and source in self.known):
-            self.job.violation(f"rank {self.rank}: {what} rank {source} at step {step}, which "
-                               f"holds {held} ({'intact' if intact else 'damaged or gone'})")
+        """State of `step` taken from `source` (checked: `Checker.state_used`); damaged
+        memory raises (the device finds it), a transfer from a dead process fails: the order
+        fails."""
+        self.job.checker.state_used(self.rank, what, source, held, intact, step,
+                                    source in self.known)
         if not intact:
             raise Raised(f"rank {source}'s memory is damaged, or it is gone")
 
@@ -352,6 +363,7 @@ class Trainer:
     def dump(self, order: DumpOrder) -> DumpResult:
         if order.shards:
             self._check("dumped from", self.rank, self.held, self.intact, order.lock_step)
+            self.job.dump_written(order.incident, self.rank, [s.shard for s in order.shards])
         return DumpResult(tuple(f"/sim/shard_{s.shard}" for s in order.shards))
 
     def rename(self, order: RenameOrder) -> RenameResult:
