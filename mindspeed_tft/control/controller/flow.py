@@ -74,10 +74,18 @@ from ..wire.results import (
 from .dumping import Dumping
 from .elasticity import Elasticity
 from .phases import PhaseEnd, Stage, Turn, Why, done, failed, next_stage
-from .ranktable import CONNECTED, Health, RankInfo, RankTable
+from .ranktable import CONNECTED, Health, RankTable
 from .scaling import Scaling, fail_text
 from .states import State, StateMachine
-from .strategy import PROCESS_KINDS, REPAIR_STRATEGIES, PlanError, Strategy, StrategyPlanner
+from .strategy import (
+    PROCESS_KINDS,
+    REPAIR_STRATEGIES,
+    SPARED_TARGETS,
+    PlanError,
+    Strategy,
+    StrategyPlanner,
+    left_before,
+)
 
 if TYPE_CHECKING:  # the type only: its module reads the environment
     from ..wire.config import ControlConfig
@@ -115,6 +123,9 @@ class Incident:
     #: ranks whose launcher will not restart them (an exit code it does not restart, the
     #: job ending, its restart budget spent), and why
     unreplaceable: dict[int, str] = field(default_factory=dict)
+    #: returning ranks a grow sent away when a fault turned it into this incident: outside
+    #: the job (whatever their launcher does next)
+    sent_away: set[int] = field(default_factory=set)
     #: the time (events clock) of its first `fault_detected` (or `scale_out_started`) event,
     #: and the kind of that first fault (None: a scale-out)
     detected: float | None = None
@@ -231,12 +242,19 @@ class FlowHost(Protocol):
     def claim(self) -> str: ...
 
 
-def _left_before(inc: Incident, row: RankInfo) -> bool:
-    """True when `row`'s rank is outside the job since an earlier shrink (its process, back
-    or not, waits to grow the job: no part of this incident's repair). A rank that came
-    back during this incident, or that is one of its faults, is not."""
-    return (row.health is Health.LEFT and row.rank not in inc.faults
-            and row.rank not in inc.unreplaceable)
+def worse_detail(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
+    """Two reports of one rank: the detail that says more is damaged (a second UCE in
+    its grads does not make a first one in its params harmless; found by the simulator's
+    oracle: tft-sim --seed 5278 --world 8)."""
+    if old is None:
+        return new
+    return new if _target_harm(new.get("target")) >= _target_harm(old.get("target")) else old
+
+
+def _target_harm(target: Any) -> int:
+    """How much a UCE's target damaged: 0 spared (grads, activations), 1 optimizer state
+    only, 2 anything else (params, unknown)."""
+    return 0 if target in SPARED_TARGETS else 1 if target == "optimizer" else 2
 
 
 class IncidentFlow:
@@ -300,7 +318,7 @@ class IncidentFlow:
         beyond the kind)."""
         inc = self.incident
         if detail:
-            inc.details[rank] = detail
+            inc.details[rank] = worse_detail(inc.details.get(rank), detail)
         if kind is FaultKind.HANG and rank in inc.parked:
             log.info("rank %d: late hang report ignored (its training thread came back)", rank)
             return
@@ -535,7 +553,8 @@ class IncidentFlow:
                 return Turn(PhaseEnd.DUMP, Why(
                     "scale_out", f"scale-out to DP {self.scaling.growing[1]}: the lock step is "
                     "saved first and reloaded in the larger world", tuple(self.scaling.joining)))
-            self.scaling.send_joining_away("a fault arrived while the job was about to grow")
+            self.incident.sent_away.update(
+                self.scaling.send_joining_away("a fault arrived while the job was about to grow"))
         return self._decide()
 
     def _decide(self) -> Turn:
@@ -623,7 +642,7 @@ class IncidentFlow:
         host.sm.to(State.REPAIR, f"{inc.strategy} from {inc.source}")
         missing = [r for r in range(host.table.world_size)
                    if (row := host.table.get(r)) is None
-                   or row.health not in (*CONNECTED, Health.DONE) and not _left_before(inc, row)]
+                   or row.health not in (*CONNECTED, Health.DONE) and not left_before(inc, row)]
         if missing:
             return failed("ranks_gone", f"ranks {missing} are gone: nothing to repair them "
                           "into", missing)

@@ -183,6 +183,9 @@ class Incidents:
             row = self.table.get(rank)
             if row is None or row.health is not Health.LEFT or now - row.last_seen > lost:
                 self.returning.discard(rank)
+        if any(row.health is Health.DONE for row in self.table.all()):
+            return  # a member finished training: the job ends, it does not grow (found by
+            # the simulator's oracle: tft-sim --seed 18252 --world 8)
         members = [r for r in self.table.members() if r not in self.returning]
         grown = self.elasticity.grown_world(members, self.returning)
         if grown is None:

@@ -175,10 +175,10 @@ class Scaling:
                     len(staying), dp_size, inc.lock_step, left)
         return done(at=at)
 
-    def send_joining_away(self, why: str) -> None:
+    def send_joining_away(self, why: str) -> list[int]:
         """The job does not grow: the returning ranks exit (their launcher may bring them
-        back later) and stay out of the job."""
-        host = self.ctx
+        back later) and stay out of the job. Returns them."""
+        host, away = self.ctx, list(self.joining)
         for rank in self.joining:
             self.flow.send_order(rank, ExitOrder(host.config.failure_exit_code,
                                                     f"the job did not grow by this rank: {why}"))
@@ -186,6 +186,7 @@ class Scaling:
             if row is not None:
                 row.health = Health.LEFT
         self.growing, self.joining = None, []
+        return away
 
     def start_scale_out(self, path: str) -> Turn | None:
         """The dump is saved: members and returning ranks reload it in the larger world."""

@@ -110,6 +110,18 @@ class IncidentFacts(Protocol):
     new_ranks: set[int]
     rollback_step: int | None
     unreplaceable: dict[int, str]
+    sent_away: set[int]
+
+
+def left_before(incident: IncidentFacts, row: RankInfo) -> bool:
+    """True when `row`'s rank is outside the job: it left in an earlier shrink (its process,
+    back or not, waits to grow the job), or a grow this incident turned into sent it away;
+    no part of this incident's repair or dump. A rank that came back during this incident,
+    or that is one of its faults, is not."""
+    if row.health is not Health.LEFT:
+        return False
+    return row.rank in incident.sent_away or (row.rank not in incident.faults
+                                              and row.rank not in incident.unreplaceable)
 
 
 @dataclass(frozen=True)
@@ -302,7 +314,9 @@ class StrategyPlanner:
         faulty = self.faulty(incident)
         chosen: dict[tuple[str, int, tuple[int, ...]], int] = {}
         for row in table.all():
-            if row.health is Health.LEFT:  # elastic training shrank the job without it
+            # outside the job: no part of the dump (a member lost now whose restarted process
+            # waits outside the shrunk job is: its shard must be in the dump)
+            if left_before(incident, row):
                 continue
             for key in _shards(row):
                 if key in chosen:

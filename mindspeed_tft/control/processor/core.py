@@ -407,8 +407,10 @@ class ProcessorCore:
     def reported_kind(self, kind: FaultKind) -> FaultKind:
         """What a failure of the training thread (classified `kind`) is reported as: once
         the controller stopped the rank, an error (an aborted communicator, a ForceStop) is
-        a consequence of the stop, reported as normal."""
-        return FaultKind.NORMAL if self.stopped else kind
+        a consequence of the stop, reported as normal; a UCE never is (the stop damages no
+        memory: the repair must know which, found by the simulator's oracle:
+        tft-sim --seed 1983 --world 8)."""
+        return FaultKind.NORMAL if self.stopped and kind is not FaultKind.UCE else kind
 
     # -- orders from the controller ---------------------------------------------------------
     def _receive(self, aid: int, name: str, wire: Any, deadline: float) -> Send | Run:
