@@ -8,7 +8,7 @@ worse than the oracle says its schedule owes. The set reaches each state of `MUS
 
 Mutation checks (one-line changes kept as patches out of the repository, under
 /work/mutations/ when they were made; each applied alone, the set fails with this many
-seeds beyond `KNOWN`, the first one named):
+seeds, the first one named):
 
 - processor-core-update-start-status (`ProcessorCore.update_start` records "updated"):
   18 seeds, W=8 seed 28;
@@ -43,12 +43,6 @@ from mindspeed_tft.control.sim.schedule import Fault, Layout, Schedule, generate
 
 #: (world size, seeds): the CI seed set
 SEED_SET = [(8, range(0, 1500)), (4, range(0, 400)), (16, range(0, 200))]
-#: seeds of the set that fail for a bug of the controller found by the simulator and not yet
-#: fixed (the test fails when one of them passes: take it out then): (world, seed) -> the
-#: failure's text. 1367: a dump after a second shrink leaves out the shard whose only holder
-#: was lost (its restarted process registered outside the job, and `dump_holders` skips
-#: such rows), and is published as complete with exit 75
-KNOWN = {(8, 1367): "published without (group, shard)"}
 #: the states real jobs reach that the set must reach (`reached`), per world size
 MUST_REACH = {8: {"inside", "shrink", "grow", "dump", "dump_after_shrink"},
               4: {"inside", "dump", "shrink", "dump_after_shrink"},
@@ -101,9 +95,7 @@ def test_the_seed_set_holds_every_invariant(world: int, seeds: range) -> None:
                     if e["event"] in ("repaired", "scale_in", "repair_failed"))
         ends[f"exit {outcome.exit_code}"] += 1
         ends.update(reached(job))
-    known = {seed: text for (w, seed), text in KNOWN.items() if w == world}
-    assert sorted(failures) == sorted(known), failures
-    assert all(known[seed] in failures[seed] for seed in known), failures
+    assert failures == {}
     # the set reaches every ending: repairs, shrinks, dumps, failed repairs, clean ends
     assert ends["repaired"] and ends["exit 0"] and ends["exit 75"] and ends["repair_failed"]
     assert ends["scale_in"]

@@ -244,7 +244,10 @@ class ControllerCore:
             if state is State.INIT and (late := self.registration.overdue(now, self.started)):
                 self.fail_init(late)
             if self.incidents.grow_check and self.flow is None and state is State.NORMAL:
-                self.incidents.maybe_grow(now)
+                if self.table.all_done():  # every member finished during the incident
+                    self.training_finished()
+                else:
+                    self.incidents.maybe_grow(now)
             self.backups.tick_active(now)
         else:
             self.backups.standby_tick(now)

@@ -546,16 +546,12 @@ class IncidentFlow:
 
     def _end_stop(self, phase: Phase) -> Turn:
         self._mark_hung(phase, "could not be stopped")
-        if self.scaling.growing is not None:
-            if not self.incident.faults:
-                self.incident.lock_step = self.host.planner.lock_step(self.incident,
-                                                                      self.host.table)
-                return Turn(PhaseEnd.DUMP, Why(
-                    "scale_out", f"scale-out to DP {self.scaling.growing[1]}: the lock step is "
-                    "saved first and reloaded in the larger world", tuple(self.scaling.joining)))
-            self.incident.sent_away.update(
-                self.scaling.send_joining_away("a fault arrived while the job was about to grow"))
-        return self._decide()
+        turn, away = self.scaling.after_stop(bool(self.incident.faults), self.host.table)
+        self.incident.sent_away.update(away)
+        if turn is None:
+            return self._decide()
+        self.incident.lock_step = self.host.planner.lock_step(self.incident, self.host.table)
+        return turn
 
     def _decide(self) -> Turn:
         """The planner's decision (`StrategyPlanner.decide`), and the `strategy` event."""

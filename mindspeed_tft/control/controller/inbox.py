@@ -253,7 +253,5 @@ class Inbox:
         flow = self.host.flow
         if flow is not None:
             flow.on_gone(row.rank, "finished")
-        if self.sm.state is State.NORMAL and all(
-                (r := self.table.get(i)) is not None and r.health is Health.DONE
-                for i in self.table.members()):
+        if self.sm.state is State.NORMAL and self.table.all_done():
             self.host.training_finished()

@@ -152,7 +152,9 @@ class Incidents:
             self.exit_code = flow.exit_code
             self.dismiss_returning(f"the job ended (exit code {flow.exit_code}) before it "
                                    "could grow by this rank")
-        self.grow_check = bool(self.returning)
+        # after it: may the job grow, or did every member finish training meanwhile?
+        self.grow_check = bool(self.returning) or any(
+            row.health is Health.DONE for row in self.table.all())
         self.ctx.mark_dirty()
 
     # -- elastic training: growing back ------------------------------------------------------
@@ -184,8 +186,7 @@ class Incidents:
             if row is None or row.health is not Health.LEFT or now - row.last_seen > lost:
                 self.returning.discard(rank)
         if any(row.health is Health.DONE for row in self.table.all()):
-            return  # a member finished training: the job ends, it does not grow (found by
-            # the simulator's oracle: tft-sim --seed 18252 --world 8)
+            return  # a member finished training: the job ends, it does not grow
         members = [r for r in self.table.members() if r not in self.returning]
         grown = self.elasticity.grown_world(members, self.returning)
         if grown is None:

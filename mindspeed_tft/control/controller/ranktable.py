@@ -108,6 +108,11 @@ class RankTable:
         return [r for r in range(self.world_size)
                 if (row := self.rows[r]) is None or row.health is not Health.LEFT]
 
+    def all_done(self) -> bool:
+        """Every member finished training (said bye)."""
+        return all((row := self.rows[r]) is not None and row.health is Health.DONE
+                   for r in self.members())
+
     def registered(self) -> int:
         return sum(1 for r in self.rows if r is not None)
 

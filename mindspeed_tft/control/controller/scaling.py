@@ -21,7 +21,7 @@ from ...records import CONTROLLER_RANK
 from ..wire.order_types import ExitOrder, Payload, ScaleInOrder, ScaleOutOrder
 from ..wire.results import ActionResult, ScaleResult
 from .elasticity import Elasticity
-from .phases import Stage, Turn, done, failed
+from .phases import PhaseEnd, Stage, Turn, Why, done, failed
 from .ranktable import Health, RankTable
 from .states import State, StateMachine
 
@@ -174,6 +174,25 @@ class Scaling:
         log.warning("incident %d: job shrunk to %d ranks (DP %s) at step %d; left: %s", inc.id,
                     len(staying), dp_size, inc.lock_step, left)
         return done(at=at)
+
+    def after_stop(self, faults: bool, table: RankTable) -> tuple[Turn | None, list[int]]:
+        """A grow's members are stopped: how its stop ended (None: decide as for a fault,
+        or no grow), and the returning ranks sent away. It goes on to the dump of the lock
+        step; a fault turns it into an ordinary incident; a member that finished training
+        meanwhile ends it (the job ends, it does not grow; found by the simulator's oracle:
+        tft-sim --seed 18252 --world 8)."""
+        if self.growing is None:
+            return None, []
+        if any(row.health is Health.DONE for row in table.all()):
+            away = self.send_joining_away("the job finished training before it could grow")
+            return (None if faults else Turn(PhaseEnd.FALSE_ALARM, Why(
+                "finished", "a member finished training: the job does not grow"))), away
+        if faults:
+            return None, self.send_joining_away("a fault arrived while the job was about to "
+                                                "grow")
+        return Turn(PhaseEnd.DUMP, Why(
+            "scale_out", f"scale-out to DP {self.growing[1]}: the lock step is saved first "
+            "and reloaded in the larger world", tuple(self.joining))), []
 
     def send_joining_away(self, why: str) -> list[int]:
         """The job does not grow: the returning ranks exit (their launcher may bring them
