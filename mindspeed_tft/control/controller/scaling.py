@@ -178,15 +178,15 @@ class Scaling:
     def after_stop(self, faults: bool, table: RankTable) -> tuple[Turn | None, list[int]]:
         """A grow's members are stopped: how its stop ended (None: decide as for a fault,
         or no grow), and the returning ranks sent away. It goes on to the dump of the lock
-        step; a fault turns it into an ordinary incident; a member that finished training
-        meanwhile ends it (the job ends, it does not grow; found by the simulator's oracle:
+        step; a fault turns it into an ordinary incident; members that all finished training
+        meanwhile end it (the job ends, it does not grow; found by the simulator's oracle:
         tft-sim --seed 18252 --world 8)."""
         if self.growing is None:
             return None, []
-        if any(row.health is Health.DONE for row in table.all()):
+        if not faults and table.all_done():
             away = self.send_joining_away("the job finished training before it could grow")
-            return (None if faults else Turn(PhaseEnd.FALSE_ALARM, Why(
-                "finished", "a member finished training: the job does not grow"))), away
+            return Turn(PhaseEnd.FALSE_ALARM, Why(
+                "finished", "every member finished training: the job does not grow")), away
         if faults:
             return None, self.send_joining_away("a fault arrived while the job was about to "
                                                 "grow")
