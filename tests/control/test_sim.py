@@ -6,9 +6,8 @@ update) and of a recovery (during shrinks, grows and dumps), in DP, TP and PP la
 without elastic training; every invariant holds after every event and every run ends no
 worse than the oracle says its schedule owes. The set reaches each state of `MUST_REACH`.
 
-Mutation checks (one-line changes kept as patches out of the repository, under
-/work/mutations/ when they were made; each applied alone, the set fails with this many
-seeds, the first one named):
+Mutation checks (one-line changes kept out of the repository; each applied alone to the
+code as of issue 60's last commit, the set fails with this many seeds, the first named):
 
 - processor-core-update-start-status (`ProcessorCore.update_start` records "updated"):
   18 seeds, W=8 seed 28;
@@ -16,7 +15,7 @@ seeds, the first one named):
 - processor-core-stop-catch-up (a stop lets no rank behind its lock step catch up):
   15 seeds, W=8 seed 85;
 - strategy-dump-holder (`dump_holders` takes the first registered holder, healthy or not):
-  570 seeds, W=8 seed 0;
+  571 seeds, W=8 seed 0;
 - strategy-repair-holder (`repair_payloads` sends from the first other holder, healthy or
   not): 10 seeds, W=8 seed 139;
 - undo-51229db-unreplaceable-awaited (the undone fix of 51229db): 1 seed, W=8 seed 221;
