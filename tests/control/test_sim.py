@@ -9,7 +9,7 @@ worse than the oracle says its schedule owes. The set reaches each state of `MUS
 Mutation checks (one-line changes kept out of the repository; each applied alone to the
 code as of issue 60's last commit, the set fails with this many seeds, the first named):
 
-- processor-core-update-start-status (`ProcessorCore.update_start` records "updated"):
+- processor-core-update-start-status (the core records "updated" at `UpdateStart`):
   18 seeds, W=8 seed 28;
 - processor-core-hold-status (a hold answers "updated" while updating): 14 seeds, W=8 seed 85;
 - processor-core-stop-catch-up (a stop lets no rank behind its lock step catch up):
