@@ -191,12 +191,14 @@ def _settle(state: Any, root: str, iteration: int, failure: CheckpointWriteError
     if rank == 0:
         discard_unpublished(root, iteration)
     dist.barrier()  # the partial files are gone
+    if rank == failed:
+        # its line first: the others raise as soon as they have the reason, and the
+        # controller's stop may abort this rank's collectives before it could say it
+        failure.report(rank)
     reason = [failure.reason if failure is not None else None]
     dist.broadcast_object_list(reason, src=failed)
     if failure is None:
         raise CheckpointWriteError("checkpoint", iteration, root, str(reason[0]))
-    if rank == failed:
-        failure.report(rank)
     raise failure
 
 
