@@ -191,7 +191,7 @@ def _settle(state: Any, root: str, iteration: int, failure: CheckpointWriteError
     if rank == 0:
         discard_unpublished(root, iteration)
     dist.barrier()  # the partial files are gone
-    if rank == failed:
+    if rank == failed and failure is not None:
         # its line first: the others raise as soon as they have the reason, and the
         # controller's stop may abort this rank's collectives before it could say it
         failure.report(rank)
