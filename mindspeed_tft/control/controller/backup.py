@@ -139,7 +139,7 @@ class BackupSync:
         hello = msg.read(BackupMessage)
         ep = hello.endpoint
         if (self.server_key is not None and peer_key != self.server_key) or not token_ok(
-                self.config, hello.token):
+                self.config.job_token, hello.token):
             self.drops.drop("backup_refused", f"{ep[:80]} without the backup key or token")
             self.ctx.mark_dirty()
             return

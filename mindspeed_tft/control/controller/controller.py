@@ -73,7 +73,7 @@ from .inputs import (
     Upstream,
 )
 from .liveness import LOST_DRAIN
-from .outbox import Outputs
+from .outbox import Admit, Outputs
 from .procwatch import LocalProcesses
 from .ranktable import Health, RankTable
 from .sockets import DRAIN_BATCH, DRAIN_SLICE, ControllerSockets
@@ -511,10 +511,10 @@ class Controller:
             self.sockets.drain(self.sockets.monitor, self._on_monitor)  # counts, closes none
         return admission.has_room(fd)
 
-    def _admit(self, fd: int, how: str) -> None:
+    def _admit(self, fd: int, how: Admit) -> None:
         """The core admitted the connection `fd` (`Outputs.admit`)."""
         admission = self.admission
-        if how == "known":  # a registered rank's frame: admitted if still pending
+        if how is Admit.KNOWN:  # a registered rank's frame: admitted if still pending
             if admission.pending and admission.is_pending(fd):
                 admission.admit(fd)
                 # thousands of ranks cost hundreds of wake-ups a second, not thousands

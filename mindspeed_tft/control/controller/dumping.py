@@ -14,26 +14,22 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from ..wire.order_types import Payload
 from ..wire.results import RenameResult
 from .phases import PhaseEnd, Stage, Turn, Why, done, failed
 from .ranktable import RankTable
-from .scaling import PhaseResults, fail_text
+from .scaling import PhaseResults, Scaling, fail_text
 from .states import State, StateMachine
-from .strategy import PlanError, StrategyPlanner
-
-if TYPE_CHECKING:  # types only
-    from .flow import Incident
-    from .scaling import Scaling
+from .strategy import IncidentFacts, PlanError, StrategyPlanner
 
 
 class DumpFlow(Protocol):
     """What `Dumping` reads of its incident flow, and how it starts a phase."""
 
     @property
-    def incident(self) -> Incident: ...
+    def incident(self) -> IncidentFacts: ...
     @property
     def reloaded(self) -> bool: ...
     @property

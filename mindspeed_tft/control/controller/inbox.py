@@ -36,6 +36,7 @@ from .backup import BackupSync
 from .context import Context
 from .flow import IncidentFlow
 from .inputs import Frame
+from .outbox import Admit
 from .ranktable import CONNECTED, Health, RankInfo
 from .registration import Registration
 from .states import State
@@ -98,7 +99,7 @@ class Inbox:
         if bound is not None:
             # a registered rank's process, maybe on a new connection (a reconnect keeps its
             # routing id): that connection is admitted
-            self.ctx.out.admit("known")
+            self.ctx.out.admit(Admit.KNOWN)
         self._dispatch(t, identity, msg, frame)
 
     def _dispatch(self, t: str, identity: bytes, msg: Message, frame: Frame) -> None:
@@ -116,9 +117,9 @@ class Inbox:
         elif t == MsgType.BACKUP and self.ctx.role == "active":
             key = frame.key
             server_key = self.backups.server_key
-            if token_ok(self.config, msg.read(BackupMessage).token) and (
+            if token_ok(self.config.job_token, msg.read(BackupMessage).token) and (
                     server_key is None or key == server_key):
-                self.ctx.out.admit("token")  # a backup controller: it holds the job's token
+                self.ctx.out.admit(Admit.TOKEN)  # a backup controller: it holds the job's token
             self.backups.on_backup(identity, msg, now, key)
         elif t == MsgType.EXITED:
             self._on_exited(msg, frame.key)
@@ -225,7 +226,7 @@ class Inbox:
         if self.ctx.role != "active":
             return
         p, rank = msg.read(ExitedMessage), msg.sender
-        if not token_ok(self.config, p.token) or (
+        if not token_ok(self.config.job_token, p.token) or (
                 self.config.job_token is None and key is None):
             self.drops.drop("bad_token", f"exited claiming rank {rank}")
             self.ctx.mark_dirty()

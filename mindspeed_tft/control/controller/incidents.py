@@ -153,8 +153,7 @@ class Incidents:
             self.dismiss_returning(f"the job ended (exit code {flow.exit_code}) before it "
                                    "could grow by this rank")
         # after it: may the job grow, or did every member finish training meanwhile?
-        self.grow_check = bool(self.returning) or any(
-            row.health is Health.DONE for row in self.table.all())
+        self.grow_check = bool(self.returning) or self.table.any_done()
         self.ctx.mark_dirty()
 
     # -- elastic training: growing back ------------------------------------------------------
@@ -185,7 +184,7 @@ class Incidents:
             row = self.table.get(rank)
             if row is None or row.health is not Health.LEFT or now - row.last_seen > lost:
                 self.returning.discard(rank)
-        if any(row.health is Health.DONE for row in self.table.all()):
+        if self.table.any_done():
             return  # a member finished training: the job ends, it does not grow
         members = [r for r in self.table.members() if r not in self.returning]
         grown = self.elasticity.grown_world(members, self.returning)

@@ -14,7 +14,17 @@ to the events clock by the offset the last `Start` or `Tick` input gave (`wall_o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
+
+
+class Admit(str, Enum):
+    """Why the connection an input's frame came by is admitted."""
+
+    #: it showed the job's token (a registration, a backup's hello)
+    TOKEN = "token"
+    #: a registered rank's frame over a connection still pending (a reconnect)
+    KNOWN = "known"
 
 
 @dataclass
@@ -29,9 +39,8 @@ class Outputs:
     upstream: list[bytes] = field(default_factory=list)
     #: a backup took charge: its link to the active controller closes
     close_upstream: bool = False
-    #: the connection the input's frame came by is admitted: "token" (it showed the job's
-    #: token), "known" (a registered rank's frame over a connection still pending)
-    admit: str | None = None
+    #: the connection the input's frame came by is admitted, and why (None: it is not)
+    admit: Admit | None = None
     #: registered ranks whose processes the shell may watch: (rank, pid, where it runs as
     #: the registration said: `procfs.identity()`, or None)
     watch: list[tuple[int, int, str | None]] = field(default_factory=list)
@@ -67,8 +76,8 @@ class Outbox:
     def close_upstream(self) -> None:
         self._out.close_upstream = True
 
-    def admit(self, how: str) -> None:
-        """Admit the connection the input's frame came by ("token" or "known")."""
+    def admit(self, how: Admit) -> None:
+        """Admit the connection the input's frame came by."""
         if self._out.admit is None:
             self._out.admit = how
 

@@ -108,6 +108,10 @@ class RankTable:
         return [r for r in range(self.world_size)
                 if (row := self.rows[r]) is None or row.health is not Health.LEFT]
 
+    def any_done(self) -> bool:
+        """A rank finished training (said bye)."""
+        return any(row is not None and row.health is Health.DONE for row in self.rows)
+
     def all_done(self) -> bool:
         """Every member finished training (said bye)."""
         return all((row := self.rows[r]) is not None and row.health is Health.DONE

@@ -19,6 +19,7 @@ from ..wire.messages import RegisterMessage
 from ..wire.peers import REFUSED, REFUSED_FOR_NOW, token_ok
 from ..wire.protocol import Message, MsgType, seq_in_window
 from .context import Context
+from .outbox import Admit
 from .ranktable import CONNECTED, Health, RankInfo
 from .states import State
 
@@ -85,7 +86,7 @@ class Registration:
         A refusal says nothing about the job (no world size, no rank state): the details
         go to this controller's log only."""
         p, rank = msg.read(RegisterMessage), msg.sender
-        if not token_ok(self.config, p.token):
+        if not token_ok(self.config.job_token, p.token):
             self.drops.drop("bad_token", f"register claiming rank {rank}")
             self.ctx.send(identity, MsgType.REJECT, REFUSED)
             return True
@@ -98,7 +99,7 @@ class Registration:
             self.drops.drop("over_cap", f"register claiming rank {rank}")
             self.ctx.send(identity, MsgType.REJECT, REFUSED_FOR_NOW)
             return True
-        self.ctx.out.admit("token")
+        self.ctx.out.admit(Admit.TOKEN)
         return False
 
     def on_register(self, identity: bytes, msg: Message, now: float, key: str | None = None,

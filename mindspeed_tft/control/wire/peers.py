@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:  # the type only: config reads the environment
-    from .config import ControlConfig
+from typing import Any
 
 
 class ControlConfigError(ValueError):
@@ -99,8 +96,8 @@ REFUSED_FOR_NOW: dict[str, Any] = {
               "live connection); retrying", "retry": True}
 
 
-def token_ok(config: ControlConfig, given: Any) -> bool:
+def token_ok(job_token: str | None, given: Any) -> bool:
     """Does a peer's token match the job's `TTP_JOB_TOKEN` (always, when none is set)?"""
-    if config.job_token is None:
+    if job_token is None:
         return True
-    return type(given) is str and hmac.compare_digest(given.encode(), config.job_token.encode())
+    return type(given) is str and hmac.compare_digest(given.encode(), job_token.encode())
