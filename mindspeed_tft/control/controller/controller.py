@@ -504,12 +504,16 @@ class Controller:
     def _room(self, fd: int) -> bool:
         """Is the connection `fd` admitted, or may it be (the cap not reached)? What a frame's
         input says of its connection (`inputs.Frame.room`)."""
-        admission = self.admission
-        if fd in admission.admitted or not admission.pending:
+        if fd in self.admission.admitted:
             return True
-        if self.sockets.monitor is not None:  # its accept was announced before the frame came
+        self._read_accepts()
+        return self.admission.has_room(fd)
+
+    def _read_accepts(self) -> None:
+        """Read the monitor's connection events: a frame's connection was announced before
+        the frame came, so it is pending (or admitted) once they are read."""
+        if self.sockets.monitor is not None:
             self.sockets.drain(self.sockets.monitor, self._on_monitor)  # counts, closes none
-        return admission.has_room(fd)
 
     def _admit(self, fd: int, how: Admit) -> None:
         """The core admitted the connection `fd` (`Outputs.admit`)."""
@@ -520,6 +524,7 @@ class Controller:
                 # thousands of ranks cost hundreds of wake-ups a second, not thousands
                 time.sleep(_BATCH_WAIT)
         else:
+            self._read_accepts()  # unannounced, it would stay pending and be closed
             admission.admit(fd)
 
     def _on_monitor(self, frames: list[bytes]) -> None:
